@@ -1,0 +1,3 @@
+from .manager import CheckpointManager, verify
+
+__all__ = ["CheckpointManager", "verify"]

@@ -1,0 +1,107 @@
+"""Command line: `bigclip [train] FLAGS`, `python -m bigclip`, `python launch/train.py`.
+
+The training parser is generated from TrainConfig, so a flag exists exactly when a config field does and
+its help, group and default cannot drift apart. Flags default to "not given" (argparse.SUPPRESS): the
+config layer needs to know what the user typed to apply the defaults < demo < YAML < flags precedence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable
+
+from . import config as config_mod
+from .errors import UserError
+
+SUBCOMMANDS_HELP = """subcommands:
+  bigclip [train] FLAGS     train (the default; `python launch/train.py FLAGS` is the same)
+  bigclip models            list the architectures"""
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints usage and exits; bigclip wants one line naming the flag, then exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(message)
+
+
+def _argparse_kwargs(f) -> dict[str, Any]:
+    kwargs = dict(f.metadata["argparse"])
+    kwargs["help"] = f.metadata["help"]
+    annotation = str(f.type)
+    if annotation == "bool":
+        kwargs["action"] = "store_true"
+    elif "type" not in kwargs:
+        if annotation.startswith("int"):
+            kwargs["type"] = int
+        elif annotation.startswith("float"):
+            kwargs["type"] = float
+        else:
+            kwargs["type"] = str
+    if f.default not in (None, False, [], "") and "action" not in kwargs:
+        kwargs["help"] += f" (default: {f.default!r})"
+    kwargs["default"] = argparse.SUPPRESS
+    return kwargs
+
+
+def build_train_parser(prog: str = "bigclip") -> argparse.ArgumentParser:
+    parser = _OneLineErrorParser(
+        prog=prog,
+        description="Train CLIP-style image-text models. Flags keep OpenCLIP's names and defaults; with no "
+                    "data flags the embedded digits demo runs.",
+        epilog=SUBCOMMANDS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in config_mod.config_fields():
+        group_name = f.metadata["group"]
+        if group_name not in groups:
+            groups[group_name] = parser.add_argument_group(group_name)
+        groups[group_name].add_argument(config_mod.flag_name(f.name), dest=f.name, **_argparse_kwargs(f))
+    # Launchers add these: the DeepSpeed launcher passes --local_rank; torchrun may pass --local-rank.
+    launcher = parser.add_argument_group("launcher (set by torchrun / deepspeed; not needed by hand)")
+    launcher.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
+                          default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_train_args(argv: list[str]) -> tuple[config_mod.TrainConfig, dict[str, Any]]:
+    """Return the resolved config and the launcher-only values (e.g. local_rank)."""
+    values = vars(build_train_parser().parse_args(argv))
+    launcher = {k: values.pop(k) for k in ("local_rank",) if k in values}
+    return config_mod.resolve(values), launcher
+
+
+def _cmd_models(argv: list[str]) -> int:
+    from .model import get_model_config, list_models
+
+    for name in list_models():
+        cfg = get_model_config(name)
+        print(f"{name:16s} embed_dim={cfg.get('embed_dim')}")
+    return 0
+
+
+def _cmd_train(argv: list[str]) -> int:
+    from .train import run
+
+    cfg, launcher = parse_train_args(argv)
+    return run(cfg, local_rank=launcher.get("local_rank"))
+
+
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _cmd_train, "models": _cmd_models}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = _cmd_train
+    if argv and argv[0] in SUBCOMMANDS:
+        command = SUBCOMMANDS[argv.pop(0)]
+    try:
+        return command(argv)
+    except UserError as e:
+        print(f"bigclip: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bigclip: interrupted", file=sys.stderr)
+        return 130

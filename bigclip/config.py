@@ -1,0 +1,376 @@
+"""TrainConfig: every training option in one dataclass.
+
+Precedence: defaults < the embedded demo's preset (only when no data is given) < ``--config file.yaml``
+< command-line flags. Field names are OpenCLIP's argument names (``--batch-size`` -> ``batch_size``) and
+keep OpenCLIP's defaults, so a user's launch line carries over unchanged.
+
+Each field's metadata holds its help text and argparse group; ``cli.py`` builds the parser from it.
+``validate()`` is the single place a value is checked, for YAML and flags alike, and it fails with one
+line that names the flag, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import UserError
+
+PRECISIONS = ("amp", "amp_bf16", "amp_bfloat16", "bf16", "fp16", "pure_bf16", "pure_fp16", "fp32")
+LR_SCHEDULERS = ("cosine", "const", "const-cooldown")
+DATASET_TYPES = ("webdataset", "csv", "synthetic", "auto")
+ENGINES = ("ddp", "fsdp", "deepspeed")
+REPORT_TARGETS = ("tensorboard", "wandb")
+
+
+def _flag(default: Any, help: str, group: str, **argparse_kwargs: Any) -> Any:
+    """A config field with its help text, its argparse group and any extra argparse settings."""
+    meta = {"help": help, "group": group, "argparse": argparse_kwargs}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _unsupported(default: Any, help: str, group: str, why: str, **argparse_kwargs: Any) -> Any:
+    """An OpenCLIP flag bigclip does not implement yet: setting it stops the run, never a silent no-op."""
+    f = _flag(default, f"{help} [not supported yet: {why}]", group, **argparse_kwargs)
+    f.metadata = {**f.metadata, "unsupported": why}
+    return f
+
+
+DATA, MODEL, TRAIN, PREC, CKPT, LOG, EVAL, DIST, LOSS, MISC = (
+    "data", "model", "training", "precision and memory", "checkpoints", "logging",
+    "evaluation", "distributed", "loss", "other",
+)
+
+
+@dataclass
+class TrainConfig:
+    # ---- data
+    train_data: str | None = _flag(None, "Training data: a CSV file, WebDataset shards with brace expansion "
+                                         "(a::b for several sources), or nothing for the embedded demo.", DATA)
+    val_data: str | None = _flag(None, "Validation data, same formats as --train-data.", DATA)
+    train_num_samples: int | None = _flag(None, "Samples per epoch; required for WebDataset.", DATA)
+    val_num_samples: int | None = _flag(None, "Samples in the validation set (WebDataset).", DATA)
+    dataset_type: str = _flag("auto", f"One of {', '.join(DATASET_TYPES)}.", DATA)
+    dataset_resampled: bool = _unsupported(False, "Sample shards with replacement.", DATA,
+                                           "the data-at-scale work adds it")
+    csv_separator: str = _flag("\t", "Column separator of CSV data.", DATA)
+    csv_img_key: str = _flag("filepath", "CSV column holding image paths.", DATA)
+    csv_caption_key: str = _flag("title", "CSV column holding captions.", DATA)
+    train_data_upsampling_factors: str | None = _unsupported(
+        None, "Per-source sampling weights, a::b.", DATA, "the data-at-scale work adds it")
+    workers: int = _flag(4, "Data loader workers per process.", DATA)
+    image_mean: list[float] | None = _flag(None, "Override the image normalisation mean.", DATA,
+                                           nargs="+", type=float)
+    image_std: list[float] | None = _flag(None, "Override the image normalisation std.", DATA,
+                                          nargs="+", type=float)
+    image_interpolation: str | None = _flag(None, "bicubic, bilinear or random.", DATA)
+    image_resize_mode: str | None = _flag(None, "shortest, longest or squash.", DATA)
+    aug_cfg: list[str] = _flag([], "Augmentation key=value pairs, e.g. scale=0.9::1.0.", DATA, nargs="*")
+
+    # ---- model
+    model: str = _flag("RN50", "Architecture name (see `bigclip models`); the demo uses test-tiny.", MODEL)
+    pretrained: str | None = _flag(None, "Local path of a bigclip or OpenCLIP state dict (.pt/.safetensors).",
+                                   MODEL)
+    pretrained_image: bool = _unsupported(False, "ImageNet weights for the image tower.", MODEL,
+                                          "no weights are downloaded; pass --pretrained PATH")
+    force_image_size: list[int] | None = _flag(None, "Override the image size (one or two ints).", MODEL,
+                                               nargs="+", type=int)
+    force_context_length: int | None = _flag(None, "Override the text context length.", MODEL)
+    force_patch_dropout: float | None = _flag(None, "Override patch dropout (0 disables it).", MODEL)
+    force_quick_gelu: bool = _flag(False, "Use QuickGELU (for weights trained with it).", MODEL)
+    force_custom_text: bool = _flag(False, "Separate text tower; bigclip's text tower is always separate, "
+                                           "so this changes nothing.", MODEL)
+    lock_image: bool = _flag(False, "Freeze the image tower.", MODEL)
+    lock_image_unlocked_groups: int = _flag(0, "Leave the last N image layer groups trainable.", MODEL)
+    lock_image_freeze_bn_stats: bool = _flag(False, "Freeze BatchNorm statistics of locked layers.", MODEL)
+    lock_text: bool = _flag(False, "Freeze the text tower.", MODEL)
+    lock_text_unlocked_layers: int = _flag(0, "Leave the last N text layers trainable.", MODEL)
+    lock_text_freeze_layer_norm: bool = _flag(False, "Freeze LayerNorm of locked text layers.", MODEL)
+
+    # ---- training
+    batch_size: int = _flag(64, "Batch size per process (global = this x world size x accum-freq).", TRAIN)
+    epochs: int = _flag(32, "Number of epochs.", TRAIN)
+    epochs_cooldown: int | None = _flag(None, "Epochs of cooldown at the end (const-cooldown).", TRAIN)
+    accum_freq: int = _flag(1, "Accumulate this many micro-batches per step; negatives span all of them.",
+                            TRAIN)
+    lr: float | None = _flag(None, "Learning rate (default 5e-4).", TRAIN)
+    warmup: int = _flag(10000, "Linear warmup steps.", TRAIN)
+    lr_scheduler: str = _flag("cosine", f"One of {', '.join(LR_SCHEDULERS)}.", TRAIN)
+    lr_cooldown_end: float = _flag(0.0, "Learning rate at the end of the cooldown.", TRAIN)
+    lr_cooldown_power: float = _flag(1.0, "Power of the polynomial cooldown (1 = linear).", TRAIN)
+    opt: str = _flag("adamw", "adamw, or timm/<name> for any timm optimizer.", TRAIN)
+    beta1: float | None = _flag(None, "Adam beta1 (default 0.9).", TRAIN)
+    beta2: float | None = _flag(None, "Adam beta2 (default 0.98).", TRAIN)
+    eps: float | None = _flag(None, "Adam epsilon (default 1e-6).", TRAIN)
+    wd: float = _flag(0.2, "Weight decay (never on gains, biases or the logit scale).", TRAIN)
+    momentum: float | None = _flag(None, "Momentum for timm optimizers that take it.", TRAIN)
+    grad_clip_norm: float | None = _flag(None, "Clip the global gradient norm to this value.", TRAIN)
+    seed: int = _flag(0, "Random seed.", TRAIN)
+    torchcompile: bool = _flag(False, "torch.compile each transformer block.", TRAIN)
+    torchscript: bool = _unsupported(False, "TorchScript the model.", TRAIN, "use --torchcompile")
+    trace: bool = _unsupported(False, "Trace the model (inference).", TRAIN, "use --torchcompile")
+    use_bnb_linear: str | None = _unsupported(None, "bitsandbytes int8 linear layers.", TRAIN,
+                                              "the int8 work adds it")
+    distill_model: str | None = _unsupported(None, "Teacher architecture for distillation.", TRAIN,
+                                             "distillation is planned")
+    distill_pretrained: str | None = _unsupported(None, "Teacher weights for distillation.", TRAIN,
+                                                  "distillation is planned")
+
+    # ---- precision and memory
+    precision: str = _flag("amp", f"One of {', '.join(PRECISIONS)}. On CPU, amp means bfloat16 autocast.",
+                           PREC)
+    grad_checkpointing: bool = _flag(False, "Recompute every transformer block in backward.", PREC)
+    grad_checkpointing_every: int = _flag(1, "With --grad-checkpointing, recompute every k-th block only.",
+                                          PREC)
+
+    # ---- loss
+    local_loss: bool = _flag(False, "Local features against gathered ones (O(n) logits per rank).", LOSS)
+    gather_with_grad: bool = _flag(False, "Gradients flow through the feature all-gather.", LOSS)
+    siglip: bool = _flag(False, "Sigmoid loss (logit scale init log 10, bias -10).", LOSS)
+    loss_dist_impl: str | None = _flag(None, "Distributed loss implementation (see docs).", LOSS)
+    loss_impl: str = _flag("auto", "naive, chunked, triton or auto (new in bigclip).", LOSS)
+    coca_contrastive_loss_weight: float = _unsupported(1.0, "CoCa contrastive weight.", LOSS,
+                                                       "CoCa models are planned")
+    coca_caption_loss_weight: float = _unsupported(2.0, "CoCa caption weight.", LOSS, "CoCa models are planned")
+
+    # ---- checkpoints
+    save_frequency: int = _flag(1, "Save a checkpoint every N epochs (0: never).", CKPT)
+    save_most_recent: bool = _flag(False, "Also keep the newest state as epoch_latest.", CKPT)
+    delete_previous_checkpoint: bool = _flag(False, "Delete the previous local checkpoint after a save.", CKPT)
+    resume: str | None = _flag(None, "Checkpoint to resume from, or 'latest'.", CKPT)
+    remote_sync: str | None = _unsupported(None, "Remote path to copy logs and checkpoints to.", CKPT,
+                                           "the object-storage checkpoint work adds it")
+    remote_sync_frequency: int = _flag(300, "Seconds between remote syncs (with --remote-sync).", CKPT)
+    remote_sync_protocol: str = _flag("s3", "s3 or fsspec (with --remote-sync).", CKPT)
+
+    # ---- logging
+    logs: str = _flag("./logs/", "Where logs, metrics and checkpoints go.", LOG)
+    name: str | None = _flag(None, "Run name (default: date, model, lr, batch size, precision).", LOG)
+    log_every_n_steps: int = _flag(100, "Print and record metrics every N steps.", LOG)
+    report_to: str = _flag("", "tensorboard, wandb or tensorboard,wandb.", LOG)
+    wandb_project_name: str = _flag("open-clip", "wandb project.", LOG)
+    wandb_notes: str = _flag("", "wandb notes.", LOG)
+    debug: bool = _flag(False, "Debug logging.", LOG)
+    log_local: bool = _flag(False, "Log from the first process of every node, not only rank 0.", LOG)
+    copy_codebase: bool = _flag(False, "Copy the bigclip package into the run directory.", LOG)
+
+    # ---- evaluation
+    val_frequency: int = _flag(1, "Validate every N epochs.", EVAL)
+    zeroshot_frequency: int = _flag(2, "Zero-shot evaluation every N epochs.", EVAL)
+    imagenet_val: str | None = _unsupported(None, "ImageNet validation folder for zero-shot.", EVAL,
+                                            "zero-shot runs on the embedded demo's classes for now")
+    imagenet_v2: str | None = _unsupported(None, "ImageNet-v2 folder for zero-shot.", EVAL,
+                                           "zero-shot runs on the embedded demo's classes for now")
+
+    # ---- distributed
+    engine: str = _flag("ddp", f"One of {', '.join(ENGINES)} (new in bigclip).", DIST)
+    dist_url: str | None = _flag(None, "Rendezvous URL (default: env:// from the launcher).", DIST)
+    dist_backend: str | None = _flag(None, "nccl on GPU, gloo on CPU (default: picked by device).", DIST)
+    ddp_static_graph: bool = _flag(False, "DDP static graph.", DIST)
+    use_bn_sync: bool = _flag(False, "Synchronise BatchNorm statistics across processes.", DIST)
+    horovod: bool = _unsupported(False, "Horovod.", DIST, "use torchrun, deepspeed or srun")
+    no_set_device_rank: bool = _flag(False, "Do not pin each process to the GPU of its local rank.", DIST)
+    device: str = _flag("cuda", "cuda or cpu (cuda falls back to cpu when no GPU is present).", DIST)
+
+    # ---- other
+    config: str | None = _flag(None, "YAML file of option values (flags given on the command line win).", MISC)
+    cache_dir: str | None = _flag(None, "Cache directory; bigclip downloads nothing, so nothing is cached.",
+                                  MISC)
+
+    # Set by resolution, not by users.
+    demo: bool = field(default=False, metadata={"internal": True})
+
+
+# The embedded demo: what `python launch/train.py` with no data flags runs. These replace defaults only;
+# anything the user sets (YAML or flags) still wins. Tuned so a 2-core CPU finishes in well under 3 minutes.
+DEMO_PRESET: dict[str, Any] = {
+    "model": "test-tiny",
+    "batch_size": 64,
+    "epochs": 12,
+    "lr": 2e-3,
+    "warmup": 40,
+    "wd": 0.1,
+    "precision": "fp32",
+    "workers": 0,
+    "log_every_n_steps": 20,
+    "zeroshot_frequency": 4,
+    "val_frequency": 4,
+    "save_frequency": 4,
+}
+
+
+def config_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(TrainConfig) if not f.metadata.get("internal")]
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a --config file: a mapping of option names (dashes or underscores) to values."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise UserError(f"--config {path}: file not found; pass a YAML file of option: value lines")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise UserError(f"--config {path}: not valid YAML{where}; fix the file") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
+    known = {f.name for f in config_fields()}
+    out = {}
+    for key, value in data.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in known or name == "config":
+            raise UserError(f"--config {path}: unknown option '{key}'; see `bigclip --help` for names")
+        out[name] = value
+    return out
+
+
+def resolve(cli_values: dict[str, Any]) -> TrainConfig:
+    """Apply the precedence chain to the flags the user actually typed and return a validated config."""
+    yaml_values = load_yaml(cli_values["config"]) if cli_values.get("config") else {}
+    explicit = {**yaml_values, **cli_values}
+    values = {f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default)
+              for f in config_fields()}
+    demo = explicit.get("train_data") is None and explicit.get("dataset_type", "auto") != "synthetic"
+    if demo:
+        values.update(DEMO_PRESET)
+    values.update(explicit)
+    cfg = TrainConfig(**values)
+    cfg.demo = demo
+    reject_unsupported(cfg, explicit)
+    validate(cfg)
+    return cfg
+
+
+def reject_unsupported(cfg: TrainConfig, explicit: dict[str, Any]) -> None:
+    for f in config_fields():
+        why = f.metadata.get("unsupported")
+        if why and f.name in explicit and explicit[f.name] != f.default:
+            raise UserError(f"{flag_name(f.name)}: not supported yet ({why})")
+
+
+def _fail(name: str, value: Any, accepted: str) -> None:
+    raise UserError(f"{flag_name(name)} {value!r}: {accepted}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check every user-controlled value before any work starts; the first problem stops the run."""
+    from .model import list_models
+
+    if cfg.model not in list_models() and cfg.model.startswith(("RN", "convnext", "coca", "EVA", "mt5", "xlm")):
+        raise UserError(f"--model {cfg.model}: not supported yet (bigclip has ViT towers only); "
+                        f"choose one of {', '.join(list_models())}")
+    if cfg.model not in list_models():
+        _fail("model", cfg.model, f"unknown architecture; choose one of {', '.join(list_models())}")
+    if cfg.precision not in PRECISIONS:
+        _fail("precision", cfg.precision, f"choose one of {', '.join(PRECISIONS)}")
+    if cfg.lr_scheduler not in LR_SCHEDULERS:
+        _fail("lr_scheduler", cfg.lr_scheduler, f"choose one of {', '.join(LR_SCHEDULERS)}")
+    if cfg.dataset_type not in DATASET_TYPES:
+        _fail("dataset_type", cfg.dataset_type, f"choose one of {', '.join(DATASET_TYPES)}")
+    if cfg.engine not in ENGINES:
+        _fail("engine", cfg.engine, f"choose one of {', '.join(ENGINES)}")
+    if cfg.engine != "ddp":
+        raise UserError(f"--engine {cfg.engine}: not supported yet (ddp only for now)")
+
+    for name in ("batch_size", "epochs", "accum_freq", "log_every_n_steps", "val_frequency",
+                 "zeroshot_frequency", "grad_checkpointing_every"):
+        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
+            _fail(name, getattr(cfg, name), "must be a positive integer")
+    for name in ("workers", "warmup", "save_frequency", "lock_image_unlocked_groups",
+                 "lock_text_unlocked_layers", "seed"):
+        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
+            _fail(name, getattr(cfg, name), "must be a non-negative integer")
+    for name in ("train_num_samples", "val_num_samples", "force_context_length"):
+        v = getattr(cfg, name)
+        if v is not None and (not isinstance(v, int) or v < 1):
+            _fail(name, v, "must be a positive integer")
+    for name in ("lr", "wd", "eps", "grad_clip_norm", "lr_cooldown_end", "momentum"):
+        v = getattr(cfg, name)
+        if v is not None and (not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+            _fail(name, v, "must be a non-negative number")
+    for name in ("beta1", "beta2"):
+        v = getattr(cfg, name)
+        if v is not None and not (0 <= v < 1):
+            _fail(name, v, "must be in [0, 1)")
+    if cfg.force_patch_dropout is not None and not (0 <= cfg.force_patch_dropout < 1):
+        _fail("force_patch_dropout", cfg.force_patch_dropout, "must be in [0, 1)")
+    if cfg.force_image_size is not None and (len(cfg.force_image_size) not in (1, 2)
+                                             or min(cfg.force_image_size) < 1):
+        _fail("force_image_size", cfg.force_image_size, "give one or two positive integers")
+    if cfg.lr_scheduler == "const-cooldown" and cfg.epochs_cooldown is None:
+        raise UserError("--lr-scheduler const-cooldown needs --epochs-cooldown N")
+    if cfg.epochs_cooldown is not None and not (0 <= cfg.epochs_cooldown <= cfg.epochs):
+        _fail("epochs_cooldown", cfg.epochs_cooldown, f"must be between 0 and --epochs ({cfg.epochs})")
+    if not (cfg.opt == "adamw" or cfg.opt.startswith("timm/")):
+        _fail("opt", cfg.opt, "choose adamw or timm/<optimizer name>")
+    if cfg.image_interpolation not in (None, "bicubic", "bilinear", "random"):
+        _fail("image_interpolation", cfg.image_interpolation, "choose bicubic, bilinear or random")
+    if cfg.image_resize_mode not in (None, "shortest", "longest", "squash"):
+        _fail("image_resize_mode", cfg.image_resize_mode, "choose shortest, longest or squash")
+    for name in ("image_mean", "image_std"):
+        v = getattr(cfg, name)
+        if v is not None and len(v) not in (1, 3):
+            _fail(name, v, "give one value or three (R G B)")
+    targets = [t for t in cfg.report_to.split(",") if t]
+    for t in targets:
+        if t not in REPORT_TARGETS:
+            _fail("report_to", cfg.report_to, "use tensorboard, wandb or tensorboard,wandb")
+    if cfg.remote_sync_protocol not in ("s3", "fsspec"):
+        _fail("remote_sync_protocol", cfg.remote_sync_protocol, "choose s3 or fsspec")
+    if cfg.device not in ("cuda", "cpu") and not cfg.device.startswith("cuda:"):
+        _fail("device", cfg.device, "choose cuda or cpu")
+
+    from .loss import CLIP_DIST_IMPLS, LOSS_IMPLS, SIGLIP_DIST_IMPLS
+
+    if cfg.loss_impl not in LOSS_IMPLS:
+        _fail("loss_impl", cfg.loss_impl, f"choose one of {', '.join(LOSS_IMPLS)}")
+    dist_impls = SIGLIP_DIST_IMPLS if cfg.siglip else CLIP_DIST_IMPLS
+    if cfg.loss_dist_impl is not None and cfg.loss_dist_impl not in dist_impls:
+        _fail("loss_dist_impl", cfg.loss_dist_impl,
+              f"choose one of {', '.join(dist_impls)} for the {'SigLIP' if cfg.siglip else 'CLIP'} loss")
+
+    _validate_paths(cfg)
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def dataset_paths(value: str) -> list[str]:
+    """Every file a --train-data/--val-data value names: '::' separates sources, braces expand."""
+    from braceexpand import braceexpand  # ships with webdataset
+
+    return [p for source in value.split("::") for p in braceexpand(source)]
+
+
+def _validate_paths(cfg: TrainConfig) -> None:
+    for name in ("train_data", "val_data"):
+        value = getattr(cfg, name)
+        if value is None:
+            continue
+        for path in dataset_paths(value):
+            if not _is_url(path) and not os.path.exists(path):
+                _fail(name, value, f"'{path}' does not exist; check the path")
+    if cfg.pretrained and not _is_url(cfg.pretrained) and not os.path.exists(cfg.pretrained):
+        _fail("pretrained", cfg.pretrained, "file not found; pass a local .pt or .safetensors file")
+    if cfg.resume and cfg.resume != "latest" and not _is_url(cfg.resume) and not os.path.exists(cfg.resume):
+        _fail("resume", cfg.resume, "not found; pass a checkpoint directory or 'latest'")
+    if cfg.train_data is None and cfg.dataset_type not in ("synthetic", "auto"):
+        _fail("dataset_type", cfg.dataset_type, "needs --train-data")
+
+
+def to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,124 @@
+"""Evaluation: validation loss and image<->text retrieval, and zero-shot classification.
+
+Every rank takes part and calls the engine's forward (never a rank-0-only forward of the bare model):
+with sharded engines each forward is a collective. Each rank evaluates the loader it is given; per-rank
+sums are all-reduced, and retrieval over the whole validation set uses features gathered from all ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .dist import World, all_reduce_sum
+
+
+def _gather_rows(x: torch.Tensor, world: World) -> torch.Tensor:
+    if not world.distributed:
+        return x
+    dev = world.device if world.backend == "nccl" else torch.device("cpu")
+    x = x.to(dev)
+    sizes = [torch.zeros(1, dtype=torch.long, device=dev) for _ in range(world.world_size)]
+    dist.all_gather(sizes, torch.tensor([x.shape[0]], device=dev))
+    biggest = int(max(s.item() for s in sizes))
+    padded = torch.zeros((biggest, *x.shape[1:]), dtype=x.dtype, device=dev)
+    padded[: x.shape[0]] = x
+    out = [torch.empty_like(padded) for _ in range(world.world_size)]
+    dist.all_gather(out, padded)
+    return torch.cat([o[: int(s.item())] for o, s in zip(out, sizes)]).cpu()
+
+
+def retrieval_metrics(image_features: torch.Tensor, text_features: torch.Tensor,
+                      logit_scale: float) -> dict[str, float]:
+    """OpenCLIP's retrieval metrics: mean/median rank and R@1/5/10, both directions. Pair i is (i, i)."""
+    metrics = {}
+    logits = {"image_to_text": logit_scale * image_features @ text_features.t()}
+    logits["text_to_image"] = logits["image_to_text"].t()
+    truth = torch.arange(image_features.shape[0]).view(-1, 1)
+    for name, logit in logits.items():
+        ranking = torch.argsort(logit, descending=True)
+        preds = torch.where(ranking == truth)[1].float()
+        metrics[f"{name}_mean_rank"] = preds.mean().item() + 1
+        metrics[f"{name}_median_rank"] = preds.median().floor().item() + 1
+        for k in (1, 5, 10):
+            metrics[f"{name}_R@{k}"] = (preds < k).float().mean().item()
+    return metrics
+
+
+@torch.no_grad()
+def validate(engine, loader, world: World) -> dict[str, float]:
+    device = world.device
+    image_chunks, text_chunks = [], []
+    loss_sum = torch.zeros(2, dtype=torch.float64)  # (sum of per-sample loss, samples)
+    logit_scale = 1.0
+    for images, texts in loader:
+        images, texts = images.to(device, non_blocking=True), texts.to(device, non_blocking=True)
+        with engine.autocast():
+            out = engine.module(images=images, texts=texts)
+        img, txt = out["image_features"].float(), out["text_features"].float()
+        logit_scale = float(out["logit_scale"].float().mean())
+        logits = logit_scale * img @ txt.t()
+        if "logit_bias" in out:
+            logits = logits + out["logit_bias"].float()
+        labels = torch.arange(img.shape[0], device=device)
+        # Per batch, as OpenCLIP reports it: the contrastive loss within each validation batch.
+        batch_loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+        loss_sum += torch.tensor([batch_loss.item() * img.shape[0], img.shape[0]], dtype=torch.float64)
+        image_chunks.append(img.cpu())
+        text_chunks.append(txt.cpu())
+    loss_sum = all_reduce_sum(loss_sum, world)
+    if loss_sum[1] == 0:
+        return {}
+    image_features = _gather_rows(torch.cat(image_chunks), world)
+    text_features = _gather_rows(torch.cat(text_chunks), world)
+    metrics = retrieval_metrics(image_features, text_features, logit_scale)
+    metrics["val_loss"] = float(loss_sum[0] / loss_sum[1])
+    metrics["num_samples"] = int(loss_sum[1])
+    return metrics
+
+
+@torch.no_grad()
+def zero_shot_classifier(engine, tokenizer, classnames: list[str], templates: list[str],
+                         device: torch.device) -> torch.Tensor:
+    """(embed_dim, num_classes): the normalised mean text embedding of every class's prompts."""
+    prompts = [t.format(c) for c in classnames for t in templates]
+    tokens = tokenizer(prompts).to(device)
+    with engine.autocast():
+        feats = engine.module(texts=tokens)["text_features"].float()
+    feats = feats.view(len(classnames), len(templates), -1).mean(dim=1)
+    return F.normalize(feats, dim=-1).t()
+
+
+@torch.no_grad()
+def zero_shot(engine, loader, tokenizer, classnames: list[str], templates: list[str],
+              world: World) -> dict[str, float]:
+    classifier = zero_shot_classifier(engine, tokenizer, classnames, templates, world.device)
+    counts = torch.zeros(3, dtype=torch.float64)  # top-1 hits, top-5 hits, samples
+    for images, labels in loader:
+        images, labels = images.to(world.device), labels.to(world.device)
+        with engine.autocast():
+            feats = engine.module(images=images)["image_features"].float()
+        logits = feats @ classifier
+        topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        hits = topk == labels.view(-1, 1)
+        counts += torch.tensor([hits[:, :1].sum().item(), hits.sum().item(), labels.numel()],
+                               dtype=torch.float64)
+    counts = all_reduce_sum(counts, world)
+    n = max(1.0, float(counts[2]))
+    return {"zeroshot_top1": float(counts[0]) / n, "zeroshot_top5": float(counts[1]) / n,
+            "zeroshot_samples": int(counts[2]), "zeroshot_chance": 1.0 / len(classnames)}
+
+
+def evaluate(engine, data: dict, tokenizer, cfg, completed_epoch: int, world: World) -> dict[str, float]:
+    """Run what is due after `completed_epoch` epochs (OpenCLIP's frequencies; the last epoch always)."""
+    metrics: dict[str, float] = {}
+    last = completed_epoch == cfg.epochs
+    engine.eval()
+    if "zeroshot" in data and (completed_epoch % cfg.zeroshot_frequency == 0 or last):
+        metrics.update(zero_shot(engine, data["zeroshot"].dataloader, tokenizer, data["classnames"],
+                                 data["templates"], world))
+    if "val" in data and (completed_epoch % cfg.val_frequency == 0 or last):
+        metrics.update(validate(engine, data["val"].dataloader, world))
+    engine.train()
+    return metrics

@@ -1,0 +1,146 @@
+"""Where a run writes (logs/<name>/...), and every sink its metrics go to.
+
+Rank 0 (or the first rank of every node with --log-local) prints OpenCLIP-style lines; every logged
+step is also one JSON object in metrics.jsonl, and goes to tensorboard / wandb when asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import UserError
+
+logger = logging.getLogger("bigclip")
+
+
+@dataclass
+class RunPaths:
+    root: str          # logs/<name>
+    checkpoints: str   # logs/<name>/checkpoints
+    metrics: str       # logs/<name>/metrics.jsonl
+    params: str        # logs/<name>/params.yaml
+    out_log: str       # logs/<name>/out.log
+    tensorboard: str   # logs/<name>/tensorboard
+
+
+def default_run_name(cfg, date: str) -> str:
+    """OpenCLIP's automatic name: date, model, lr, batch size, workers and precision."""
+    lr = cfg.lr if cfg.lr is not None else 5e-4
+    return "-".join([date, f"model_{cfg.model.replace('/', '-')}", f"lr_{lr}", f"b_{cfg.batch_size}",
+                     f"j_{cfg.workers}", f"p_{cfg.precision}"])
+
+
+def run_paths(logs: str, name: str) -> RunPaths:
+    root = os.path.join(logs, name)
+    return RunPaths(root, os.path.join(root, "checkpoints"), os.path.join(root, "metrics.jsonl"),
+                    os.path.join(root, "params.yaml"), os.path.join(root, "out.log"),
+                    os.path.join(root, "tensorboard"))
+
+
+def check_new_run(paths: RunPaths, resuming: bool) -> None:
+    # Never write into another run's directory by accident: its checkpoints and metrics would mix.
+    if os.path.exists(paths.root) and not resuming:
+        raise UserError(f"--name: run directory {paths.root} already exists; pass a new --name, "
+                        f"or --resume latest to continue that run")
+
+
+def setup_console_logging(out_log: str | None, active: bool, debug: bool) -> None:
+    level = logging.DEBUG if debug else logging.INFO
+    logger.handlers.clear()
+    logger.propagate = False
+    logger.setLevel(level if active else logging.WARNING)
+    fmt = logging.Formatter("%(asctime)s | %(message)s", datefmt="%Y-%m-%d,%H:%M:%S")
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(fmt)
+    logger.addHandler(console)
+    if out_log and active:
+        os.makedirs(os.path.dirname(out_log), exist_ok=True)
+        file_handler = logging.FileHandler(out_log)
+        file_handler.setFormatter(fmt)
+        logger.addHandler(file_handler)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+class AverageMeter:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.val = self.sum = 0.0
+        self.count = 0
+
+    def update(self, val: float, n: int = 1) -> None:
+        self.val = val
+        self.sum += val * n
+        self.count += n
+
+    @property
+    def avg(self) -> float:
+        return self.sum / max(1, self.count)
+
+
+class MetricSinks:
+    """metrics.jsonl always; tensorboard and wandb when --report-to names them. Only active ranks write."""
+
+    def __init__(self, cfg, paths: RunPaths, active: bool, config_dict: dict[str, Any]):
+        self.active = active
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+        if not active:
+            return
+        self._jsonl = open(paths.metrics, "a", buffering=1)
+        targets = {t for t in cfg.report_to.split(",") if t}
+        if "tensorboard" in targets:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(paths.tensorboard)
+        if "wandb" in targets:
+            import wandb
+
+            self._wandb = wandb.init(project=cfg.wandb_project_name, name=os.path.basename(paths.root),
+                                     notes=cfg.wandb_notes, dir=paths.root, config=config_dict)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        record = {"time": round(time.time(), 3), **record}
+        self._jsonl.write(json.dumps(record) + "\n")
+        step = record.get("step", 0)
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k if "/" in k else f"train/{k}", v, step)
+        if self._wandb is not None:
+            self._wandb.log({(k if "/" in k else f"train/{k}"): v for k, v in scalars.items()}, step=step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def train_line(epoch: int, seen: int, total: int, data_time: float, batch_time: float, samples_per_s: float,
+               per_gpu: float, lr: float, logit_scale: float, loss_val: float, loss_avg: float) -> str:
+    digits = len(str(total))
+    pct = 100.0 * seen / max(1, total)
+    return (f"Train Epoch: {epoch} [{seen:>{digits}}/{total} ({pct:.0f}%)] "
+            f"Data (t): {data_time:.3f} Batch (t): {batch_time:.3f}, {samples_per_s:#g}/s, {per_gpu:#g}/s/gpu "
+            f"LR: {lr:.6f} Logit Scale: {logit_scale:.3f} Loss: {loss_val:#.5g} ({loss_avg:#.5g})")

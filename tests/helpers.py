@@ -1,0 +1,50 @@
+"""Shared helpers for end-to-end tests: run bigclip, read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_SCRIPT = os.path.join(REPO, "launch", "train.py")
+
+# A small, fast synthetic run of the tiny model; tests add or override flags.
+TINY_SYNTHETIC = ["--model", "test-tiny", "--dataset-type", "synthetic", "--train-num-samples", "64",
+                  "--batch-size", "8", "--epochs", "2", "--precision", "fp32", "--workers", "0",
+                  "--warmup", "2", "--lr", "1e-3", "--log-every-n-steps", "1", "--seed", "0"]
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def step_losses(run_dir: str) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "WANDB_MODE": "offline", **extra})
+    return env
+
+
+def torchrun(nproc: int, args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", TRAIN_SCRIPT, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(**env))
+
+
+def python_train(args: list[str], timeout: int = 300, cwd: str | None = None, **env: str):
+    cmd = [sys.executable, TRAIN_SCRIPT, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env=subprocess_env(**env))
