@@ -1,0 +1,93 @@
+"""CLIP: a vision tower and a text tower projected into one embedding space."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .text import TextTransformer
+from .vision import VisionTower
+
+CLIP_INIT_LOGIT_SCALE = math.log(1 / 0.07)
+SIGLIP_INIT_LOGIT_SCALE = math.log(10.0)
+SIGLIP_INIT_LOGIT_BIAS = -10.0
+
+
+class CLIP(nn.Module):
+    def __init__(
+        self,
+        embed_dim: int,
+        vision_cfg: dict,
+        text_cfg: dict,
+        *,
+        quick_gelu: bool = False,
+        siglip: bool = False,
+    ):
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.visual = VisionTower(embed_dim=embed_dim, quick_gelu=quick_gelu, **vision_cfg)
+        self.text = TextTransformer(embed_dim=embed_dim, quick_gelu=quick_gelu, **text_cfg)
+        # Shape (1,), not 0-d: sharding engines split parameters along dim 0.
+        self.logit_scale = nn.Parameter(torch.empty(1))
+        self.logit_bias = nn.Parameter(torch.empty(1)) if siglip else None
+
+    @property
+    def siglip(self) -> bool:
+        return self.logit_bias is not None
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter in place, on whatever device the model sits.
+
+        Engines build large models on the meta device, move them with `to_empty()` and then
+        call this; nothing here depends on how the model was constructed.
+        """
+        self.visual.init_weights()
+        self.text.init_weights()
+        self.logit_scale.fill_(SIGLIP_INIT_LOGIT_SCALE if self.siglip else CLIP_INIT_LOGIT_SCALE)
+        if self.logit_bias is not None:
+            self.logit_bias.fill_(SIGLIP_INIT_LOGIT_BIAS)
+
+    def encode_image(self, images: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        features = self.visual(images)
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def encode_text(self, tokens: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        features = self.text(tokens)
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def forward(self, images: torch.Tensor | None = None, texts: torch.Tensor | None = None) -> dict:
+        out = {
+            "image_features": None if images is None else self.encode_image(images, normalize=True),
+            "text_features": None if texts is None else self.encode_text(texts, normalize=True),
+            "logit_scale": self.logit_scale.exp(),
+        }
+        if self.logit_bias is not None:
+            out["logit_bias"] = self.logit_bias
+        return out
+
+    @torch.no_grad()
+    def clamp_logit_scale_(self, max_scale: float = 100.0) -> None:
+        """Keep the learned temperature in [1, max_scale] (call after each optimizer step)."""
+        self.logit_scale.clamp_(0, math.log(max_scale))
+
+    def set_grad_checkpointing(self, enable: bool = True, every: int = 1) -> None:
+        """Recompute every `every`-th transformer block of both towers in backward."""
+        if enable and every < 1:
+            raise ValueError(f"grad checkpointing interval must be >= 1, got {every}")
+        interval = every if enable else 0
+        self.visual.set_grad_checkpointing(interval)
+        self.text.set_grad_checkpointing(interval)
+
+    def transformer_blocks(self) -> list[nn.Module]:
+        """Every transformer block of both towers: the units engines shard and checkpoint."""
+        return [*self.visual.blocks, *self.text.blocks]
+
+    def lock_image_tower(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False) -> None:
+        self.visual.lock(unlocked_groups, freeze_bn_stats)
+
+    def lock_text_tower(self, unlocked_layers: int = 0, freeze_layer_norm: bool = True) -> None:
+        self.text.lock(unlocked_layers, freeze_layer_norm)

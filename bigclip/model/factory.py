@@ -1,0 +1,226 @@
+"""Model registry: architectures are JSON files in `configs/`; `create_model` builds them.
+
+Models are always constructed on the meta device first (no memory, seconds even for
+ViT-bigG-14), then materialised on the target device and initialised once, or left on meta
+for an engine to shard, materialise and initialise itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from timm.layers import resample_abs_pos_embed
+
+from ..errors import UserError
+from .clip import CLIP
+from .convert import is_openclip_state_dict, openclip_to_bigclip
+from .tokenizer import ByteTokenizer
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+# Keys of vision_cfg that describe preprocessing, not the network.
+_PREPROCESS_KEYS = ("image_mean", "image_std")
+QUICKGELU_SUFFIX = "-quickgelu"
+
+
+@lru_cache(maxsize=None)
+def _load_configs() -> dict[str, dict]:
+    return {path.stem: json.loads(path.read_text()) for path in sorted(CONFIG_DIR.glob("*.json"))}
+
+
+def list_models() -> list[str]:
+    return list(_load_configs())
+
+
+def get_model_config(name: str) -> dict:
+    """A copy of the architecture config `name` (OpenCLIP's JSON layout).
+
+    As in OpenCLIP, a `-quickgelu` suffix names the same architecture with QuickGELU.
+    """
+    configs = _load_configs()
+    base = name.removesuffix(QUICKGELU_SUFFIX)
+    if base not in configs:
+        raise UserError(f"--model {name}: unknown architecture; choose one of {', '.join(configs)}")
+    cfg = copy.deepcopy(configs[base])
+    if base != name:
+        cfg["quick_gelu"] = True
+    return cfg
+
+
+def _square(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    if isinstance(size, int):
+        return (size, size)
+    height, width = size
+    return (int(height), int(width))
+
+
+def preprocess_cfg(model_name: str, image_size: int | tuple[int, int] | None = None) -> dict:
+    """What the data side needs to build image transforms for `model_name`.
+
+    `size` is (height, width); `image_size` overrides the architecture's (--force-image-size).
+    """
+    vision = get_model_config(model_name)["vision_cfg"]
+    return {
+        "size": _square(image_size if image_size is not None else vision["image_size"]),
+        "mean": tuple(vision["image_mean"]),
+        "std": tuple(vision["image_std"]),
+        "interpolation": "bicubic",
+        "resize_mode": "shortest",
+    }
+
+
+def get_tokenizer(model_name: str, context_length: int | None = None) -> ByteTokenizer:
+    """A callable (str | list[str]) -> LongTensor (N, context_length) for `model_name`."""
+    text = get_model_config(model_name)["text_cfg"]
+    return ByteTokenizer(context_length or text["context_length"])
+
+
+def create_model(
+    name: str,
+    *,
+    image_size: int | tuple[int, int] | None = None,
+    context_length: int | None = None,
+    patch_dropout: float | None = None,
+    quick_gelu: bool = False,
+    siglip: bool = False,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    pretrained: str | os.PathLike | None = None,
+    init: bool = True,
+) -> CLIP:
+    """Build architecture `name`.
+
+    device="meta" returns an unmaterialised model (for engines that shard before
+    materialising; they call `to_empty()` then `init_weights()`). `init=False` skips
+    initialisation on a real device (weights are uninitialised memory). `pretrained` is a
+    local .pt/.safetensors state dict, bigclip's or OpenCLIP's layout, loaded strictly.
+    """
+    cfg = get_model_config(name)
+    vision_cfg = {k: v for k, v in cfg["vision_cfg"].items() if k not in _PREPROCESS_KEYS}
+    text_cfg = dict(cfg["text_cfg"])
+    if image_size is not None:
+        vision_cfg["image_size"] = image_size
+    if patch_dropout is not None:
+        if not 0.0 <= patch_dropout < 1.0:
+            raise UserError(f"--force-patch-dropout {patch_dropout}: must be in [0, 1)")
+        vision_cfg["patch_dropout"] = patch_dropout
+    if context_length is not None:
+        if context_length < 2:
+            raise UserError(f"--force-context-length {context_length}: must be at least 2 (sot + eot)")
+        text_cfg["context_length"] = context_length
+    if text_cfg["vocab_size"] < ByteTokenizer.vocab_size:
+        raise UserError(
+            f"--model {name}: text vocab_size {text_cfg['vocab_size']} is smaller than the "
+            f"tokenizer's {ByteTokenizer.vocab_size}; raise vocab_size in its config"
+        )
+
+    with torch.device("meta"):
+        model = CLIP(
+            cfg["embed_dim"],
+            vision_cfg,
+            text_cfg,
+            quick_gelu=quick_gelu or cfg.get("quick_gelu", False),
+            siglip=siglip,
+        )
+    if torch.device(device).type == "meta":
+        return model if dtype is None else model.to(dtype)
+
+    model.to_empty(device=device)
+    if pretrained is not None:
+        load_pretrained(model, pretrained)
+    elif init:
+        model.init_weights()
+    if dtype is not None:
+        model.to(dtype)
+    return model
+
+
+def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Tensors of a .safetensors or torch-saved file, unwrapped from training checkpoints."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--pretrained {path}: no such file; pass a local .pt or .safetensors state dict")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state_dict = load_file(str(path))
+        else:
+            state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch and safetensors raise many different types here
+        raise UserError(
+            f"--pretrained {path}: unreadable ({type(err).__name__}: {err}); "
+            "pass a .pt or .safetensors state dict"
+        ) from None
+    # OpenCLIP training checkpoints wrap the weights: {"state_dict": {"module.visual...": ...}}.
+    if isinstance(state_dict, dict) and isinstance(state_dict.get("state_dict"), dict):
+        state_dict = state_dict["state_dict"]
+    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise UserError(f"--pretrained {path}: not a state dict of tensors; pass a model state dict")
+    if state_dict and all(key.startswith("module.") for key in state_dict):
+        state_dict = {key[len("module."):]: value for key, value in state_dict.items()}
+    return state_dict
+
+
+def _sample(names, limit: int = 5) -> str:
+    names = sorted(names)
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _resample_pos_embed(state_dict: dict[str, torch.Tensor], model: CLIP) -> None:
+    """Interpolate a square checkpoint's patch-position grid to the model's (--force-image-size)."""
+    key = "visual.trunk.pos_embed"
+    pos = state_dict.get(key)
+    target = model.visual.trunk.pos_embed
+    if pos is None or pos.shape == target.shape or pos.ndim != 3 or pos.shape[2] != target.shape[2]:
+        return
+    old_grid = math.isqrt(pos.shape[1] - 1)
+    if old_grid * old_grid != pos.shape[1] - 1:
+        return  # not a square grid: left to the shape check, which names the mismatch
+    new_grid = list(model.visual.trunk.patch_embed.grid_size)
+    state_dict[key] = resample_abs_pos_embed(pos.float(), new_grid, [old_grid, old_grid]).to(pos.dtype)
+
+
+def load_pretrained(model: CLIP, path: str | os.PathLike) -> None:
+    """Load a bigclip- or OpenCLIP-layout state dict into `model`, requiring an exact match.
+
+    The one tolerated difference is the image size: positional embeddings are resampled
+    (bicubic, as OpenCLIP does) when the model was built for another resolution.
+    """
+    state_dict = read_state_dict(path)
+    if is_openclip_state_dict(state_dict):
+        try:
+            state_dict = openclip_to_bigclip(state_dict)
+        except KeyError as err:
+            raise UserError(f"--pretrained {path}: {err.args[0]}; is this a CLIP ViT checkpoint?") from None
+    expected = model.state_dict()
+    _resample_pos_embed(state_dict, model)
+    missing = expected.keys() - state_dict.keys()
+    unexpected = state_dict.keys() - expected.keys()
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {_sample(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {_sample(unexpected)}")
+        raise UserError(
+            f"--pretrained {path}: keys do not match the model ({'; '.join(parts)}); "
+            "check that --model names the checkpoint's architecture"
+        )
+    mismatched = [
+        f"{key} {tuple(state_dict[key].shape)} vs model {tuple(value.shape)}"
+        for key, value in expected.items()
+        if state_dict[key].shape != value.shape
+    ]
+    if mismatched:
+        raise UserError(
+            f"--pretrained {path}: shape mismatch for {_sample(mismatched, 3)}; check --model, "
+            "--force-image-size and --force-context-length against the checkpoint"
+        )
+    model.load_state_dict(state_dict, strict=True)

@@ -1,0 +1,53 @@
+"""Small pieces both towers share: QuickGELU and per-block activation checkpointing."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x): the activation OpenAI's original CLIP weights were trained with."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+def is_checkpointed(block_index: int, every: int) -> bool:
+    """Whether block `block_index` (0-based) is recomputed in backward.
+
+    `every=k` checkpoints the k-th, 2k-th, ... block (1-based counting), so k=1 means all
+    blocks and k=0 means none.
+    """
+    return every > 0 and (block_index + 1) % every == 0
+
+
+def run_blocks(blocks: Iterable[nn.Module], x: torch.Tensor, checkpoint_every: int) -> torch.Tensor:
+    """Apply `blocks` in order, recomputing every `checkpoint_every`-th one in backward.
+
+    Non-reentrant checkpointing: it works with inputs that do not require grad (a frozen
+    tower below) and composes with sharded parameters.
+    """
+    for i, block in enumerate(blocks):
+        if torch.is_grad_enabled() and is_checkpointed(i, checkpoint_every):
+            x = checkpoint(block, x, use_reentrant=False)
+        else:
+            x = block(x)
+    return x
+
+
+class BlockSequence(nn.Sequential):
+    """nn.Sequential (same state-dict names) that recomputes every k-th block in backward.
+
+    Checkpointing lives inside the container's forward so that each tower still runs through
+    its own `forward`: frameworks that gather parameters in module forward hooks see every
+    module called.
+    """
+
+    checkpoint_every: int = 0  # 0: no activation checkpointing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_blocks(self, x, self.checkpoint_every)

@@ -1,0 +1,159 @@
+"""Causal text transformer with EOT pooling.
+
+Parameter names follow OpenCLIP's `TextTransformer` (token_embedding, positional_embedding,
+transformer.resblocks.{i}.{ln_1,attn,ln_2,mlp.c_fc,mlp.c_proj}, ln_final, text_projection) so
+OpenCLIP weights load by renaming only the top-level prefix. Attention keeps
+`nn.MultiheadAttention`'s parameter names (in_proj_weight/in_proj_bias/out_proj) but runs
+through `F.scaled_dot_product_attention(is_causal=True)`, which needs no mask buffer and picks
+the fused kernels.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import QuickGELU, run_blocks
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"text width {width} is not divisible by heads {heads}")
+        self.heads = heads
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))
+        self.in_proj_bias = nn.Parameter(torch.empty(3 * width))
+        self.out_proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
+        # (B, L, 3, H, Dh) -> 3 x (B, H, L, Dh); same split as nn.MultiheadAttention.
+        q, k, v = qkv.view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        x = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out_proj(x.transpose(1, 2).reshape(batch, length, width))
+
+
+class ResidualAttentionBlock(nn.Module):
+    def __init__(self, width: int, heads: int, mlp_ratio: float = 4.0, act_layer: type[nn.Module] = nn.GELU):
+        super().__init__()
+        hidden = int(width * mlp_ratio)
+        self.ln_1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(OrderedDict([
+            ("c_fc", nn.Linear(width, hidden)),
+            ("gelu", act_layer()),
+            ("c_proj", nn.Linear(hidden, width)),
+        ]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Transformer(nn.Module):
+    """A stack of blocks under OpenCLIP's `transformer.resblocks` name."""
+
+    def __init__(self, width: int, layers: int, heads: int, mlp_ratio: float, act_layer: type[nn.Module]):
+        super().__init__()
+        self.resblocks = nn.ModuleList(
+            ResidualAttentionBlock(width, heads, mlp_ratio, act_layer) for _ in range(layers)
+        )
+        self.checkpoint_every = 0  # 0: no activation checkpointing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_blocks(self.resblocks, x, self.checkpoint_every)
+
+
+class TextTransformer(nn.Module):
+    def __init__(
+        self,
+        *,
+        context_length: int,
+        vocab_size: int,
+        width: int,
+        heads: int,
+        layers: int,
+        embed_dim: int,
+        mlp_ratio: float = 4.0,
+        quick_gelu: bool = False,
+    ):
+        super().__init__()
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self.width = width
+        self.token_embedding = nn.Embedding(vocab_size, width)
+        self.positional_embedding = nn.Parameter(torch.empty(context_length, width))
+        self.transformer = Transformer(width, layers, heads, mlp_ratio, QuickGELU if quick_gelu else nn.GELU)
+        self.ln_final = nn.LayerNorm(width)
+        # Applied as x @ text_projection (OpenCLIP's layout), hence (width, embed_dim).
+        self.text_projection = nn.Parameter(torch.empty(width, embed_dim))
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer.resblocks
+
+    def set_grad_checkpointing(self, every: int) -> None:
+        """Recompute every `every`-th block in backward; 0 turns checkpointing off."""
+        self.transformer.checkpoint_every = every
+
+    def init_weights(self) -> None:
+        """OpenCLIP's text-tower init; touches every parameter, so it works after `to_empty()`."""
+        for module in self.modules():
+            if isinstance(module, (nn.LayerNorm, nn.Linear, nn.Embedding)):
+                module.reset_parameters()
+        layers = len(self.blocks)
+        attn_std = self.width ** -0.5
+        proj_std = attn_std * (2 * layers) ** -0.5
+        fc_std = (2 * self.width) ** -0.5
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        nn.init.normal_(self.positional_embedding, std=0.01)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.in_proj_weight, std=attn_std)
+            nn.init.zeros_(block.attn.in_proj_bias)
+            nn.init.normal_(block.attn.out_proj.weight, std=proj_std)
+            nn.init.zeros_(block.attn.out_proj.bias)
+            nn.init.normal_(block.mlp.c_fc.weight, std=fc_std)
+            nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
+        nn.init.normal_(self.text_projection, std=self.width ** -0.5)
+
+    def lock(self, unlocked_layers: int = 0, freeze_layer_norm: bool = True) -> None:
+        """Freeze the tower except its top `unlocked_layers` groups.
+
+        Groups, bottom to top: [token + positional embedding], each block, [ln_final +
+        text_projection]. With freeze_layer_norm=False, LayerNorms in frozen groups keep training.
+        """
+        groups: list[list[nn.Module | nn.Parameter]] = [
+            [self.token_embedding, self.positional_embedding],
+            *[[block] for block in self.blocks],
+            [self.ln_final, self.text_projection],
+        ]
+        unlocked_layers = max(0, min(unlocked_layers, len(groups)))
+        frozen = groups[: len(groups) - unlocked_layers]
+        for group in frozen:
+            for item in group:
+                if isinstance(item, nn.Parameter):
+                    item.requires_grad_(False)
+                    continue
+                for module in item.modules():
+                    keep = isinstance(module, nn.LayerNorm) and not freeze_layer_norm
+                    for param in module.parameters(recurse=False):
+                        param.requires_grad_(keep)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        if length > self.context_length:
+            raise ValueError(
+                f"text has {length} tokens but the model's context length is {self.context_length}"
+            )
+        x = self.token_embedding(tokens) + self.positional_embedding[:length]
+        x = self.transformer(x)
+        x = self.ln_final(x)
+        # EOT pooling: the end-of-text token has the largest id in the vocabulary.
+        pooled = x[torch.arange(x.shape[0], device=x.device), tokens.argmax(dim=-1)]
+        return pooled @ self.text_projection

@@ -1,0 +1,99 @@
+"""Vision tower: a timm `VisionTransformer` trunk plus CLIP's bias-free projection.
+
+The trunk is configured the way CLIP ViTs are: class token, learned positional embedding,
+a LayerNorm before the blocks (`pre_norm`, which also drops the patch-embed bias), the final
+norm on the pooled class token (OpenCLIP's `ln_post`), and no classifier head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from timm.models.vision_transformer import VisionTransformer
+
+from .layers import BlockSequence, QuickGELU
+
+
+def _pair(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    if isinstance(size, int):
+        return (size, size)
+    height, width = size
+    return (int(height), int(width))
+
+
+class VisionTower(nn.Module):
+    def __init__(
+        self,
+        *,
+        image_size: int | tuple[int, int],
+        patch_size: int,
+        width: int,
+        layers: int,
+        embed_dim: int,
+        head_width: int = 64,
+        mlp_ratio: float = 4.0,
+        patch_dropout: float = 0.0,
+        quick_gelu: bool = False,
+    ):
+        super().__init__()
+        if width % head_width:
+            raise ValueError(f"vision width {width} is not divisible by head_width {head_width}")
+        self.image_size = _pair(image_size)
+        self.patch_size = patch_size
+        self.width = width
+        self.trunk = VisionTransformer(
+            img_size=self.image_size,
+            patch_size=patch_size,
+            embed_dim=width,
+            depth=layers,
+            num_heads=width // head_width,
+            mlp_ratio=mlp_ratio,
+            class_token=True,
+            pre_norm=True,
+            global_pool="token",
+            num_classes=0,
+            patch_drop_rate=patch_dropout,
+            norm_layer=nn.LayerNorm,  # eps 1e-5 as in CLIP (timm's default is 1e-6)
+            act_layer=QuickGELU if quick_gelu else nn.GELU,
+        )
+        # Same names (blocks.{i}), plus per-block checkpointing that timm's flag cannot space out.
+        self.trunk.blocks = BlockSequence(*self.trunk.blocks)
+        # Applied as x @ proj (OpenCLIP's `visual.proj` layout), hence (width, embed_dim).
+        self.proj = nn.Parameter(torch.empty(width, embed_dim))
+
+    @property
+    def blocks(self) -> BlockSequence:
+        return self.trunk.blocks
+
+    def set_grad_checkpointing(self, every: int) -> None:
+        """Recompute every `every`-th block in backward; 0 turns checkpointing off."""
+        self.trunk.blocks.checkpoint_every = every
+
+    def init_weights(self) -> None:
+        """timm's ViT init plus CLIP's projection init; touches every parameter."""
+        self.trunk.init_weights()  # resets every module (conv, norms), then timm's ViT init
+        nn.init.normal_(self.proj, std=self.width ** -0.5)
+
+    def lock(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False) -> None:
+        """Freeze the tower except its top `unlocked_groups` groups.
+
+        Groups, bottom to top: [patch embed + class token + positional embedding + ln_pre],
+        each block, [ln_post + proj]. A ViT holds no BatchNorm, so `freeze_bn_stats` has
+        nothing to freeze; it is accepted for OpenCLIP flag compatibility.
+        """
+        trunk = self.trunk
+        groups: list[list[nn.Module | nn.Parameter]] = [
+            [trunk.patch_embed, trunk.cls_token, trunk.pos_embed, trunk.norm_pre],
+            *[[block] for block in trunk.blocks],
+            [trunk.norm, self.proj],
+        ]
+        unlocked_groups = max(0, min(unlocked_groups, len(groups)))
+        for group in groups[: len(groups) - unlocked_groups]:
+            for item in group:
+                params = [item] if isinstance(item, nn.Parameter) else item.parameters()
+                for param in params:
+                    param.requires_grad_(False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        # The trunk returns the class token after ln_post (global_pool="token", no head).
+        return self.trunk(images) @ self.proj
