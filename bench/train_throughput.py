@@ -38,7 +38,7 @@ def measure(nproc: int, args, logs: str) -> dict:
         cmd = [sys.executable, SCRIPT, *flags]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={_free_port()}", SCRIPT, *flags]
+               f"--master_port={_free_port()}", SCRIPT, "--", *flags]  # "--": see README (torchrun vs --logs)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads_per_rank), "PYTHONPATH": REPO}
     subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
     with open(os.path.join(logs, name, "metrics.jsonl")) as f:

@@ -140,13 +140,31 @@ class TrainConfig:
 
     # ---- checkpoints
     save_frequency: int = _flag(1, "Save a checkpoint every N epochs (0: never).", CKPT)
+    save_every_n_steps: int = _flag(0, "Also save every N optimizer steps, mid-epoch (0: never; new in bigclip).",
+                                    CKPT)
+    save_every_minutes: float = _flag(0.0, "Also save every N minutes of training (0: never; new in bigclip).",
+                                      CKPT)
     save_most_recent: bool = _flag(False, "Also keep the newest state as epoch_latest.", CKPT)
-    delete_previous_checkpoint: bool = _flag(False, "Delete the previous local checkpoint after a save.", CKPT)
-    resume: str | None = _flag(None, "Checkpoint to resume from, or 'latest'.", CKPT)
-    remote_sync: str | None = _unsupported(None, "Remote path to copy logs and checkpoints to.", CKPT,
-                                           "the object-storage checkpoint work adds it")
-    remote_sync_frequency: int = _flag(300, "Seconds between remote syncs (with --remote-sync).", CKPT)
-    remote_sync_protocol: str = _flag("s3", "s3 or fsspec (with --remote-sync).", CKPT)
+    delete_previous_checkpoint: bool = _flag(False, "Delete the previous local checkpoint after a save "
+                                                    "(remote copies are kept; see --keep-last-k).", CKPT)
+    keep_last_k: int = _flag(0, "Keep only the K newest numbered checkpoints in the remote store (locally when "
+                                "there is no --remote-sync); 0 keeps all (new in bigclip).", CKPT)
+    resume: str | None = _flag(None, "Checkpoint to resume from: a directory, a URL (s3://, gs://, az://, "
+                                     "https://) of one, or 'latest' (local and --remote-sync).", CKPT)
+    remote_sync: str | None = _flag(None, "Remote run root (s3://bucket/runs, gs://, az://, or a directory): "
+                                          "checkpoints are uploaded as they are written and committed by a "
+                                          "manifest; logs are copied every --remote-sync-frequency seconds.",
+                                    CKPT)
+    remote_sync_frequency: int = _flag(300, "Seconds between copies of logs and metrics (with --remote-sync).",
+                                       CKPT)
+    remote_sync_protocol: str = _flag("s3", "s3 (needs an s3:// URL) or fsspec (any fsspec URL); both use the "
+                                            "same parallel, retried uploads.", CKPT)
+    storage_options: str | None = _flag(None, "JSON of fsspec options for remote paths, e.g. "
+                                              "'{\"client_kwargs\": {\"endpoint_url\": \"http://host:9000\"}}'; "
+                                              "credentials may go here or in AWS_* variables (never logged).",
+                                        CKPT)
+    checkpoint_async: str = _flag("auto", "Where checkpoint files are written and uploaded: auto, thread, process "
+                                          "(DCP's daemon process) or off (the loop waits; new in bigclip).", CKPT)
 
     # ---- logging
     logs: str = _flag("./logs/", "Where logs, metrics and checkpoints go.", LOG)
@@ -168,7 +186,25 @@ class TrainConfig:
                                            "zero-shot runs on the embedded demo's classes for now")
 
     # ---- distributed
-    engine: str = _flag("ddp", f"One of {', '.join(ENGINES)} (new in bigclip).", DIST)
+    engine: str = _flag("ddp", f"One of {', '.join(ENGINES)} (new in bigclip). --ds_config FILE or --deepspeed "
+                               "selects deepspeed.", DIST)
+    ds_config: str | None = _flag(None, "DeepSpeed JSON config (ds_configs/zero{1,2,3}.json, zero3_offload.json); "
+                                        "\"auto\" values are filled from bigclip's flags. Selects --engine "
+                                        "deepspeed.", DIST,
+                                  aliases=["--ds_config", "--deepspeed_config", "--deepspeed-config"],
+                                  metavar="FILE")
+    deepspeed: bool = _flag(False, "Use the DeepSpeed engine (DeepSpeed's own flag; ZeRO-2 unless --ds_config "
+                                   "says otherwise).", DIST)
+    sharded_init: str = _flag("auto", "auto, always or never: build the model on the meta device and initialise it "
+                                      "shard by shard (fsdp, deepspeed ZeRO-3); auto does so from 500M parameters.",
+                              DIST)
+    fsdp_offload_cpu: bool = _flag(False, "FSDP: keep parameter, gradient and optimizer shards in host memory.",
+                                   DIST)
+    fsdp_no_reshard_after_forward: bool = _flag(False, "FSDP: keep each block's gathered parameters from forward "
+                                                       "to backward (more memory, one all-gather less).", DIST)
+    fsdp_hybrid: bool = _flag(False, "FSDP: shard within each node and replicate across nodes (HSDP).", DIST)
+    fsdp_replicate_degree: int = _flag(1, "FSDP: replicate across this many groups, sharding within each "
+                                          "(HSDP; --fsdp-hybrid sets it to the number of nodes).", DIST)
     dist_url: str | None = _flag(None, "Rendezvous URL (default: env:// from the launcher).", DIST)
     dist_backend: str | None = _flag(None, "nccl on GPU, gloo on CPU (default: picked by device).", DIST)
     ddp_static_graph: bool = _flag(False, "DDP static graph.", DIST)
@@ -191,16 +227,16 @@ class TrainConfig:
 DEMO_PRESET: dict[str, Any] = {
     "model": "test-tiny",
     "batch_size": 64,
-    "epochs": 12,
-    "lr": 2e-3,
-    "warmup": 40,
+    "epochs": 24,
+    "lr": 3e-3,
+    "warmup": 100,
     "wd": 0.1,
     "precision": "fp32",
     "workers": 0,
     "log_every_n_steps": 20,
-    "zeroshot_frequency": 4,
-    "val_frequency": 4,
-    "save_frequency": 4,
+    "zeroshot_frequency": 6,
+    "val_frequency": 6,
+    "save_frequency": 6,
 }
 
 
@@ -247,11 +283,23 @@ def resolve(cli_values: dict[str, Any]) -> TrainConfig:
     if demo:
         values.update(DEMO_PRESET)
     values.update(explicit)
+    _select_deepspeed(values, explicit)
     cfg = TrainConfig(**values)
     cfg.demo = demo
     reject_unsupported(cfg, explicit)
     validate(cfg)
     return cfg
+
+
+def _select_deepspeed(values: dict[str, Any], explicit: dict[str, Any]) -> None:
+    """DeepSpeed's launch lines name a config (--ds_config / --deepspeed_config) or --deepspeed, not an engine."""
+    if not (values.get("ds_config") or values.get("deepspeed")):
+        return
+    if explicit.get("engine", "deepspeed") != "deepspeed":
+        which = "--ds_config" if values.get("ds_config") else "--deepspeed"
+        raise UserError(f"{which} selects the deepspeed engine but --engine is {explicit['engine']}; "
+                        f"drop one of them")
+    values["engine"] = "deepspeed"
 
 
 def reject_unsupported(cfg: TrainConfig, explicit: dict[str, Any]) -> None:
@@ -282,8 +330,24 @@ def validate(cfg: TrainConfig) -> None:
         _fail("dataset_type", cfg.dataset_type, f"choose one of {', '.join(DATASET_TYPES)}")
     if cfg.engine not in ENGINES:
         _fail("engine", cfg.engine, f"choose one of {', '.join(ENGINES)}")
-    if cfg.engine != "ddp":
-        raise UserError(f"--engine {cfg.engine}: not supported yet (ddp only for now)")
+    if cfg.sharded_init not in ("auto", "always", "never"):
+        _fail("sharded_init", cfg.sharded_init, "choose auto, always or never")
+    if not isinstance(cfg.fsdp_replicate_degree, int) or cfg.fsdp_replicate_degree < 1:
+        _fail("fsdp_replicate_degree", cfg.fsdp_replicate_degree, "must be a positive integer")
+    if cfg.engine != "fsdp":
+        for name in ("fsdp_offload_cpu", "fsdp_no_reshard_after_forward", "fsdp_hybrid"):
+            if getattr(cfg, name):
+                raise UserError(f"{flag_name(name)}: only applies to --engine fsdp (the engine is {cfg.engine})")
+        if cfg.fsdp_replicate_degree != 1:
+            raise UserError(f"--fsdp-replicate-degree: only applies to --engine fsdp (the engine is {cfg.engine})")
+    if cfg.engine == "ddp" and cfg.sharded_init == "always":
+        raise UserError("--sharded-init always: needs an engine that shards parameters (--engine fsdp, or "
+                        "deepspeed with ZeRO stage 3)")
+    if cfg.engine == "deepspeed":
+        from .engine.ds_config import resolve as resolve_ds_config
+
+        device = "cuda" if cfg.device.startswith("cuda") and _cuda_available() else "cpu"
+        resolve_ds_config(cfg, None, device)  # contradictions and bad JSON stop the run before any work
 
     for name in ("batch_size", "epochs", "accum_freq", "log_every_n_steps", "val_frequency",
                  "zeroshot_frequency", "grad_checkpointing_every"):
@@ -330,6 +394,7 @@ def validate(cfg: TrainConfig) -> None:
             _fail("report_to", cfg.report_to, "use tensorboard, wandb or tensorboard,wandb")
     if cfg.remote_sync_protocol not in ("s3", "fsspec"):
         _fail("remote_sync_protocol", cfg.remote_sync_protocol, "choose s3 or fsspec")
+    _validate_checkpoint_flags(cfg)
     if cfg.device not in ("cuda", "cpu") and not cfg.device.startswith("cuda:"):
         _fail("device", cfg.device, "choose cuda or cpu")
 
@@ -343,6 +408,12 @@ def validate(cfg: TrainConfig) -> None:
               f"choose one of {', '.join(dist_impls)} for the {'SigLIP' if cfg.siglip else 'CLIP'} loss")
 
     _validate_paths(cfg)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _is_url(path: str) -> bool:
@@ -372,5 +443,33 @@ def _validate_paths(cfg: TrainConfig) -> None:
         _fail("dataset_type", cfg.dataset_type, "needs --train-data")
 
 
+def _validate_checkpoint_flags(cfg: TrainConfig) -> None:
+    from .ckpt.manager import ASYNC_MODES
+    from .ckpt.storage import parse_storage_options
+
+    for name in ("save_every_n_steps", "keep_last_k", "remote_sync_frequency"):
+        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
+            _fail(name, getattr(cfg, name), "must be a non-negative integer")
+    if not isinstance(cfg.save_every_minutes, (int, float)) or not (cfg.save_every_minutes >= 0):
+        _fail("save_every_minutes", cfg.save_every_minutes, "must be a non-negative number of minutes")
+    if cfg.checkpoint_async not in ASYNC_MODES:
+        _fail("checkpoint_async", cfg.checkpoint_async, f"choose one of {', '.join(ASYNC_MODES)}")
+    parse_storage_options(cfg.storage_options)
+    if cfg.remote_sync and cfg.remote_sync_protocol == "s3" and not cfg.remote_sync.startswith("s3://"):
+        raise UserError(f"--remote-sync {cfg.remote_sync}: --remote-sync-protocol s3 (the default) needs an "
+                        f"s3:// URL; add --remote-sync-protocol fsspec for other stores and directories")
+    if cfg.remote_sync and cfg.remote_sync.startswith(("http://", "https://")):
+        _fail("remote_sync", cfg.remote_sync, "http(s) is read-only; use s3://, gs://, az:// or a directory")
+
+
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """The config as a plain dict for params.yaml, checkpoints and trackers: secrets redacted."""
+    from .ckpt.storage import redact_options, redact_url
+
+    values = dataclasses.asdict(cfg)
+    if values.get("storage_options"):
+        values["storage_options"] = redact_options(values["storage_options"])
+    for name in ("remote_sync", "resume", "logs", "train_data", "val_data"):
+        if isinstance(values.get(name), str):
+            values[name] = redact_url(values[name])
+    return values

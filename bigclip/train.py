@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from . import config as config_mod
-from .ckpt import CheckpointManager
-from .dist import World, all_reduce_min, broadcast_object, init_distributed, shutdown
+from .ckpt.preemption import Preempted
+from .ckpt.session import CheckpointSession, preflight
+from .dist import World, all_reduce_min, all_reduce_sum, broadcast_object, init_distributed, shutdown
 from .engine import build_engine
 from .errors import UserError
 from .eval import evaluate
@@ -38,11 +39,16 @@ def seed_everything(seed: int) -> None:
 
 # ---------------------------------------------------------------------------------------------- setup
 def build_model(cfg, world: World):
+    import functools
+
+    from .engine import build_model as build_for_engine
     from .model import create_model
 
-    return create_model(cfg.model, image_size=_image_size_override(cfg), context_length=cfg.force_context_length,
-                        patch_dropout=cfg.force_patch_dropout, quick_gelu=cfg.force_quick_gelu,
-                        siglip=cfg.siglip, pretrained=cfg.pretrained)
+    factory = functools.partial(create_model, cfg.model, image_size=_image_size_override(cfg),
+                                context_length=cfg.force_context_length, patch_dropout=cfg.force_patch_dropout,
+                                quick_gelu=cfg.force_quick_gelu, siglip=cfg.siglip, pretrained=cfg.pretrained)
+    # The engine picks where it is built: whole, or on meta for sharding engines to initialise shard by shard.
+    return build_for_engine(cfg, world, factory)
 
 
 def _image_size_override(cfg):
@@ -141,7 +147,9 @@ def _stop_if_nonfinite(loss: torch.Tensor, world: World) -> None:
 
 # ----------------------------------------------------------------------------------------- one epoch
 def train_one_epoch(cfg, engine, loss_fn, data: dict, epoch: int, state: dict[str, Any], schedule,
-                    sinks: MetricSinks, world: World, skip_batches: int = 0) -> None:
+                    sinks: MetricSinks, world: World, skip_batches: int = 0, on_step=None) -> None:
+    """One epoch. on_step(state, epoch, last_in_epoch), if given, runs after every optimizer step (the
+    checkpoint cadence; it may raise Preempted)."""
     info = data["train"]
     info.set_epoch(epoch, skip_batches=skip_batches)
     engine.train()
@@ -209,9 +217,23 @@ def train_one_epoch(cfg, engine, loss_fn, data: dict, epoch: int, state: dict[st
             })
             batch_time.reset()
             data_time.reset()
+        if on_step is not None:
+            on_step(state, epoch, step_in_epoch == steps_per_epoch)
     if progress is not None:
         progress.close()
     state["batches_in_epoch"] = 0
+    _report_skipped(info, state, epoch, sinks, world)
+
+
+def _report_skipped(info, state: dict, epoch: int, sinks: MetricSinks, world: World) -> None:
+    """Bad samples are skipped, never fatal and never silent: totals over all ranks, once per epoch."""
+    counts = info.skipped()
+    totals = all_reduce_sum(torch.tensor([counts[k] for k in sorted(counts)], dtype=torch.float64), world)
+    skipped = {k: int(v) for k, v in zip(sorted(counts), totals.tolist()) if v}
+    if skipped:
+        detail = ", ".join(f"{k}: {v}" for k, v in skipped.items())
+        logger.warning(f"data: {sum(skipped.values())} bad sample(s) skipped so far ({detail})")
+        sinks.write({"step": state["step"], "epoch": epoch, **{f"data/skipped_{k}": v for k, v in skipped.items()}})
 
 
 def _progress_bar(total: int, epoch: int, world: World, cfg):
@@ -262,6 +284,7 @@ def _run(cfg, world: World) -> int:
     problem = broadcast_object(problem, world)  # every rank stops, or none does
     if problem:
         raise UserError(problem)
+    preflight(cfg, name, world)  # a remote store that cannot be written stops the run before any work
     active = world.is_main or (cfg.log_local and world.local_rank == 0)
     if world.is_main:
         os.makedirs(paths.checkpoints, exist_ok=True)
@@ -279,15 +302,15 @@ def _run(cfg, world: World) -> int:
 
     state: dict[str, Any] = {"step": 0, "epoch": 0, "samples_seen": 0, "batches_in_epoch": 0,
                              "nonfinite_streak": 0, "nonfinite_steps": 0}
-    ckpt = CheckpointManager(paths.checkpoints, engine, world, cfg.delete_previous_checkpoint)
-    resume_path = ckpt.latest() if cfg.resume == "latest" else cfg.resume
-    if cfg.resume == "latest" and resume_path is None:
-        logger.info(f"--resume latest: no committed checkpoint in {paths.checkpoints}; starting fresh")
-    if resume_path:
-        saved = ckpt.load(resume_path)
-        state.update({k: saved[k] for k in ("step", "epoch", "samples_seen", "batches_in_epoch") if k in saved})
-        logger.info(f"resumed from {resume_path} at epoch {state['epoch']}, step {state['step']}")
+    ckpt = CheckpointSession(cfg, paths, name, engine, world, config_dict)
+    try:
+        ckpt.resume(state)
+        return _train(cfg, world, engine, loss_fn, data, tokenizer, state, ckpt, paths, active, config_dict)
+    finally:
+        ckpt.close()
 
+
+def _train(cfg, world, engine, loss_fn, data, tokenizer, state, ckpt, paths, active, config_dict) -> int:
     sinks = MetricSinks(cfg, paths, active, config_dict)
     last_metrics: dict[str, float] = {}
     try:
@@ -303,32 +326,26 @@ def _run(cfg, world: World) -> int:
         schedule = build_schedule(cfg, steps_per_epoch)
         logger.info(f"training {cfg.epochs} epochs x {steps_per_epoch} steps on {world.world_size} "
                     f"process(es), engine {engine.name}, device {world.device}, precision {cfg.precision}")
-        for epoch in range(state["epoch"], cfg.epochs):
-            train_one_epoch(cfg, engine, loss_fn, data, epoch, state, schedule, sinks, world,
-                            skip_batches=state.pop("batches_in_epoch", 0) if epoch == state["epoch"] else 0)
-            state["epoch"] = completed = epoch + 1
-            metrics = evaluate(engine, data, tokenizer, cfg, completed, world)
-            _report_eval(metrics, state, completed, sinks)
-            last_metrics.update(metrics)
-            _save_if_due(cfg, ckpt, state, config_dict, completed)
-        ckpt.wait()
+        preempted = None
+        try:
+            for epoch in range(state["epoch"], cfg.epochs):
+                train_one_epoch(cfg, engine, loss_fn, data, epoch, state, schedule, sinks, world,
+                                skip_batches=state.pop("batches_in_epoch", 0) if epoch == state["epoch"] else 0,
+                                on_step=ckpt.after_step)
+                state["epoch"] = completed = epoch + 1
+                metrics = evaluate(engine, data, tokenizer, cfg, completed, world)
+                _report_eval(metrics, state, completed, sinks)
+                last_metrics.update(metrics)
+                ckpt.after_epoch(state, completed)
+        except Preempted as stop:  # SIGTERM: the final checkpoint is on its way; wait for it below
+            preempted = stop
+        ckpt.finish(preempted)
         if state["nonfinite_steps"]:
             logger.warning(f"{state['nonfinite_steps']} step(s) were skipped for a non-finite loss")
         _summarise(cfg, paths, data, last_metrics)
     finally:
         sinks.close()
     return 0
-
-
-def _save_if_due(cfg, ckpt: CheckpointManager, state: dict, config_dict: dict, completed: int) -> None:
-    record = {**{k: state[k] for k in ("step", "epoch", "samples_seen")}, "batches_in_epoch": 0,
-              "config": config_dict}
-    last = completed == cfg.epochs
-    if cfg.save_frequency > 0 and (completed % cfg.save_frequency == 0 or last):
-        path = ckpt.save(f"epoch_{completed}", record)
-        logger.info(f"checkpoint saved: {path}")
-    if cfg.save_most_recent:
-        ckpt.save("epoch_latest", record)
 
 
 def _announce_config(cfg, config_dict: dict, paths, world: World) -> None:

@@ -39,8 +39,10 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 
 def torchrun(nproc: int, args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    # "--" keeps torchrun's own parser off bigclip's flags: it would reject --logs as an ambiguous
+    # abbreviation of its --logs-specs.
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", TRAIN_SCRIPT, *args]
+           f"--master_port={free_port()}", TRAIN_SCRIPT, "--", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(**env))
 
 

@@ -1,0 +1,42 @@
+"""The user-facing entry points as subprocesses: help, one-line errors, a CSV run with a bad row."""
+
+import os
+import subprocess
+import sys
+
+from PIL import Image
+
+from helpers import REPO, python_train, read_metrics, subprocess_env
+
+
+def test_python_m_bigclip_help_is_grouped():
+    out = subprocess.run([sys.executable, "-m", "bigclip", "--help"], capture_output=True, text=True,
+                         env=subprocess_env(), cwd=REPO, timeout=120)
+    assert out.returncode == 0
+    for group in ("data:", "model:", "training:", "distributed:", "--accum-freq"):
+        assert group in out.stdout
+
+
+def test_bad_flag_is_one_line_and_nonzero(tmp_path):
+    out = python_train(["--batch-size", "-1", "--logs", str(tmp_path)])
+    assert out.returncode == 2
+    assert out.stderr.strip() == "bigclip: error: --batch-size -1: must be a positive integer"
+    assert not os.listdir(tmp_path)  # stopped before any work
+
+
+def test_csv_run_skips_and_counts_a_missing_image(tmp_path):
+    rows = ["filepath\ttitle"]
+    for i in range(23):  # 23 good rows + 1 missing = 3 full batches: every row is read
+        path = tmp_path / f"img{i}.png"
+        Image.new("RGB", (20, 20), color=(10 * i, 255 - 10 * i, 40)).save(path)
+        rows.append(f"{path}\ta picture number {i}")
+    rows.append(f"{tmp_path / 'gone.png'}\ta picture that is not there")
+    csv = tmp_path / "train.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    out = python_train(["--train-data", str(csv), "--model", "test-tiny", "--batch-size", "8", "--epochs", "1",
+                        "--precision", "fp32", "--workers", "0", "--warmup", "1", "--logs", str(tmp_path / "logs"),
+                        "--name", "csv"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = read_metrics(str(tmp_path / "logs" / "csv"))
+    assert any(r.get("data/skipped_missing_image") == 1 for r in records)
+    assert "bad sample(s) skipped" in out.stdout + out.stderr
