@@ -53,7 +53,8 @@ def validate(engine, loader, world: World) -> dict[str, float]:
     loss_sum = torch.zeros(2, dtype=torch.float64)  # (sum of per-sample loss, samples)
     logit_scale = 1.0
     for images, texts in loader:
-        images, texts = images.to(device, non_blocking=True), texts.to(device, non_blocking=True)
+        images = images.to(device, dtype=engine.precision.param_dtype, non_blocking=True)
+        texts = texts.to(device, non_blocking=True)
         with engine.autocast():
             out = engine.module(images=images, texts=texts)
         img, txt = out["image_features"].float(), out["text_features"].float()
@@ -96,7 +97,7 @@ def zero_shot(engine, loader, tokenizer, classnames: list[str], templates: list[
     classifier = zero_shot_classifier(engine, tokenizer, classnames, templates, world.device)
     counts = torch.zeros(3, dtype=torch.float64)  # top-1 hits, top-5 hits, samples
     for images, labels in loader:
-        images, labels = images.to(world.device), labels.to(world.device)
+        images, labels = images.to(world.device, dtype=engine.precision.param_dtype), labels.to(world.device)
         with engine.autocast():
             feats = engine.module(images=images)["image_features"].float()
         logits = feats @ classifier

@@ -20,7 +20,7 @@ class Precision:
     name: str
     autocast_dtype: torch.dtype | None
     param_dtype: torch.dtype
-    loss_scaling: bool
+    loss_scaling: bool  # images are fed in param_dtype: pure bf16/fp16 weights need bf16/fp16 inputs
 
     def autocast(self, device: torch.device):
         if self.autocast_dtype is None:

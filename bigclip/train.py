@@ -163,7 +163,8 @@ def train_one_epoch(cfg, engine, loss_fn, data: dict, epoch: int, state: dict[st
     step_in_epoch = skip_batches // cfg.accum_freq
     end = time.perf_counter()
     for images, texts in info.dataloader:
-        micro.append((images.to(world.device, non_blocking=True), texts.to(world.device, non_blocking=True)))
+        images = images.to(world.device, dtype=engine.precision.param_dtype, non_blocking=True)
+        micro.append((images, texts.to(world.device, non_blocking=True)))
         if len(micro) < cfg.accum_freq:
             continue
         if step_in_epoch >= steps_per_epoch:

@@ -40,3 +40,14 @@ def test_csv_run_skips_and_counts_a_missing_image(tmp_path):
     records = read_metrics(str(tmp_path / "logs" / "csv"))
     assert any(r.get("data/skipped_missing_image") == 1 for r in records)
     assert "bad sample(s) skipped" in out.stdout + out.stderr
+
+
+def test_report_to_tensorboard_and_wandb_offline(tmp_path):
+    from helpers import TINY_SYNTHETIC
+
+    out = python_train([*TINY_SYNTHETIC, "--epochs", "1", "--report-to", "tensorboard,wandb",
+                        "--logs", str(tmp_path), "--name", "sinks"], WANDB_MODE="offline")
+    assert out.returncode == 0, out.stderr[-2000:]
+    run_dir = tmp_path / "sinks"
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((run_dir / "wandb").glob("offline-run-*"))

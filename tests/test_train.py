@@ -125,3 +125,17 @@ def test_save_most_recent_and_delete_previous(tmp_path):
     run_dir = run(tmp_path, "retention", "--epochs", "3", "--save-most-recent", "--delete-previous-checkpoint")
     names = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
     assert names == ["epoch_3", "epoch_latest"]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--siglip", "--lock-image"],
+    ["--opt", "timm/sgd", "--momentum", "0.9", "--grad-clip-norm", "1.0", "--lr-scheduler", "const-cooldown",
+     "--epochs-cooldown", "1"],
+    ["--precision", "amp_bf16", "--grad-checkpointing", "--force-patch-dropout", "0.25"],
+    ["--precision", "bf16", "--lock-text", "--lock-text-unlocked-layers", "1"],
+], ids=["siglip-lock-image", "timm-sgd-cooldown", "amp-bf16-checkpointing", "pure-bf16-lock-text"])
+def test_flag_combinations_train(tmp_path, flags):
+    run_dir = run(tmp_path, "combo", "--epochs", "1", *flags)
+    losses = step_losses(run_dir)
+    assert len(losses) == 8 and all(v == v for v in losses.values())
+
