@@ -407,6 +407,9 @@ def validate(cfg: TrainConfig) -> None:
         _fail("loss_dist_impl", cfg.loss_dist_impl,
               f"choose one of {', '.join(dist_impls)} for the {'SigLIP' if cfg.siglip else 'CLIP'} loss")
 
+    from .data import validate_aug_cfg
+
+    validate_aug_cfg(cfg.aug_cfg)
     _validate_paths(cfg)
 
 

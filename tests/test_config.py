@@ -57,13 +57,13 @@ def test_precedence_defaults_yaml_flags(tmp_path):
     (["--report-to", "mlflow"], "--report-to 'mlflow': use tensorboard, wandb"),
     (["--dataset-resampled"], "--dataset-resampled: not supported yet"),
     (["--horovod"], "--horovod: not supported yet"),
-    (["--remote-sync", "s3://b/x"], "--remote-sync: not supported yet"),
     (["--coca-caption-loss-weight", "1.0"], "--coca-caption-loss-weight: not supported yet"),
     (["--imagenet-val", "/data/imagenet"], "--imagenet-val: not supported yet"),
     (["--batch-size", "abc"], "argument --batch-size: invalid int value: 'abc'"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--force-patch-dropout", "1.5"], "--force-patch-dropout 1.5: must be in [0, 1)"),
     (["--loss-impl", "magic"], "--loss-impl 'magic': choose one of"),
+    (["--aug-cfg", "scale=0.5::1.0", "sharpness=2"], "--aug-cfg"),
 ])
 def test_bad_values_fail_with_one_line(argv, expected, capsys):
     code = cli.main(argv)

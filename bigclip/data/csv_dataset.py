@@ -1,0 +1,85 @@
+"""Image-text pairs listed in a CSV/TSV file: one row per sample, an image path column and a caption column.
+
+Image paths are read relative to the current directory (OpenCLIP's behaviour); a relative path that
+is not found there is also tried relative to the CSV file's folder.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import warnings
+
+from PIL import Image
+
+from ..errors import UserError
+from .map_style import ReplacingDataset, SampleSkipped
+from .skips import SkipCounter
+
+
+def _separator(sep: str) -> str:
+    if sep in ("\\t", "tab"):  # typed on a shell as a literal backslash-t
+        return "\t"
+    if len(sep) != 1:
+        raise UserError(f"--csv-separator {sep!r}: give a single character, e.g. ',' or a tab")
+    return sep
+
+
+def read_pairs(path: str, flag: str, separator: str, img_key: str, caption_key: str
+               ) -> tuple[list[str], list[str | None]]:
+    """(image paths, captions) from the file; missing captions are None (skipped when read)."""
+    if not os.path.isfile(path):
+        raise UserError(f"{flag} {path}: file not found; pass an existing CSV file")
+    sep = _separator(separator)
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter=sep)
+        columns = reader.fieldnames or []
+        for key, key_flag in ((img_key, "--csv-img-key"), (caption_key, "--csv-caption-key")):
+            if key not in columns:
+                raise UserError(f"{key_flag} {key}: no such column in {flag} {path} (columns: {columns}); "
+                                f"set {key_flag} or --csv-separator")
+        images, captions = [], []
+        for row in reader:
+            images.append(row[img_key] or "")
+            captions.append(row[caption_key])
+    if not images:
+        raise UserError(f"{flag} {path}: the file has no rows; add image,caption rows")
+    return images, captions
+
+
+class CsvDataset(ReplacingDataset):
+    def __init__(self, path: str, transform, tokenizer, skips: SkipCounter, *, flag: str = "--train-data",
+                 separator: str = "\t", img_key: str = "filepath", caption_key: str = "title"):
+        super().__init__(skips)
+        self.source = f"{flag} {path}"
+        self.folder = os.path.dirname(os.path.abspath(path))
+        self.images, self.captions = read_pairs(path, flag, separator, img_key, caption_key)
+        self.transform = transform
+        self.tokenizer = tokenizer
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def _image_path(self, index: int) -> str:
+        path = self.images[index]
+        if path and not os.path.isabs(path) and not os.path.exists(path):
+            beside_csv = os.path.join(self.folder, path)
+            if os.path.exists(beside_csv):
+                return beside_csv
+        return path
+
+    def load(self, index: int):
+        caption = self.captions[index]
+        if caption is None or not caption.strip():
+            raise SampleSkipped("missing_caption", f"row {index + 1} of {self.source}")
+        path = self._image_path(index)
+        if not path or not os.path.isfile(path):
+            raise SampleSkipped("missing_image", f"{path!r} (row {index + 1} of {self.source})")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # PIL's per-file warnings (EXIF, palettes) would flood logs
+                with Image.open(path) as img:
+                    image = self.transform(img.convert("RGB"))
+        except Exception as e:  # any decoder or transform failure: this sample is unusable, not the run
+            raise SampleSkipped("bad_image", f"{path}: {e}") from None
+        return image, self.tokenizer([caption])[0]

@@ -1,0 +1,369 @@
+"""The data package with real files: PNG/JPEG images, CSV files, .tar shards, DataLoader workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import tarfile
+
+import pytest
+import torch
+from PIL import Image
+
+from bigclip.config import TrainConfig
+from bigclip.data import (DIGIT_CLASSNAMES, DIGIT_TEMPLATES, DataInfo, get_data, image_transform,
+                          parse_aug_cfg, resolve_dataset_type)
+from bigclip.data.digits import digit_caption, load_digit_split
+from bigclip.data.sampler import ShardedBatchSampler
+from bigclip.errors import UserError
+from bigclip.model.tokenizer import ByteTokenizer
+
+SIZE = 8
+MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+TOKENIZER = ByteTokenizer(context_length=24)
+PREPROCESS = image_transform(SIZE, False, MEAN, STD)
+PREPROCESS_CFG = {"size": (SIZE, SIZE), "mean": MEAN, "std": STD}
+
+
+def make_cfg(**overrides) -> TrainConfig:
+    base = dict(workers=0, batch_size=2, seed=0)
+    return dataclasses.replace(TrainConfig(), **{**base, **overrides})
+
+
+def load(cfg, rank=0, world_size=1, epoch=0) -> dict:
+    return get_data(cfg, PREPROCESS, PREPROCESS, TOKENIZER, rank=rank, world_size=world_size, epoch=epoch,
+                    preprocess_cfg=PREPROCESS_CFG)
+
+
+def captions_of(batches) -> list[str]:
+    return [TOKENIZER.decode(row) for _, tokens in batches for row in tokens]
+
+
+def png_bytes(shade: int, size=(12, 10), fmt="PNG") -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, (shade, 255 - shade, 7)).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def write_csv(folder, rows: list[tuple[str, str]], sep="\t", name="data.csv") -> str:
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        f.write(f"filepath{sep}title\n")
+        for image, caption in rows:
+            f.write(f"{image}{sep}{caption}\n")
+    return path
+
+
+def image_files(folder, n: int) -> list[str]:
+    paths = []
+    for i in range(n):
+        path = os.path.join(folder, f"img{i}.png")
+        with open(path, "wb") as f:
+            f.write(png_bytes(20 * i))
+        paths.append(path)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------ synthetic
+def test_synthetic_is_deterministic_and_shaped():
+    cfg = make_cfg(dataset_type="synthetic", train_num_samples=12, batch_size=4)
+    first, second = load(cfg)["train"], load(cfg)["train"]
+    assert first.num_batches == 3 and first.num_samples == 12
+    a, b = list(first.dataloader), list(second.dataloader)
+    assert len(a) == 3
+    for (ia, ta), (ib, tb) in zip(a, b):
+        assert ia.shape == (4, 3, SIZE, SIZE) and ia.dtype == torch.float32
+        assert ta.shape == (4, 24) and ta.dtype == torch.long
+        assert torch.equal(ia, ib) and torch.equal(ta, tb)
+        assert (ta[:, 0] == 257).all() and (ta.argmax(dim=1) == (ta == 258).float().argmax(dim=1)).all()
+    first.set_epoch(1)
+    assert not torch.equal(next(iter(first.dataloader))[0], a[0][0])  # reshuffled for epoch 1
+
+
+def test_synthetic_default_length():
+    assert load(make_cfg(dataset_type="synthetic", batch_size=10))["train"].num_samples == 1000
+
+
+# ---------------------------------------------------------------------------------------------- CSV
+def test_csv_happy_path(tmp_path):
+    images = image_files(tmp_path, 6)
+    path = write_csv(tmp_path, [(p, f"caption {i}") for i, p in enumerate(images)])
+    data = load(make_cfg(train_data=path, val_data=path, batch_size=4))
+    train, val = data["train"], data["val"]
+    assert train.num_batches == 1 and len(list(train.dataloader)) == 1
+    batches = list(val.dataloader)
+    assert [len(b[0]) for b in batches] == [4, 2]  # evaluation keeps the partial batch
+    assert captions_of(batches) == [f"caption {i}" for i in range(6)]
+    assert batches[0][0].shape == (4, 3, SIZE, SIZE)
+    assert sum(train.skipped().values()) == 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_csv_bad_samples_are_replaced_and_counted(tmp_path, workers):
+    images = image_files(tmp_path, 8)
+    with open(images[5], "wb") as f:
+        f.write(b"\x89PNG not really an image")
+    rows = [(p, f"caption {i}") for i, p in enumerate(images)]
+    rows[2] = (str(tmp_path / "gone.png"), "caption 2")  # image file missing
+    rows[6] = (images[6], "")                              # caption missing
+    path = write_csv(tmp_path, rows)
+    info = load(make_cfg(train_data=path, val_data=path, batch_size=4, workers=workers))["val"]
+    batches = list(info.dataloader)
+    assert [len(b[0]) for b in batches] == [4, 4]  # sizes never shrink
+    # Each bad sample is replaced by the next readable one: 2->3, 5->7 (6 is bad too), 6->7.
+    assert captions_of(batches) == [f"caption {i}" for i in (0, 1, 3, 3, 4, 7, 7, 7)]
+    assert info.skipped() == {"missing_image": 1, "bad_image": 1, "missing_caption": 1, "read_error": 0}
+    list(info.dataloader)
+    assert info.skipped()["missing_image"] == 2  # cumulative across epochs
+
+
+def test_csv_training_batches_stay_full_with_bad_samples(tmp_path):
+    images = image_files(tmp_path, 8)
+    rows = [(p, f"caption {i}") for i, p in enumerate(images)]
+    rows[0] = ("nowhere.png", "caption 0")
+    info = load(make_cfg(train_data=write_csv(tmp_path, rows), batch_size=4, workers=2))["train"]
+    assert [len(b[0]) for b in info.dataloader] == [4, 4]
+    assert info.skipped()["missing_image"] == 1
+
+
+def test_csv_relative_paths_beside_the_file_and_other_separator(tmp_path):
+    image_files(tmp_path, 2)
+    path = write_csv(tmp_path, [("img0.png", "zero"), ("img1.png", "one")], sep=",", name="d.tsv")
+    info = load(make_cfg(train_data=path, csv_separator=",", batch_size=2))["train"]
+    assert sorted(captions_of(info.dataloader)) == ["one", "zero"]
+
+
+def test_csv_user_errors(tmp_path):
+    with pytest.raises(UserError, match=r"--train-data .*missing\.csv: file not found"):
+        load(make_cfg(train_data=str(tmp_path / "missing.csv")))
+    path = write_csv(tmp_path, [("a.png", "x")])
+    with pytest.raises(UserError, match="--csv-img-key image: no such column"):
+        load(make_cfg(train_data=path, csv_img_key="image"))
+    with pytest.raises(UserError, match="--batch-size 4"):
+        load(make_cfg(train_data=path, batch_size=4))
+    with pytest.raises(UserError, match="--csv-separator"):
+        load(make_cfg(train_data=path, csv_separator=";;"))
+
+
+# ---------------------------------------------------------------------------------------- webdataset
+def write_shard(path, samples: list[dict[str, bytes]]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for sample in samples:
+            key = sample["__key__"]
+            for ext, data in sample.items():
+                if ext == "__key__":
+                    continue
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.fixture()
+def shards(tmp_path):
+    """Two shards, 10 samples: 8 good, one undecodable image, one without caption."""
+    for shard in range(2):
+        samples = []
+        for i in range(5):
+            n = shard * 5 + i
+            fmt, ext = (("JPEG", "jpg"), ("PNG", "png"))[n % 2]
+            samples.append({"__key__": f"s{n:03d}", ext: png_bytes(n * 20, fmt=fmt),
+                            "txt": f"sample {n}".encode()})
+        samples[1]["png" if samples[1].get("png") else "jpg"] = b"garbage bytes"  # s001 / s006
+        if shard == 1:
+            del samples[3]["txt"]  # s008
+        write_shard(tmp_path / f"shard-{shard}.tar", samples)
+    return str(tmp_path / "shard-{0..1}.tar")
+
+
+GOOD = sorted(f"sample {n}" for n in range(10) if n not in (1, 6, 8))
+
+
+def test_webdataset_eval_reads_every_good_sample_once(shards):
+    info = load(make_cfg(val_data=shards, batch_size=3))["val"]
+    assert sorted(captions_of(info.dataloader)) == GOOD
+    assert info.skipped() == {"missing_image": 0, "bad_image": 2, "missing_caption": 1, "read_error": 0}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_webdataset_training_epoch(shards, workers):
+    cfg = make_cfg(train_data=shards, train_num_samples=30, batch_size=3, workers=workers)
+    info = load(cfg)["train"]
+    assert info.num_batches == 10 and info.num_samples == 30
+    batches = list(info.dataloader)
+    assert len(batches) == 10 and all(b[0].shape == (3, 3, SIZE, SIZE) for b in batches)
+    assert set(captions_of(batches)) <= set(GOOD)
+    skipped = info.skipped()
+    assert skipped["bad_image"] >= 1 and skipped["missing_caption"] >= 1
+    again = list(load(cfg)["train"].dataloader)
+    assert captions_of(again) == captions_of(batches)  # same seed, same epoch: same stream
+
+
+def test_webdataset_two_ranks_disjoint_equal(shards):
+    cfg = make_cfg(val_data=shards, train_data=shards, train_num_samples=6, batch_size=3)
+    seen = [captions_of(load(cfg, rank=r, world_size=2)["val"].dataloader) for r in range(2)]
+    assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == GOOD
+    train = [list(load(cfg, rank=r, world_size=2)["train"].dataloader) for r in range(2)]
+    assert [len(t) for t in train] == [1, 1] and all(len(t[0][0]) == 3 for t in train)
+
+
+def test_webdataset_resume_skips_batches(tmp_path):
+    # Exact when the skipped part holds no undecodable image (skipping does not decode; see wds_dataset).
+    for shard in range(3):
+        write_shard(tmp_path / f"c{shard}.tar", [{"__key__": f"k{shard}{i}", "png": png_bytes(i),
+                                                  "txt": f"clean {shard} {i}".encode()} for i in range(4)])
+    cfg = make_cfg(train_data=str(tmp_path / "c{0..2}.tar"), train_num_samples=16, batch_size=2, workers=2)
+    info = load(cfg, epoch=3)["train"]
+    full = captions_of(info.dataloader)
+    info.set_epoch(3, skip_batches=3)
+    assert len(info.dataloader) == info.num_batches - 3 == 5
+    assert captions_of(info.dataloader) == full[3 * 2:]
+
+
+def test_webdataset_user_errors(tmp_path, shards):
+    with pytest.raises(UserError, match="--train-num-samples"):
+        load(make_cfg(train_data=shards))
+    with pytest.raises(UserError, match=r"--train-data .*shard-2\.tar: shard not found"):
+        load(make_cfg(train_data=shards.replace("1}", "2}"), train_num_samples=4))
+    # Several sources joined with '::' concatenate.
+    joined = f"{shards}::{shards}"
+    both = load(make_cfg(val_data=joined, batch_size=4))["val"]
+    assert sorted(captions_of(both.dataloader)) == sorted(GOOD * 2)
+
+
+# ------------------------------------------------------------------------------------ type detection
+@pytest.mark.parametrize("path, kind", [
+    ("a/train.csv", "csv"), ("b.TSV", "csv"), ("s/{000..009}.tar", "webdataset"),
+    ("x/{a,b}.tar::y/c.tar", "webdataset"),
+])
+def test_auto_dataset_type(path, kind):
+    assert resolve_dataset_type(path, "auto", "--train-data") == kind
+    assert resolve_dataset_type(path, "synthetic", "--train-data") == "synthetic"
+
+
+@pytest.mark.parametrize("path", ["data.parquet", "a.csv::b.tar", "{a.tar,b.txt}"])
+def test_auto_dataset_type_errors(path):
+    with pytest.raises(UserError, match=r"--val-data .*--dataset-type"):
+        resolve_dataset_type(path, "auto", "--val-data")
+
+
+# ------------------------------------------------------------------------------------------ sharding
+def test_two_rank_training_batches_are_disjoint_and_equal():
+    per_rank = []
+    for rank in range(2):
+        sampler = ShardedBatchSampler(23, batch_size=4, rank=rank, world_size=2, seed=5)
+        sampler.set_epoch(2)
+        per_rank.append(list(sampler))
+    assert [len(b) for b in per_rank] == [2, 2]
+    assert all(len(batch) == 4 for batches in per_rank for batch in batches)
+    flat = [i for batches in per_rank for batch in batches for i in batch]
+    assert len(set(flat)) == 16
+    cfg = make_cfg(dataset_type="synthetic", train_num_samples=16, batch_size=4)
+    loaders = [load(cfg, rank=r, world_size=2)["train"].dataloader for r in range(2)]
+    images = [torch.cat([b[0] for b in loader]) for loader in loaders]
+    assert images[0].shape == images[1].shape == (8, 3, SIZE, SIZE)
+    assert not any(torch.equal(x, y) for x in images[0] for y in images[1])
+
+
+def test_eval_sharding_covers_every_sample_once_with_equal_batch_counts():
+    samplers = [ShardedBatchSampler(21, batch_size=4, rank=r, world_size=2, train=False) for r in range(2)]
+    batches = [list(s) for s in samplers]
+    assert [len(s) for s in samplers] == [3, 3]
+    assert len(batches[0]) == len(batches[1]) == 3
+    flat = sorted(i for rank in batches for b in rank for i in b)
+    assert flat == list(range(21))
+
+
+def test_skip_batches_continues_the_same_epoch():
+    sampler = ShardedBatchSampler(40, batch_size=4, seed=1)
+    sampler.set_epoch(7)
+    full = list(sampler)
+    sampler.set_epoch(7, skip_batches=4)
+    assert list(sampler) == full[4:] and len(sampler) == len(full) - 4
+
+
+# ---------------------------------------------------------------------------------------------- demo
+def test_digits_split_is_fixed_stratified_and_disjoint():
+    a, b = load_digit_split(), load_digit_split()
+    assert len(a.train_labels) == 1437 and len(a.heldout_labels) == 360
+    assert torch.equal(a.heldout_indices, b.heldout_indices) and torch.equal(a.train_images, b.train_images)
+    assert not set(a.train_indices.tolist()) & set(a.heldout_indices.tolist())
+    per_class = torch.bincount(a.heldout_labels, minlength=10)
+    assert per_class.min() >= 35 and per_class.max() <= 37
+    assert a.train_images.shape == (1437, 8, 8) and 0 <= a.train_images.min() and a.train_images.max() == 1
+
+
+def test_digits_loaders():
+    cfg = make_cfg(demo=True, batch_size=64)
+    tokenizer = ByteTokenizer(context_length=32)
+    size_cfg = {"size": (16, 16), "mean": MEAN, "std": STD}
+    data = get_data(cfg, None, None, tokenizer, preprocess_cfg=size_cfg)
+    assert data["classnames"] == DIGIT_CLASSNAMES and data["templates"] == DIGIT_TEMPLATES
+    assert digit_caption(7) == DIGIT_TEMPLATES[0].format("seven")
+    train = data["train"]
+    assert train.num_batches == 1437 // 64
+    images, tokens = next(iter(train.dataloader))
+    assert images.shape == (64, 3, 16, 16) and tokens.shape == (64, 32)
+    assert torch.allclose(images[:, 0], images[:, 2])  # grey replicated to three channels
+    assert images.min() == pytest.approx((0 - 0.5) / 0.25)  # background is 0, normalised
+    assert {tokenizer.decode(t) for t in tokens} <= {digit_caption(c) for c in range(10)}
+    again = next(iter(get_data(cfg, None, None, tokenizer, preprocess_cfg=size_cfg)["train"].dataloader))
+    assert torch.equal(again[0], images)
+    shots = list(data["zeroshot"].dataloader)
+    labels = torch.cat([s[1] for s in shots])
+    assert len(labels) == 360 and labels.dtype == torch.long and labels.max() == 9
+    assert sum(len(b[0]) for b in data["val"].dataloader) == 360
+    with pytest.raises(UserError, match="--force-context-length 16"):
+        get_data(cfg, None, None, ByteTokenizer(context_length=16), preprocess_cfg=size_cfg)
+
+
+# ----------------------------------------------------------------------------------------- transforms
+def test_parse_aug_cfg_values_and_errors():
+    cfg = parse_aug_cfg(["scale=(0.5,1.0)", "ratio_range=0.75::1.33", "use_timm=True", "re_prob=0.25",
+                         "re_count=2", "color_jitter=0.4"])
+    assert cfg == {"scale": (0.5, 1.0), "ratio": (0.75, 1.33), "use_timm": True, "re_prob": 0.25,
+                   "re_count": 2, "color_jitter": 0.4}
+    for bad, message in [("sharpness=2", "unknown key"), ("scale", "expected key=value"),
+                         ("scale=1.0::0.5", "low <= high"), ("gray_scale_prob=2", "probability"),
+                         ("use_timm=maybe", "true or false"), ("re_count=0", ">= 1")]:
+        with pytest.raises(UserError, match=f"--aug-cfg .*{message}"):
+            parse_aug_cfg([bad])
+
+
+@pytest.mark.parametrize("resize_mode", ["shortest", "longest", "squash"])
+def test_image_transform_shapes(resize_mode):
+    image = Image.new("L", (40, 20), 200)  # grey, wide
+    out = image_transform((16, 12), False, MEAN, STD, "bilinear", resize_mode)(image)
+    assert out.shape == (3, 16, 12)
+    if resize_mode == "longest":
+        assert out[:, 0].min() == pytest.approx(-2.0)  # letterbox padding is black
+    aug = {"scale": (0.5, 1.0), "gray_scale_prob": 0.5, "color_jitter": (0.2, 0.2, 0.2, 0.1)}
+    train = image_transform(16, True, MEAN, STD, "random", aug_cfg=aug)
+    assert train(image).shape == (3, 16, 16)
+    timm = image_transform(16, True, MEAN, STD, aug_cfg=["use_timm=true", "re_prob=0.5"])
+    assert timm(image).shape == (3, 16, 16)
+    with pytest.raises(UserError, match="--image-resize-mode"):
+        image_transform(16, False, MEAN, STD, resize_mode="fit")
+
+
+def test_datainfo_without_counters():
+    info = DataInfo(dataloader=[], num_samples=0, num_batches=0)
+    assert set(info.skipped().values()) == {0}
+
+
+def test_webdataset_truncated_shard_is_counted(tmp_path, shards):
+    # Members are 512-byte header + 512-byte data here: cut inside the third member's data (s006.png).
+    whole = (tmp_path / "shard-1.tar").read_bytes()
+    (tmp_path / "shard-1.tar").write_bytes(whole[: 2 * 1024 + 700])
+    info = load(make_cfg(val_data=shards, batch_size=3))["val"]
+    assert sorted(captions_of(info.dataloader)) == [f"sample {n}" for n in (0, 2, 3, 4, 5)]
+    assert info.skipped()["read_error"] == 1
+
+
+def test_webdataset_training_without_any_usable_sample_stops_with_user_error(tmp_path):
+    bad = [{"__key__": f"b{i}", "jpg": b"no jpeg", "txt": b"x"} for i in range(3)]
+    write_shard(tmp_path / "bad.tar", bad)
+    info = load(make_cfg(train_data=str(tmp_path / "bad.tar"), train_num_samples=4))["train"]
+    info.sampler.shuffle_buffer = info.sampler.shuffle_initial = 10  # give up sooner than 5000 samples
+    with pytest.raises(UserError, match="no usable sample"):
+        next(iter(info.dataloader))
