@@ -1,0 +1,245 @@
+"""Tile primitives of the exact contrastive losses in plain torch (the `chunked` implementation).
+
+A *block* is a set of rows (image features, M x D) against a set of columns (text features,
+N x D): the whole batch on one process, or one rank's share against another rank's in the
+distributed variants. The primitives walk a block in tiles of at most TILE x TILE logits, so the
+largest tensor they ever create is one tile; nothing of size M x N exists, forward or backward.
+
+Choices, and why:
+- Tiles are large (2048 x 2048 by default): one tile is a single big matmul, so Python overhead
+  is negligible next to BLAS and the chunked path runs at about the speed of the naive one.
+- Every tile is computed in float32 from features upcast tile by tile. The product of two bf16
+  (or fp16) numbers is exact in fp32, so this equals a low-precision matmul with fp32
+  accumulation; gradients are accumulated in fp32 and cast to the input dtype by the caller.
+- The CLIP forward pass yields both directions from one pass over the tiles: per-row and
+  per-column log-sum-exp, plus the softmax-weighted mean of the unscaled logit x = i.t in each
+  row and column. Those means are d lse / d logit_scale, so the scale gradient needs no extra
+  pass in backward. Backward recomputes each tile from the features and the saved O(M + N)
+  statistics (the FlashAttention recipe).
+- SigLIP needs no normalisation, so its forward pass only sums the loss and the two numbers
+  that make the scale and bias gradients: sum(dz * x) and sum(dz) with dz = dloss/dlogit.
+
+`diag` names the positive pairs: row i's positive is column i + diag (None: no positives, the
+negative-only blocks of the distributed SigLIP loss).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+TILE = 2048
+
+
+def full_precision(fn):
+    """Run fn outside any autocast region: autocast would turn the fp32 tile matmuls into bf16."""
+
+    @functools.wraps(fn)
+    def wrapper(image, *args, **kwargs):
+        with torch.autocast(image.device.type, enabled=False):
+            return fn(image, *args, **kwargs)
+
+    return wrapper
+
+
+@full_precision
+def positive_logits(image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    """Unscaled logits of the positive pairs, image_i . text_i, in float32 (both backends)."""
+    return torch.linalg.vecdot(image.float(), text.float(), dim=1)
+
+
+def _spans(n: int, tile: int | None):
+    tile = tile or TILE  # read at call time, so tests and benchmarks can change TILE
+    return [(start, min(start + tile, n)) for start in range(0, n, tile)]
+
+
+def _diagonal(tile: torch.Tensor, r0: int, c0: int, diag: int | None):
+    """The view of a tile's positive pairs and the global column index of its first element."""
+    if diag is None:
+        return None, 0
+    k = r0 + diag - c0  # positive pairs sit on the k-th diagonal of this tile
+    rows, cols = tile.shape
+    if k >= cols or -k >= rows:
+        return None, 0
+    return tile.diagonal(k), c0 + max(k, 0)
+
+
+def _merge_lse(lse: torch.Tensor, mean: torch.Tensor, tile_lse: torch.Tensor, tile_mean: torch.Tensor):
+    """Fold one tile's (log-sum-exp, softmax-weighted mean) into running statistics, in place."""
+    new = torch.logaddexp(lse, tile_lse)
+    mean.mul_(torch.exp(lse - new)).add_(tile_mean * torch.exp(tile_lse - new))
+    lse.copy_(new)
+
+
+@full_precision
+def clip_block_stats(image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor, tile: int | None = None):
+    """Row and column statistics of the logits scale * image @ text.T.
+
+    Returns (row_lse, row_mean, col_lse, col_mean), float32, where *_mean is the softmax-weighted
+    mean of the unscaled logit along that row or column.
+    """
+    m, n = image.shape[0], text.shape[0]
+    dev = image.device
+    row_lse = torch.empty(m, device=dev)
+    row_mean = torch.empty(m, device=dev)
+    col_lse = torch.full((n,), float("-inf"), device=dev)
+    col_mean = torch.zeros(n, device=dev)
+    for r0, r1 in _spans(m, tile):
+        rows = image[r0:r1].float()
+        r_lse = torch.full((r1 - r0,), float("-inf"), device=dev)
+        r_mean = torch.zeros(r1 - r0, device=dev)
+        for c0, c1 in _spans(n, tile):
+            x = rows @ text[c0:c1].float().T
+            s = x * scale
+            for dim, lse, mean in ((1, r_lse, r_mean), (0, col_lse[c0:c1], col_mean[c0:c1])):
+                peak = s.amax(dim, keepdim=True)
+                e = torch.sub(s, peak).exp_()  # in-place steps: at most three tiles alive
+                total = e.sum(dim)
+                weighted = e.mul_(x).sum(dim) / total
+                _merge_lse(lse, mean, peak.squeeze(dim) + torch.log(total), weighted)
+        row_lse[r0:r1] = r_lse
+        row_mean[r0:r1] = r_mean
+    return row_lse, row_mean, col_lse, col_mean
+
+
+def _clip_tile_grad(s, row_lse, col_lse, alpha, beta, r0, c0, diag):
+    """G = alpha_j softmax_row + beta_j softmax_col - (alpha_j + beta_j) [positive] for one tile.
+
+    alpha and beta arrive sliced to this tile's columns.
+    """
+    g = torch.sub(s, row_lse[:, None]).exp_().mul_(alpha)
+    g.add_(torch.sub(s, col_lse[None, :]).exp_().mul_(beta))
+    pos, first = _diagonal(g, r0, c0, diag)
+    if pos is not None:
+        local = slice(first - c0, first - c0 + pos.numel())
+        pos.sub_(alpha[local] + beta[local])
+    return g
+
+
+@full_precision
+def clip_block_grads(
+    image: torch.Tensor,
+    text: torch.Tensor,
+    scale: torch.Tensor,
+    row_lse: torch.Tensor,
+    col_lse: torch.Tensor,
+    weights_image: tuple[torch.Tensor, torch.Tensor],
+    weights_text: tuple[torch.Tensor, torch.Tensor] | None,
+    diag: int | None,
+    need_image: bool = True,
+    need_text: bool = True,
+    tile: int | None = None,
+):
+    """Gradients of a weighted CLIP objective w.r.t. a block's image and text features.
+
+    With S = scale * image @ text.T, P_row = softmax over each row and P_col over each column,
+    dL/dS = alpha_j P_row + beta_j P_col - (alpha_j + beta_j) at positive pairs, where
+    (alpha, beta) are per-column float32 vectors. `weights_image` gives the weights whose
+    gradient flows into the image features, `weights_text` those for the text features (None:
+    the same). Returns (d_image, d_text) in float32 (None where not needed).
+    """
+    m, n = image.shape[0], text.shape[0]
+    dev = image.device
+    d_image = torch.zeros(image.shape, device=dev) if need_image else None
+    d_text = torch.zeros(text.shape, device=dev) if need_text else None
+    same = weights_text is None
+    for r0, r1 in _spans(m, tile):
+        rows = image[r0:r1].float()
+        for c0, c1 in _spans(n, tile):
+            cols = text[c0:c1].float()
+            s = (rows @ cols.T).mul_(scale)
+            args = (s, row_lse[r0:r1], col_lse[c0:c1])
+            a_i, b_i = weights_image
+            g_i = _clip_tile_grad(*args, a_i[c0:c1], b_i[c0:c1], r0, c0, diag)
+            if need_image:
+                d_image[r0:r1].addmm_(g_i, cols)
+            if need_text:
+                if same:
+                    g_t = g_i
+                else:
+                    a_t, b_t = weights_text
+                    g_t = _clip_tile_grad(*args, a_t[c0:c1], b_t[c0:c1], r0, c0, diag)
+                d_text[c0:c1].addmm_(g_t.T, rows)
+    if need_image:
+        d_image.mul_(scale)
+    if need_text:
+        d_text.mul_(scale)
+    return d_image, d_text
+
+
+def _siglip_tile_logits(rows, cols, scale, bias):
+    x = rows @ cols.T
+    z = x * scale
+    if bias is not None:
+        z.add_(bias)
+    return x, z
+
+
+@full_precision
+def siglip_block_sums(
+    image: torch.Tensor,
+    text: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    diag: int | None,
+    tile: int | None = None,
+) -> torch.Tensor:
+    """[sum of -log sigmoid(y z), sum of dz * x, sum of dz] over a block, float64.
+
+    z = scale * x + bias with x = image @ text.T, y = +1 at positive pairs and -1 elsewhere,
+    dz = d(-log sigmoid(y z))/dz = sigmoid(z) - [positive].
+    """
+    sums = torch.zeros(3, dtype=torch.float64, device=image.device)
+    for r0, r1 in _spans(image.shape[0], tile):
+        rows = image[r0:r1].float()
+        for c0, c1 in _spans(text.shape[0], tile):
+            x, z = _siglip_tile_logits(rows, text[c0:c1].float(), scale, bias)
+            # -log sigmoid(-z) = softplus(z) for negatives, softplus(-z) = softplus(z) - z for positives
+            loss = F.softplus(z).sum()
+            dz = torch.sigmoid(z)
+            pos, _ = _diagonal(dz, r0, c0, diag)
+            if pos is not None:
+                loss = loss - _diagonal(z, r0, c0, diag)[0].sum()
+                pos.sub_(1.0)
+            tile_sums = torch.stack([loss, torch.linalg.vecdot(dz.flatten(), x.flatten()), dz.sum()])
+            sums += tile_sums.double()
+    return sums
+
+
+@full_precision
+def siglip_block_grads(
+    image: torch.Tensor,
+    text: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    diag: int | None,
+    coef: torch.Tensor,
+    need_image: bool = True,
+    need_text: bool = True,
+    tile: int | None = None,
+):
+    """Gradients of coef * sum(-log sigmoid(y z)) w.r.t. a block's image and text features (float32)."""
+    dev = image.device
+    d_image = torch.zeros(image.shape, device=dev) if need_image else None
+    d_text = torch.zeros(text.shape, device=dev) if need_text else None
+    for r0, r1 in _spans(image.shape[0], tile):
+        rows = image[r0:r1].float()
+        for c0, c1 in _spans(text.shape[0], tile):
+            cols = text[c0:c1].float()
+            _, z = _siglip_tile_logits(rows, cols, scale, bias)
+            dz = torch.sigmoid_(z)
+            pos, _ = _diagonal(dz, r0, c0, diag)
+            if pos is not None:
+                pos.sub_(1.0)
+            dz.mul_(coef)
+            if need_image:
+                d_image[r0:r1].addmm_(dz, cols)
+            if need_text:
+                d_text[c0:c1].addmm_(dz.T, rows)
+    if need_image:
+        d_image.mul_(scale)
+    if need_text:
+        d_text.mul_(scale)
+    return d_image, d_text

@@ -1,0 +1,151 @@
+"""The softmax contrastive (CLIP) loss: module, naive reference, exact fused single-process path.
+
+Meaning (OpenCLIP's): features are L2-normalised (B, D); `logit_scale` is the multiplicative
+scale (already exponentiated, shape () or (1,)); with S = scale * I @ T.T the loss is
+(CE(S, diag) + CE(S.T, diag)) / 2. On several ranks, `local_loss` and `gather_with_grad` keep
+OpenCLIP's meaning; see `bigclip.loss.distributed` for how the fused paths realise them.
+
+The fused path (`chunked`, `triton`) saves only the features and four float32 vectors
+(row / column log-sum-exp and softmax-weighted means of the unscaled logits) and recomputes
+tiles in backward. The scale gradient comes from those means:
+d lse_i / d scale = sum_j softmax_ij x_ij, so no N x N reduction is needed for it.
+
+A logit bias does not change a softmax; `ClipLoss` accepts one (a SigLIP-style model fed to the
+CLIP loss) and gives it an exact zero gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from bigclip.loss import select
+from bigclip.loss.chunked import positive_logits
+from bigclip.loss.distributed import clip_loss_distributed, gather_features
+
+
+def clip_loss_naive(
+    image: torch.Tensor,
+    text: torch.Tensor,
+    logit_scale: torch.Tensor,
+    local_loss: bool = False,
+    gather_with_grad: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+) -> torch.Tensor:
+    """OpenCLIP's ClipLoss: materialises the logits (B x B, or B_global x B_global)."""
+    if world_size > 1:
+        all_image, all_text = gather_features(image, text, local_loss, gather_with_grad, rank, world_size)
+        if local_loss:
+            logits_per_image = logit_scale * image @ all_text.T
+            logits_per_text = logit_scale * text @ all_image.T
+        else:
+            logits_per_image = logit_scale * all_image @ all_text.T
+            logits_per_text = logits_per_image.T
+    else:
+        logits_per_image = logit_scale * image @ text.T
+        logits_per_text = logit_scale * text @ image.T
+    labels = torch.arange(logits_per_image.shape[0], device=image.device)
+    if world_size > 1 and local_loss:
+        labels = labels + logits_per_image.shape[0] * rank
+    return (F.cross_entropy(logits_per_image, labels) + F.cross_entropy(logits_per_text, labels)) / 2
+
+
+class _FusedClipLoss(torch.autograd.Function):
+    """Single-process exact CLIP loss from tile primitives (see `bigclip.loss.chunked`)."""
+
+    @staticmethod
+    def forward(ctx, image, text, logit_scale, backend):
+        n = image.shape[0]
+        scale = logit_scale.detach().reshape(()).float()
+        row_lse, row_mean, col_lse, col_mean = backend.clip_block_stats(image, text, scale)
+        pos = positive_logits(image, text).sum()
+        loss = (row_lse.sum() + col_lse.sum() - 2 * scale * pos) / (2 * n)
+        d_scale = (row_mean.sum() + col_mean.sum() - 2 * pos) / (2 * n)
+        ctx.save_for_backward(image, text, scale, row_lse, col_lse, d_scale)
+        ctx.backend = backend
+        ctx.scale_meta = (logit_scale.shape, logit_scale.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        image, text, scale, row_lse, col_lse, d_scale = ctx.saved_tensors
+        n = image.shape[0]
+        weight = (grad.float() / (2 * n)).expand(n)
+        d_image, d_text = ctx.backend.clip_block_grads(
+            image, text, scale, row_lse, col_lse, (weight, weight), None, diag=0,
+            need_image=ctx.needs_input_grad[0], need_text=ctx.needs_input_grad[1],
+        )
+        shape, dtype = ctx.scale_meta
+        return (
+            None if d_image is None else d_image.to(image.dtype),
+            None if d_text is None else d_text.to(text.dtype),
+            (grad * d_scale).reshape(shape).to(dtype),
+            None,
+        )
+
+
+def clip_loss_fused(image, text, logit_scale, backend) -> torch.Tensor:
+    return _FusedClipLoss.apply(image, text, logit_scale, backend)
+
+
+def check_features(image: torch.Tensor, text: torch.Tensor) -> None:
+    if image.dim() != 2 or image.shape != text.shape:
+        raise ValueError(
+            f"image and text features must both be (batch, dim); got {tuple(image.shape)} and {tuple(text.shape)}"
+        )
+
+
+class ClipLoss(nn.Module):
+    """CLIP loss with OpenCLIP's flags and an implementation switch.
+
+    impl: naive | chunked | triton | auto. dist_impl (fused paths only; naive always uses
+    OpenCLIP's all-gather): gather | ring.
+    """
+
+    def __init__(
+        self,
+        local_loss: bool = False,
+        gather_with_grad: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        impl: str = "auto",
+        dist_impl: str | None = None,
+    ):
+        super().__init__()
+        self.local_loss = local_loss
+        self.gather_with_grad = gather_with_grad
+        self.rank = rank
+        self.world_size = world_size
+        self.impl = select.check_impl(impl)
+        self.dist_impl = select.check_dist_impl(dist_impl, siglip=False)
+
+    def forward(self, image_features, text_features, logit_scale, logit_bias=None):
+        check_features(image_features, text_features)
+        impl = select.resolve_impl(self.impl, image_features)
+        if impl == "naive":
+            loss = clip_loss_naive(
+                image_features, text_features, logit_scale,
+                self.local_loss, self.gather_with_grad, self.rank, self.world_size,
+            )
+        elif self.world_size > 1:
+            loss = clip_loss_distributed(
+                image_features, text_features, logit_scale,
+                local_loss=self.local_loss, gather_with_grad=self.gather_with_grad,
+                rank=self.rank, world_size=self.world_size,
+                dist_impl=self.dist_impl, backend=select.backend_for(impl),
+            )
+        else:
+            loss = clip_loss_fused(image_features, text_features, logit_scale, select.backend_for(impl))
+        if logit_bias is not None:
+            # A constant shift leaves every softmax unchanged: the bias gradient is exactly zero,
+            # but keeping the bias in the graph spares DDP an "unused parameter" error.
+            loss = loss + 0.0 * logit_bias.sum()
+        return loss
+
+    def extra_repr(self) -> str:
+        return (
+            f"impl={self.impl}, dist_impl={self.dist_impl}, local_loss={self.local_loss}, "
+            f"gather_with_grad={self.gather_with_grad}, rank={self.rank}, world_size={self.world_size}"
+        )

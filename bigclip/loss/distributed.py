@@ -1,0 +1,454 @@
+"""Moving features between ranks for the contrastive losses, with correct autograd.
+
+Three groups live here:
+
+1. OpenCLIP's exchanges, used by the naive reference and by the SigLIP loss: all-gather
+   (with or without gradient), all-reduce with gradient, neighbour exchanges (one way and both
+   ways). The gradient a rank receives through a gathered tensor is the sum over ranks.
+
+2. The fused distributed CLIP loss, which never holds a logit matrix larger than a tile:
+   - `gather`: all-gather the text features; this rank's images against all texts yields the
+     row statistics of its images and partial column statistics of every text; the column
+     log-sum-exps are combined across ranks (all-reduce of max, then of the rescaled sums, O(N)
+     numbers). Backward recomputes the same strip and sends text gradients home with a
+     reduce-scatter. Extra memory O(B_global x D).
+   - `ring`: text features travel rank to rank (isend/irecv posted before each block's compute,
+     so the transfer overlaps it); each text block's column statistics travel behind it and
+     arrive home complete after a full turn. Backward repeats the turn with the text
+     gradients riding along. Extra memory O(B_local x D + world_size).
+   Each global logit block is computed once, on the rank that owns its images: the global
+   flops equal those of one process on the whole batch.
+
+3. `mean_grad_across_ranks`: identity forward; backward replaces each rank's gradient by the
+   mean over ranks, used on logit_scale and logit_bias by the fused paths.
+
+Gradient convention (fused paths; the naive path is OpenCLIP's code and gives the same result
+after DDP's averaging):
+- Each rank returns OpenCLIP's loss value: with local_loss its own rows (L_r), without it the
+  loss of the whole global batch (L_global = mean_r L_r).
+- With gather_with_grad the feature gradients on rank r are those of sum over ranks of every
+  rank's returned loss (times its grad_output), exactly what OpenCLIP's autograd all-gather
+  delivers: W x dL_global/d(features of r) for both local_loss settings. Without
+  gather_with_grad they are OpenCLIP's partial gradients (only this rank's own copy of its
+  features carries gradient).
+- logit_scale / logit_bias gradients are the mean over ranks of the per-rank gradients:
+  dL_global/dscale, identical on every rank.
+- Hence after DDP averages parameter gradients over ranks, every parameter holds exactly the
+  gradient of L_global (gather_with_grad=True), which is what one process computing the loss on
+  the concatenated global batch would give.
+
+The grad_outputs of all ranks are all-gathered in backward (W numbers) so the result stays exact
+even if ranks scale their losses differently. Batch sizes must be equal on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from bigclip.loss.chunked import positive_logits
+
+
+# ---------------------------------------------------------------------------- collectives
+
+# torch 2.14 renamed the tensor collectives (the old names warn); older torch has only the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """Concatenation over ranks along dim 0, no autograd."""
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * dist.get_world_size(),) + tuple(x.shape[1:]))
+    _all_gather_single(out, x)
+    return out
+
+
+def reduce_scatter_rows(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, each rank keeping its own slice of dim 0, no autograd."""
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // dist.get_world_size(),) + tuple(x.shape[1:]))
+    _reduce_scatter_single(out, x)
+    return out
+
+
+class _AllGatherWithGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return all_gather_rows(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_rows(grad)
+
+
+class _AllReduceWithGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _MeanGradAcrossRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad / dist.get_world_size()
+
+
+def mean_grad_across_ranks(x: torch.Tensor) -> torch.Tensor:
+    return _MeanGradAcrossRanks.apply(x)
+
+
+def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+class _NeighbourExchange(torch.autograd.Function):
+    """Send to `to_rank`, receive from `from_rank`; gradients travel back the other way."""
+
+    @staticmethod
+    def forward(ctx, from_rank, to_rank, x):
+        ctx.peers = (from_rank, to_rank)
+        x = x.contiguous()
+        received = torch.empty_like(x)
+        _exchange([(x, to_rank)], [(received, from_rank)])
+        return received
+
+    @staticmethod
+    def backward(ctx, grad):
+        from_rank, to_rank = ctx.peers
+        return None, None, _NeighbourExchange.apply(to_rank, from_rank, grad)
+
+
+class _NeighbourExchangeBidir(torch.autograd.Function):
+    """Send one tensor left and one right; returns (from_right, from_left)."""
+
+    @staticmethod
+    def forward(ctx, left_rank, right_rank, to_left, to_right):
+        ctx.peers = (left_rank, right_rank)
+        to_left, to_right = to_left.contiguous(), to_right.contiguous()
+        from_right, from_left = torch.empty_like(to_left), torch.empty_like(to_right)
+        _exchange([(to_right, right_rank), (to_left, left_rank)], [(from_right, right_rank), (from_left, left_rank)])
+        return from_right, from_left
+
+    @staticmethod
+    def backward(ctx, grad_from_right, grad_from_left):
+        left_rank, right_rank = ctx.peers
+        return (None, None) + _NeighbourExchangeBidir.apply(right_rank, left_rank, grad_from_right, grad_from_left)
+
+
+def gather_features(image, text, local_loss: bool, gather_with_grad: bool, rank: int, world_size: int):
+    """OpenCLIP's gather_features: (all images, all texts) in rank order."""
+    if gather_with_grad:
+        return _AllGatherWithGrad.apply(image), _AllGatherWithGrad.apply(text)
+    with torch.no_grad():
+        all_image, all_text = all_gather_rows(image), all_gather_rows(text)
+    if not local_loss:
+        # Only this rank's own slice carries gradient, as in OpenCLIP.
+        images, texts = list(all_image.chunk(world_size)), list(all_text.chunk(world_size))
+        images[rank], texts[rank] = image, text
+        all_image, all_text = torch.cat(images), torch.cat(texts)
+    return all_image, all_text
+
+
+# ---------------------------------------------------------------------------- SigLIP exchanges
+
+
+def siglip_exchange(block, image, text, logit_scale, logit_bias, rank: int, world_size: int, dist_impl: str):
+    """Sum of the negative-only blocks of this rank's images against every other rank's texts.
+
+    `block(image, text, scale, bias, negative_only)` computes one block's loss; the exchanges
+    carry gradients back to the text features' owners (OpenCLIP's meanings of dist_impl).
+    """
+    right, left = (rank + 1) % world_size, (rank - 1 + world_size) % world_size
+    total = 0.0
+
+    def add(other_text):
+        nonlocal total
+        total = total + block(image, other_text, logit_scale, logit_bias, True)
+
+    if dist_impl == "bidir":
+        to_left = to_right = text
+        pairs, odd = divmod(world_size - 1, 2)
+        for _ in range(pairs):
+            from_right, from_left = _NeighbourExchangeBidir.apply(left, right, to_left, to_right)
+            add(from_right)
+            add(from_left)
+            to_left, to_right = from_right, from_left
+        if odd:
+            add(_NeighbourExchange.apply(left, right, to_right))
+    elif dist_impl == "shift":
+        to_right = text
+        for _ in range(world_size - 1):
+            to_right = _NeighbourExchange.apply(left, right, to_right)
+            add(to_right)
+    elif dist_impl == "reduce":
+        for source in range(world_size):
+            received = _AllReduceWithGrad.apply(text * float(source == rank))
+            if source != rank:
+                add(received)
+            else:
+                # Own block already counted; keep the all-reduce in the graph anyway, since its
+                # backward is a collective every rank must join.
+                total = total + 0.0 * received.sum()
+    elif dist_impl == "gather":
+        for source, other in enumerate(_AllGatherWithGrad.apply(text).chunk(world_size)):
+            if source != rank:
+                add(other)
+    else:
+        raise ValueError(f"unknown SigLIP dist_impl {dist_impl!r}")
+    return total
+
+
+# ---------------------------------------------------------------------------- fused CLIP
+
+
+def _owner_weights(grads: torch.Tensor, rank: int, batch: int, local_loss: bool, gather_with_grad: bool):
+    """Per-owner weights (alpha_img, beta_img, alpha_txt, beta_txt), each (W,), indexed by the rank
+    that owns a column; see `chunked.clip_block_grads` for what alpha and beta multiply.
+
+    grads: every rank's grad_output. The objective is sum_r grads[r] * loss_r.
+    """
+    world = grads.numel()
+    if gather_with_grad:
+        # local: row terms of rank r belong to L_r, column terms of a text to its owner's loss.
+        # global: every rank returns L_global = (1 / 2B_global) sum of all terms.
+        owner = grads if local_loss else grads.mean().expand(world)
+        alpha = (owner[rank] / (2 * batch)).expand(world)
+        beta = owner / (2 * batch)
+        return alpha, beta, None, None
+    zero = torch.zeros_like(grads)
+    if local_loss:
+        # OpenCLIP: images get gradient only from their rows, texts only from their columns.
+        return (grads[rank] / (2 * batch)).expand(world), zero, zero, grads / (2 * batch)
+    # OpenCLIP: rank r differentiates L_global w.r.t. its own images and its own texts only.
+    mine = (grads[rank] / (2 * batch * world)).expand(world)
+    theirs = grads / (2 * batch * world)
+    return mine, mine, theirs, theirs
+
+
+def _combine_column_stats(lse: torch.Tensor, mean: torch.Tensor):
+    """Log-sum-exp (and softmax-weighted mean) over ranks of per-rank partials, O(N) traffic."""
+    peak = lse.clone()
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    w = torch.exp(lse - peak)
+    sums = torch.stack([w, w * mean])
+    dist.all_reduce(sums)
+    return peak + torch.log(sums[0]), sums[1] / sums[0]
+
+
+def _loss_and_dscale(row_lse, row_mean, col_lse_own, col_mean_own, pos, scale, batch, world, local_loss):
+    """This rank's loss value and its derivative w.r.t. the scale, from O(B) statistics."""
+    terms = torch.stack([
+        row_lse.sum() + col_lse_own.sum() - 2 * scale * pos.sum(),
+        row_mean.sum() + col_mean_own.sum() - 2 * pos.sum(),
+    ])
+    norm = 2 * batch
+    if not local_loss:
+        dist.all_reduce(terms)
+        norm *= world
+    return terms[0] / norm, terms[1] / norm
+
+
+def _grad_outputs(grad: torch.Tensor) -> torch.Tensor:
+    return all_gather_rows(grad.detach().float().reshape(1))
+
+
+class _ClipGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, image, text, logit_scale, mode, backend):
+        local_loss, gather_with_grad, rank, world = mode
+        batch = image.shape[0]
+        scale = logit_scale.detach().reshape(()).float()
+        all_text = all_gather_rows(text)
+        row_lse, row_mean, col_lse, col_mean = backend.clip_block_stats(image, all_text, scale)
+        col_lse, col_mean = _combine_column_stats(col_lse, col_mean)
+        own = slice(rank * batch, (rank + 1) * batch)
+        pos = positive_logits(image, text)
+        loss, d_scale = _loss_and_dscale(
+            row_lse, row_mean, col_lse[own], col_mean[own], pos, scale, batch, world, local_loss
+        )
+        ctx.save_for_backward(image, all_text, scale, row_lse, col_lse, d_scale)
+        ctx.mode, ctx.backend = mode, backend
+        ctx.scale_meta = (logit_scale.shape, logit_scale.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        image, all_text, scale, row_lse, col_lse, d_scale = ctx.saved_tensors
+        local_loss, gather_with_grad, rank, world = ctx.mode
+        batch = image.shape[0]
+        weights = _owner_weights(_grad_outputs(grad), rank, batch, local_loss, gather_with_grad)
+        per_column = [None if w is None else w.repeat_interleave(batch) for w in weights]
+        d_image, d_all_text = ctx.backend.clip_block_grads(
+            image, all_text, scale, row_lse, col_lse,
+            (per_column[0], per_column[1]), None if per_column[2] is None else (per_column[2], per_column[3]),
+            diag=rank * batch, need_image=ctx.needs_input_grad[0], need_text=ctx.needs_input_grad[1],
+        )
+        d_text = None if d_all_text is None else reduce_scatter_rows(d_all_text).to(image.dtype)
+        shape, dtype = ctx.scale_meta
+        return (
+            None if d_image is None else d_image.to(image.dtype),
+            d_text,
+            (grad * d_scale).reshape(shape).to(dtype),
+            None,
+            None,
+        )
+
+
+class _Transfer:
+    """The works of one batch of point-to-point ops; waits at most once (on gloo a second wait on
+    a finished send or receive blocks forever)."""
+
+    def __init__(self, works, sent):
+        self.works, self.sent = works, sent  # the sent tensors must live until sent
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works, self.sent = [], ()
+
+
+class _Ring:
+    """Shifts tensors one rank to the right (receiving the same shapes from the left).
+
+    Each shift posts its sends and receives as one batch_isend_irecv group, so two ranks that
+    are each other's left and right neighbour (world size 2) cannot block each other on NCCL, and
+    every rank posts the same sequence of groups. A transfer is waited for only when its data is
+    needed, so it runs while the caller computes.
+    """
+
+    def __init__(self, rank: int, world: int):
+        self.right, self.left = (rank + 1) % world, (rank - 1 + world) % world
+        self.transfers: list[_Transfer] = []
+
+    def shift(self, *tensors: torch.Tensor):
+        tensors = tuple(t.contiguous() for t in tensors)
+        received = tuple(torch.empty_like(t) for t in tensors)
+        ops = [dist.P2POp(dist.isend, t, self.right) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, self.left) for t in received]
+        transfer = _Transfer(dist.batch_isend_irecv(ops), tensors)
+        self.transfers.append(transfer)
+        return received, transfer
+
+    def finish(self) -> None:
+        for transfer in self.transfers:
+            transfer.wait()
+        self.transfers.clear()
+
+
+def _merge_stats(lse, mean, tile_lse, tile_mean):
+    new = torch.logaddexp(lse, tile_lse)
+    return new, mean * torch.exp(lse - new) + tile_mean * torch.exp(tile_lse - new)
+
+
+class _ClipRing(torch.autograd.Function):
+    """Step k: this rank's images against the texts of rank - k. The texts move on before the
+    block is computed; the block's column statistics follow once they include this rank's part."""
+
+    @staticmethod
+    def forward(ctx, image, text, logit_scale, mode, backend):
+        local_loss, gather_with_grad, rank, world = mode
+        batch = image.shape[0]
+        scale = logit_scale.detach().reshape(()).float()
+        ring = _Ring(rank, world)
+        row_lse = torch.full((batch,), float("-inf"), device=image.device)
+        row_mean = torch.zeros(batch, device=image.device)
+        current = text.contiguous()
+        for step in range(world):
+            if step < world - 1:
+                (upcoming,), text_transfer = ring.shift(current)
+            r_lse, r_mean, c_lse, c_mean = backend.clip_block_stats(image, current, scale)
+            row_lse, row_mean = _merge_stats(row_lse, row_mean, r_lse, r_mean)
+            if step > 0:
+                # this text block's column statistics from the ranks it visited before
+                stats_transfer.wait()
+                c_lse, c_mean = _merge_stats(stats_in[0], stats_in[1], c_lse, c_mean)
+            (stats_in,), stats_transfer = ring.shift(torch.stack([c_lse, c_mean]))
+            if step < world - 1:
+                text_transfer.wait()
+                current = upcoming
+        stats_transfer.wait()  # after a full turn: this rank's own texts, complete
+        ring.finish()
+        col_lse, col_mean = stats_in[0], stats_in[1]
+        pos = positive_logits(image, text)
+        loss, d_scale = _loss_and_dscale(row_lse, row_mean, col_lse, col_mean, pos, scale, batch, world, local_loss)
+        ctx.save_for_backward(image, text, scale, row_lse, col_lse, d_scale)
+        ctx.mode, ctx.backend = mode, backend
+        ctx.scale_meta = (logit_scale.shape, logit_scale.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        image, text, scale, row_lse, col_lse, d_scale = ctx.saved_tensors
+        local_loss, gather_with_grad, rank, world = ctx.mode
+        batch = image.shape[0]
+        need_image, need_text = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        a_img, b_img, a_txt, b_txt = _owner_weights(_grad_outputs(grad), rank, batch, local_loss, gather_with_grad)
+        ring = _Ring(rank, world)
+        d_image = torch.zeros(image.shape, device=image.device) if need_image else None
+        current, current_lse = text.contiguous(), col_lse.contiguous()
+        for step in range(world):
+            owner = (rank - step) % world
+            if step < world - 1:
+                (upcoming, upcoming_lse), text_transfer = ring.shift(current, current_lse)
+
+            def per_column(w):
+                return w[owner].expand(batch)  # one block, one owner
+
+            d_img_part, d_txt_part = ctx.backend.clip_block_grads(
+                image, current, scale, row_lse, current_lse,
+                (per_column(a_img), per_column(b_img)),
+                None if a_txt is None else (per_column(a_txt), per_column(b_txt)),
+                diag=0 if owner == rank else None, need_image=need_image, need_text=need_text,
+            )
+            if need_image:
+                d_image += d_img_part
+            if need_text:
+                # the text gradient of this block rides along with the texts, one step behind
+                if step > 0:
+                    grad_transfer.wait()
+                    d_txt_part = d_txt_part + grad_in
+                (grad_in,), grad_transfer = ring.shift(d_txt_part)
+            if step < world - 1:
+                text_transfer.wait()
+                current, current_lse = upcoming, upcoming_lse
+        d_text = None
+        if need_text:
+            grad_transfer.wait()  # after a full turn: this rank's own texts, complete
+            d_text = grad_in.to(text.dtype)
+        ring.finish()
+        shape, dtype = ctx.scale_meta
+        return (
+            None if d_image is None else d_image.to(image.dtype),
+            d_text,
+            (grad * d_scale).reshape(shape).to(dtype),
+            None,
+            None,
+        )
+
+
+def clip_loss_distributed(
+    image, text, logit_scale, *, local_loss: bool, gather_with_grad: bool, rank: int, world_size: int,
+    dist_impl: str, backend,
+) -> torch.Tensor:
+    """The fused CLIP loss on `world_size` ranks (see the module docstring for the conventions)."""
+    fn = {"gather": _ClipGather, "ring": _ClipRing}[dist_impl]
+    logit_scale = mean_grad_across_ranks(logit_scale)
+    return fn.apply(image, text, logit_scale, (local_loss, gather_with_grad, rank, world_size), backend)

@@ -1,0 +1,79 @@
+"""Names of the loss implementations and the rule that picks one for a batch.
+
+`impl` says how the logits are computed (``--loss-impl``); `dist_impl` says how features move
+between ranks (``--loss-dist-impl``). Both are validated here so every error a user can cause
+with these flags reads the same way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from bigclip.errors import UserError
+
+# naive: OpenCLIP's reference (materialises the logit matrix); chunked: exact tiled torch code;
+# triton: fused kernels; auto: triton on CUDA tensors when Triton imports, chunked elsewhere.
+LOSS_IMPLS = ("auto", "naive", "chunked", "triton")
+# gather: all-gather features, reduce-scatter gradients; ring: features travel rank to rank.
+CLIP_DIST_IMPLS = ("gather", "ring")
+# OpenCLIP's SigLIP exchanges of text features between ranks.
+SIGLIP_DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
+
+DEFAULT_CLIP_DIST_IMPL = "gather"
+DEFAULT_SIGLIP_DIST_IMPL = "bidir"
+
+
+def check_impl(impl: str) -> str:
+    if impl not in LOSS_IMPLS:
+        raise UserError(f"--loss-impl {impl!r} is not known; choose one of {', '.join(LOSS_IMPLS)}.")
+    return impl
+
+
+def check_dist_impl(dist_impl: str | None, siglip: bool) -> str:
+    allowed = SIGLIP_DIST_IMPLS if siglip else CLIP_DIST_IMPLS
+    if dist_impl is None:
+        return DEFAULT_SIGLIP_DIST_IMPL if siglip else DEFAULT_CLIP_DIST_IMPL
+    if dist_impl not in allowed:
+        loss = "the SigLIP loss (--siglip)" if siglip else "the CLIP loss"
+        raise UserError(
+            f"--loss-dist-impl {dist_impl!r} is not valid for {loss}; choose one of {', '.join(allowed)}."
+        )
+    return dist_impl
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_impl(impl: str, features: torch.Tensor) -> str:
+    """The concrete implementation for features on their device: naive, chunked or triton."""
+    if impl == "auto":
+        return "triton" if features.is_cuda and triton_importable() else "chunked"
+    if impl == "triton":
+        if not triton_importable():
+            raise UserError("--loss-impl triton needs the 'triton' package; install it or use --loss-impl chunked.")
+        if not features.is_cuda and not triton_interpreted():
+            raise UserError(
+                "--loss-impl triton needs CUDA tensors (or TRITON_INTERPRET=1 for the slow CPU interpreter); "
+                "use --loss-impl chunked on CPU."
+            )
+    return impl
+
+
+def backend_for(impl: str):
+    """The module offering the tile primitives for a fused implementation."""
+    if impl == "triton":
+        from bigclip.loss import triton as backend
+    else:
+        from bigclip.loss import chunked as backend
+    return backend
