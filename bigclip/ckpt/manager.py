@@ -1,174 +1,559 @@
-"""Checkpoint manager: when to save, how a checkpoint becomes visible, which one to resume.
+"""Checkpoint manager: asynchronous save, atomic commit, retention, and finding/loading what to resume.
 
-A checkpoint is a directory `checkpoints/<tag>/` holding the engine state, one RNG file per rank, a
-train-state record (step, epoch, samples seen, data position, config) and, written last, `manifest.json`
-naming every file with its size and sha256. Files are written into `<tag>.partial/` and the directory is
-renamed only after the manifest is in place, so a crash mid-save never leaves something that looks like a
-checkpoint. Nothing without a valid manifest is ever loaded.
+A checkpoint `<tag>` (epoch_3, step_1200, epoch_latest) is a directory — locally `<logs>/<name>/checkpoints/
+<tag>/`, remotely `<remote-sync>/<name>/checkpoints/<tag>/` — holding the engine state (layout "dcp" or
+"deepspeed"), one RNG file per rank, train_state.json (step, epoch, samples seen, data position, the resolved
+config) and, written last, manifest.json naming every file with size and CRC-32.
 
-This local, synchronous writer sits behind the interface the loop uses (save / wait / latest / load),
-so sharded, asynchronous, object-storage checkpoints can replace it without touching the loop.
+One save, on every rank:
+  main thread   stage the engine state into reused host buffers, capture RNG and train state   (blocked)
+  save thread   write files into <tag>.partial/; each finished file is hashed and uploaded at once
+                (FileSink); gather every rank's file list on the checkpoint's own gloo group; rank 0
+                writes manifest.json (remote: last object; local: then renames .partial -> <tag>)
+                and applies retention.
+A new save first waits for the previous one; the run's end waits for the last (`wait()` logs it). A save
+that fails for good (access denied, missing bucket) stops the run at the next save or wait with one line; a
+save that ran out of retries is reported and training goes on (the next save tries again).
+
+Nothing without a manifest is ever loaded, and a checkpoint whose files do not match it is reported and
+skipped (`--resume latest`) or refused (an explicit path).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import logging
 import os
-import random
 import re
 import shutil
+import socket
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
+import torch.distributed as dist
 
 from ..dist import World, barrier, broadcast_object
 from ..errors import UserError
+from .manifest import MANIFEST, TRAIN_STATE, Manifest, check_sizes, rng_file
+from .rng import load_rng_file, rng_bytes
+from .storage import Storage, StorageError, StorageUnavailable, _write_durably, fsync_dir, is_url
+from .upload import FileSink, lower_priority
+from .verify import CorruptCheckpoint, fetch_verified, read_local_manifest, verify_local
 
-MANIFEST = "manifest.json"
-TRAIN_STATE = "train_state.json"
-ENGINE_STATE = "engine_state.pt"
-FORMAT = "bigclip-checkpoint-1"
+logger = logging.getLogger("bigclip")
 
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+ASYNC_MODES = ("auto", "thread", "process", "off")
+UPLOAD_THREADS = 4
+_TAG = re.compile(r"[\w\-]+")
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def is_numbered(tag: str) -> bool:
+    return not tag.endswith("latest")
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def read_manifest(path: str) -> dict[str, Any] | None:
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+@dataclass
+class SaveResult:
+    tag: str
+    step: int
+    location: str | None = None     # where it was committed (remote URL when there is one)
+    error: str | None = None
+    permanent: bool = False          # an error retrying cannot fix: the run stops
+    files: int = 0
+    bytes: int = 0
+    blocked_s: float = 0.0           # time the training loop was blocked by this save
+    commit_s: float = 0.0            # from the save call to the manifest being written
+    aliases: list[str] = field(default_factory=list)
 
 
-def verify(path: str) -> dict[str, Any]:
-    """The manifest of a complete, uncorrupted checkpoint, or a UserError saying what is wrong."""
-    manifest = read_manifest(path)
-    if manifest is None or manifest.get("format") != FORMAT:
-        raise UserError(f"checkpoint {path}: no valid {MANIFEST} (incomplete or not a bigclip checkpoint); "
-                        f"pick a committed checkpoint")
-    for rel, meta in manifest["files"].items():
-        file = os.path.join(path, rel)
-        if not os.path.isfile(file):
-            raise UserError(f"checkpoint {path}: {rel} is missing; pick another checkpoint")
-        if os.path.getsize(file) != meta["size"] or _sha256(file) != meta["sha256"]:
-            raise UserError(f"checkpoint {path}: {rel} does not match its checksum (corrupt); "
-                            f"pick another checkpoint")
-    return manifest
+@dataclass
+class Candidate:
+    step: int
+    numbered: bool
+    local: bool
+    location: str
+    manifest: Manifest
 
 
 class CheckpointManager:
-    def __init__(self, directory: str, engine, world: World, delete_previous: bool = False):
-        self.directory = directory
+    def __init__(self, directory: str, engine, world: World, delete_previous: bool = False, *,
+                 remote: str | None = None, storage_options: dict | None = None, keep_last_k: int = 0,
+                 async_mode: str = "auto", keep_local: bool = True):
+        """directory: local checkpoints folder. remote: URL of the remote checkpoints folder (or None).
+        keep_local=False keeps no local copies (the local folder is only a staging area)."""
+        if async_mode not in ASYNC_MODES:
+            raise UserError(f"--checkpoint-async {async_mode!r}: choose one of {', '.join(ASYNC_MODES)}")
+        self.directory = os.path.abspath(directory)
         self.engine = engine
         self.world = world
         self.delete_previous = delete_previous
-        self._previous: str | None = None
+        self.keep_last_k = keep_last_k
+        self.keep_local = keep_local
+        self.storage_options = dict(storage_options or {})
+        self.remote = Storage(remote, self.storage_options) if remote else None
+        # Checkpoint collectives get their own gloo group: running them from the save thread on the
+        # training group interleaves with the loop's collectives and corrupts both.
+        self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
+        # stalled() is asked from the main thread while the save thread may be in a collective on self.group.
+        self._control_group = dist.new_group(backend="gloo") if self.group is not None else None
+        self.layout = make_layout(engine, world, self.group, async_mode)
+        self.mode = "off" if async_mode == "off" else self.layout.mode
+        self._save_thread = ThreadPoolExecutor(1, thread_name_prefix="bigclip-ckpt", initializer=lower_priority)
+        self._io = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="bigclip-upload", initializer=lower_priority)
+        self._pending: Future | None = None
+        self._staging: Future | None = None   # the state copy of the save in flight
+        self._staging_wait = 0.0              # time the loop waited for it (wait_staged)
+        self._previous_local: str | None = None
+        self.results: list[SaveResult] = []
+        self.last_saved_step: int | None = None
+        self._check_remote()
 
-    # -- saving
-    def save(self, tag: str, train_state: dict[str, Any], blocking: bool = True) -> str:
-        """Write checkpoint `tag` (e.g. epoch_3, epoch_latest) and commit it. Collective: every rank calls."""
-        final = os.path.join(self.directory, tag)
-        partial = final + ".partial"
-        if self.world.is_main:
-            shutil.rmtree(partial, ignore_errors=True)  # left over by a crash during an earlier save
-            os.makedirs(partial)
-        barrier(self.world)
+    # ------------------------------------------------------------------------------------------ saving
+    def stalled(self) -> bool:
+        """The save in flight is stuck behind an unreachable or throttling store (on some rank). Collective,
+        so that every rank takes the same decision about the next save."""
+        stalled = (self._pending is not None and not self._pending.done() and self.remote is not None
+                   and self.remote.degraded)
+        return stalled if self.group is None else self._any(stalled)
 
-        torch.save(rng_state(), os.path.join(partial, f"rng_rank{self.world.rank}.pt"))
-        # DDP replicas are identical, so one copy of model and optimizer state is enough.
-        if self.world.is_main:
-            torch.save(self.engine.state_dict(), os.path.join(partial, ENGINE_STATE))
-            with open(os.path.join(partial, TRAIN_STATE), "w") as f:
-                json.dump(train_state, f, indent=1, default=str)
-        barrier(self.world)
+    def _any(self, flag: bool) -> bool:
+        import torch
 
-        if self.world.is_main:
-            self._commit(partial, final, train_state)
-            if self.delete_previous and self._previous and self._previous != final:
-                shutil.rmtree(self._previous, ignore_errors=True)
-            if not tag.endswith("latest"):
-                self._previous = final
-        barrier(self.world)
-        return final
+        t = torch.tensor([float(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control_group)
+        return bool(t.item())
 
-    def _commit(self, partial: str, final: str, train_state: dict[str, Any]) -> None:
-        files = {}
-        for name in sorted(os.listdir(partial)):
-            p = os.path.join(partial, name)
-            files[name] = {"size": os.path.getsize(p), "sha256": _sha256(p)}
-        manifest = {"format": FORMAT, "step": train_state["step"], "epoch": train_state["epoch"],
-                    "engine": self.engine.name, "world_size": self.world.world_size, "files": files}
-        tmp = os.path.join(partial, MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(partial, MANIFEST))
-        if os.path.exists(final):  # replacing epoch_latest: move the old one aside, then drop it
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(partial, final)
-            shutil.rmtree(old, ignore_errors=True)
+    def save(self, tag: str, train_state: dict[str, Any], blocking: bool = False,
+             aliases: tuple[str, ...] | list[str] = ()) -> str:
+        """Start checkpoint `tag` (collective: every rank calls). Returns where it will be committed.
+
+        aliases: further tags (e.g. epoch_latest) committed as copies of this one once it is durable —
+        hard links locally, server-side copies remotely — instead of a second save of the same state.
+        """
+        if not _TAG.fullmatch(tag):
+            raise ValueError(f"checkpoint tag {tag!r}: use letters, digits, _ and -")
+        self._finish_previous()
+        start = time.perf_counter()
+        handle = self.layout.stage(self._partial(tag)) if not self.layout.writes_while_staging \
+            else self._stage_in_place(tag)
+        self._staging = handle if isinstance(handle, Future) else None
+        self._staging_wait = 0.0
+        rng = rng_bytes()
+        record = json.dumps(train_state, indent=1, default=str).encode() if self.world.is_main else None
+        blocked = time.perf_counter() - start
+        job = (tag, list(aliases), handle, rng, record, int(train_state["step"]), int(train_state["epoch"]),
+               start, blocked)
+        self.last_saved_step = int(train_state["step"])
+        if self.mode == "off" or blocking:
+            self._staging = None
+            self._report(self._write_and_commit(*job), raise_permanent=True)
         else:
-            os.replace(partial, final)
+            logger.info(f"checkpoint {tag}: saving in the background (the loop paused {blocked:.3f} s)")
+            self._pending = self._save_thread.submit(self._write_and_commit, *job)
+        return self.location(tag)
+
+    def wait_staged(self) -> None:
+        """Call before anything changes parameters or optimizer state (the optimizer step): returns once the
+        save in flight has its own copy of them. Usually immediate: the copy ran during forward/backward."""
+        if self._staging is None:
+            return
+        start = time.perf_counter()
+        try:
+            self._staging.result()
+        except Exception:  # noqa: BLE001 — the save reports its own failure
+            pass
+        self._staging_wait += time.perf_counter() - start
+        self._staging = None
+
+    def location(self, tag: str) -> str:
+        return self.remote.url(tag) if self.remote is not None else os.path.join(self.directory, tag)
 
     def wait(self) -> None:
-        """Block until every save has committed. Saves are synchronous here, so nothing is pending."""
+        """Block until the last save has committed (or failed); the log says which."""
+        if self._pending is not None and not self._pending.done():
+            logger.info("waiting for the last checkpoint to be written and committed ...")
+        self._finish_previous()
 
-    # -- finding and loading
-    def latest(self) -> str | None:
-        """The committed checkpoint with the highest step (ties: the numbered one). Collective."""
-        best = None
-        if self.world.is_main and os.path.isdir(self.directory):
-            candidates = []
-            for name in os.listdir(self.directory):
+    def close(self) -> None:
+        self.wait()
+        self._save_thread.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        self.layout.close()
+
+    def _finish_previous(self) -> None:
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        result = pending.result()
+        self.wait_staged()
+        result.blocked_s += self._staging_wait
+        self._staging_wait = 0.0
+        self._report(result, raise_permanent=True)
+
+    def _report(self, result: SaveResult, raise_permanent: bool) -> None:
+        self.results.append(result)
+        if result.error is None:
+            return
+        if result.permanent and raise_permanent:
+            raise UserError(result.error)
+        if self.world.is_main:
+            logger.warning(f"checkpoint {result.tag} was NOT committed: {result.error}; training continues "
+                           f"and the next save tries again")
+
+    def _partial(self, tag: str) -> str:
+        return os.path.join(self.directory, f"{tag}.partial")
+
+    def _stage_in_place(self, tag: str):
+        # Layouts that write files while staging (DeepSpeed) need the clean .partial directory first.
+        problem = None
+        if self.world.is_main:
+            try:
+                self._prepare(tag)
+            except Exception as e:  # noqa: BLE001
+                problem = str(e)
+        problem = broadcast_object(problem, self.world)
+        if problem:
+            raise UserError(problem)
+        return self.layout.stage(self._partial(tag))
+
+    def _prepare(self, tag: str) -> None:
+        """Rank 0, before any rank writes: a clean .partial directory, and an existing checkpoint of the
+        same name (epoch_latest) uncommitted first, so it is never half old, half new behind a manifest."""
+        partial = self._partial(tag)
+        shutil.rmtree(partial, ignore_errors=True)  # left over by a crash during an earlier save
+        os.makedirs(partial)
+        if self.remote is not None and self.remote.exists(f"{tag}/{MANIFEST}"):
+            self.remote.rm(f"{tag}/{MANIFEST}")
+
+    def _agree(self, ok: bool) -> bool:
+        """All ranks' verdicts, on the checkpoint group (safe from the save thread)."""
+        if self.group is None:
+            return ok
+        flags: list[Any] = [None] * self.world.world_size
+        dist.all_gather_object(flags, ok, group=self.group)
+        return all(flags)
+
+    def _write_and_commit(self, tag, aliases, handle, rng, record, step, epoch, start, blocked) -> SaveResult:
+        """Save thread (or inline): write, upload, gather, commit. Every rank runs the same collectives."""
+        result = SaveResult(tag, step, blocked_s=blocked)
+        partial = self._partial(tag)
+        sink = FileSink(partial, self.remote.child(tag) if self.remote is not None else None, self._io)
+        error: BaseException | None = None
+        try:
+            if self.world.is_main and not self.layout.writes_while_staging:
+                self._prepare(tag)
+        except BaseException as e:  # noqa: BLE001
+            error = e
+        if self._agree(error is None):
+            try:
+                self.layout.write(handle, partial, sink)
+                _write_durably(os.path.join(partial, rng_file(self.world.rank)), rng)
+                sink.submit(os.path.join(partial, rng_file(self.world.rank)))
+                if record is not None:
+                    _write_durably(os.path.join(partial, TRAIN_STATE), record)
+                    sink.submit(os.path.join(partial, TRAIN_STATE))
+                files: dict[str, dict] | BaseException = sink.wait()
+            except BaseException as e:  # noqa: BLE001
+                files = e
+        else:
+            files = error or RuntimeError("another rank could not prepare the checkpoint directory")
+
+        gathered: list[Any] = [files]
+        if self.group is not None:
+            gathered = [None] * self.world.world_size if self.world.is_main else None
+            dist.gather_object(_picklable(files), gathered, dst=0, group=self.group)
+
+        outcome: dict[str, Any] = {}
+        if self.world.is_main:
+            outcome = self._commit(tag, aliases, step, epoch, gathered, start)
+        if self.group is not None:
+            box = [outcome]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            outcome = box[0]
+        result.__dict__.update(outcome)
+        return result
+
+    def _commit(self, tag, aliases, step, epoch, gathered, start) -> dict[str, Any]:
+        errors = [g for g in gathered if isinstance(g, BaseException)]
+        if errors:
+            err = errors[0]
+            permanent = isinstance(err, (StorageError, UserError))
+            kind = "" if isinstance(err, (StorageError, StorageUnavailable, UserError)) else f"{type(err).__name__}: "
+            return {"error": f"checkpoint {tag}: {kind}{str(err).splitlines()[0] if str(err) else ''}",
+                    "permanent": permanent}
+        files: dict[str, dict] = {}
+        for part in gathered:
+            files.update(part)
+        manifest = Manifest(tag=tag, step=step, epoch=epoch, engine=self.engine.name, layout=self.layout.layout,
+                            world_size=self.world.world_size, files=files)
+        try:
+            location = self._publish(tag, manifest)
+            for alias in aliases:
+                self._alias(tag, alias, manifest)
+            self._retention(tag)
+        except (StorageError, UserError) as e:
+            return {"error": str(e), "permanent": True}
+        except StorageUnavailable as e:
+            return {"error": str(e), "permanent": False}
+        except Exception as e:  # noqa: BLE001 — e.g. a full local disk: reported on every rank, never a hang
+            return {"error": f"checkpoint {tag}: {type(e).__name__}: {e}", "permanent": isinstance(e, OSError)}
+        seconds = time.perf_counter() - start
+        logger.info(f"checkpoint {tag} committed: {location} ({len(files)} files, {_gb(manifest.total_bytes)}, "
+                    f"{seconds:.1f} s after the save started)" + (f"; also as {', '.join(aliases)}" if aliases else ""))
+        return {"location": location, "files": len(files), "bytes": manifest.total_bytes, "commit_s": seconds,
+                "aliases": list(aliases)}
+
+    def _publish(self, tag: str, manifest: Manifest) -> str:
+        """Write the manifest: after it, and only after it, the checkpoint exists."""
+        partial, final = self._partial(tag), os.path.join(self.directory, tag)
+        _write_durably(os.path.join(partial, MANIFEST), manifest.to_bytes())
+        if self.keep_local:
+            _replace_dir(partial, final)
+            fsync_dir(self.directory)
+        if self.remote is not None:
+            self.remote.put_bytes(f"{tag}/{MANIFEST}", manifest.to_bytes())
+            self._drop_strays(tag, manifest)
+        if not self.keep_local:
+            shutil.rmtree(partial, ignore_errors=True)
+        if self.keep_local and is_numbered(tag):
+            if self.delete_previous and self._previous_local and self._previous_local != final:
+                shutil.rmtree(self._previous_local, ignore_errors=True)  # local copies only; remote keeps all
+            self._previous_local = final
+        return self.remote.url(tag) if self.remote is not None else final
+
+    def _drop_strays(self, tag: str, manifest: Manifest) -> None:
+        # A tag written before (epoch_latest) may hold files the new manifest no longer names.
+        listing = self.remote.list_files(tag)
+        for rel in listing:
+            if rel != MANIFEST and rel not in manifest.files:
+                self.remote.rm(f"{tag}/{rel}")
+
+    def _alias(self, tag: str, alias: str, manifest: Manifest) -> None:
+        copy = Manifest(**{**manifest.__dict__, "tag": alias, "created": time.time()})
+        if self.keep_local:
+            src, partial = os.path.join(self.directory, tag), self._partial(alias)
+            shutil.rmtree(partial, ignore_errors=True)
+            for rel in manifest.files:
+                os.makedirs(os.path.dirname(os.path.join(partial, rel)), exist_ok=True)
+                os.link(os.path.join(src, rel), os.path.join(partial, rel))  # same bytes, no copy
+            _write_durably(os.path.join(partial, MANIFEST), copy.to_bytes())
+            _replace_dir(partial, os.path.join(self.directory, alias))
+            fsync_dir(self.directory)
+        if self.remote is not None:
+            self.remote.rm(f"{alias}/{MANIFEST}")
+            fs = self.remote.fs
+            for rel in manifest.files:  # server-side copies: no bytes travel through this machine
+                self.remote.retry(f"copy {tag}/{rel} to {alias}/",
+                                  lambda rel=rel: fs.copy(self.remote.url(f"{tag}/{rel}"), self.remote.url(f"{alias}/{rel}")))
+            self.remote.put_bytes(f"{alias}/{MANIFEST}", copy.to_bytes())
+            self._drop_strays(alias, copy)
+
+    def _retention(self, just_saved: str) -> None:
+        """--keep-last-k: keep the k newest numbered checkpoints in the remote store (locally when there is
+        no remote). epoch_latest-style aliases are never counted or deleted."""
+        if self.keep_last_k <= 0:
+            return
+        local = self.remote is None
+        numbered = sorted((c for c in self._candidates(local=local, remote=not local, check=False)
+                           if c.numbered), key=lambda c: c.step, reverse=True)
+        for old in numbered[self.keep_last_k:]:
+            tag = old.manifest.tag
+            if tag == just_saved:
+                continue
+            logger.info(f"--keep-last-k {self.keep_last_k}: deleting checkpoint {old.location}")
+            if local:
+                os.remove(os.path.join(old.location, MANIFEST))  # uncommit first, then remove
+                shutil.rmtree(old.location, ignore_errors=True)
+            else:
+                self.remote.rm(f"{_basename(old.location)}/{MANIFEST}")
+                self.remote.rm(_basename(old.location), recursive=True)
+
+    # --------------------------------------------------------------------------- finding what to resume
+    def _check_remote(self) -> None:
+        problem = None
+        if self.remote is not None and self.world.is_main:
+            try:
+                self.remote.check_writable()
+            except (StorageError, UserError) as e:
+                problem = str(e)
+            except StorageUnavailable as e:
+                problem = f"{e}; check the endpoint (AWS_ENDPOINT_URL / --storage-options) and the network"
+        problem = broadcast_object(problem, self.world)
+        if problem:
+            raise UserError(problem)
+
+    def _candidates(self, local: bool = True, remote: bool = True, check: bool = True) -> list[Candidate]:
+        out: list[Candidate] = []
+        if local and os.path.isdir(self.directory):
+            for name in sorted(os.listdir(self.directory)):
                 path = os.path.join(self.directory, name)
-                if not os.path.isdir(path) or not re.fullmatch(r"[\w\-]+", name):
-                    continue  # skips *.partial and *.old
-                manifest = read_manifest(path)
+                if not _TAG.fullmatch(name) or not os.path.isdir(path):
+                    continue  # skips *.partial, *.old and hidden download folders
+                manifest = read_local_manifest(path)
                 if manifest is None:
                     continue
-                candidates.append((manifest["step"], name != "epoch_latest", path))
-            if candidates:
-                best = max(candidates)[2]
+                if check:
+                    problem = check_sizes(_local_listing(path, manifest), manifest)
+                    if problem:
+                        logger.warning(f"checkpoint {path}: {problem}; skipped")
+                        continue
+                out.append(Candidate(manifest.step, is_numbered(name), True, path, manifest))
+        if remote and self.remote is not None:
+            listing = self.remote.list_files()
+            tags = sorted({rel.split("/", 1)[0] for rel in listing if rel.endswith("/" + MANIFEST)})
+            raw = self.remote.read_many([f"{t}/{MANIFEST}" for t in tags])
+            for tag in tags:
+                manifest = Manifest.from_bytes(raw.get(f"{tag}/{MANIFEST}"))
+                if manifest is None or not _TAG.fullmatch(tag):
+                    continue
+                files = {rel[len(tag) + 1:]: size for rel, size in listing.items() if rel.startswith(tag + "/")}
+                problem = check_sizes(files, manifest) if check else None
+                if problem:
+                    logger.warning(f"checkpoint {self.remote.url(tag)}: {problem}; skipped")
+                    continue
+                out.append(Candidate(manifest.step, is_numbered(tag), False, self.remote.url(tag), manifest))
+        return out
+
+    def latest(self) -> str | None:
+        """The committed checkpoint with the highest step, local or remote (ties: numbered, then local).
+        Collective."""
+        best = None
+        if self.world.is_main:
+            ranked = sorted(self._candidates(), key=lambda c: (c.step, c.numbered, c.local), reverse=True)
+            best = ranked[0].location if ranked else None
         return broadcast_object(best, self.world)
 
-    def load(self, path: str) -> dict[str, Any]:
-        """Restore engine state and this rank's RNG from `path`; return the train-state record."""
-        manifest = verify(path) if self.world.is_main else None
-        manifest = broadcast_object(manifest, self.world)
+    def resume(self, spec: str | None) -> tuple[str, dict[str, Any]] | None:
+        """Load `spec` ('latest', a local path or a URL); returns (location, train state) or None.
+
+        With 'latest' a checkpoint that fails verification is reported and the next older one is tried."""
+        if not spec:
+            return None
+        if spec != "latest":
+            return spec, self.load(spec)
+        ranked: list[str] = []
+        if self.world.is_main:
+            ranked = [c.location for c in sorted(self._candidates(), reverse=True,
+                                                 key=lambda c: (c.step, c.numbered, c.local))]
+        ranked = broadcast_object(ranked, self.world)
+        for location in ranked:
+            try:
+                return location, self.load(location)
+            except CorruptCheckpoint as e:
+                logger.warning(f"--resume latest: {e}; trying an older checkpoint")
+        return None
+
+    # ------------------------------------------------------------------------------------------- loading
+    def load(self, location: str) -> dict[str, Any]:
+        """Verify `location` against its manifest, restore the engine and this rank's RNG, return the train
+        state. Collective. A checkpoint that does not verify raises UserError (a CorruptCheckpoint)."""
+        remote = is_url(location)
+        directory = location
+        if remote:
+            directory = os.path.join(self.directory, f".download-{_basename(location)}-{socket.gethostname()}")
+        problem, manifest = None, None
+        downloader = self.world.local_rank == 0 if remote else self.world.is_main
+        if downloader:
+            try:
+                manifest = (fetch_verified(location, directory, self.storage_options, self._io) if remote
+                            else verify_local(directory))
+            except CorruptCheckpoint as e:
+                problem = ("corrupt", str(e))
+            except UserError as e:
+                problem = ("user", str(e))
+        if remote:  # every node downloaded its own copy; any failure stops every rank
+            problems: list[Any] = [problem]
+            if self.world.distributed:
+                problems = [None] * self.world.world_size
+                dist.all_gather_object(problems, problem)
+            problem = next((p for p in problems if p), None)
+            shared = broadcast_object(manifest, self.world)
+            manifest = manifest or shared
+        else:
+            problem, manifest = broadcast_object((problem, manifest), self.world)
+        if problem:
+            if remote and downloader:
+                shutil.rmtree(directory, ignore_errors=True)
+            raise (CorruptCheckpoint if problem[0] == "corrupt" else UserError)(problem[1])
         try:
-            state = torch.load(os.path.join(path, ENGINE_STATE), map_location="cpu", weights_only=False)
-            self.engine.load_state_dict(state)
-        except (RuntimeError, KeyError, ValueError) as e:
-            raise UserError(f"--resume {path}: does not fit this model/optimizer ({str(e).splitlines()[0]}); "
-                            f"resume with the flags the run was started with") from None
-        rng_file = os.path.join(path, f"rng_rank{self.world.rank}.pt")
-        if os.path.exists(rng_file):  # a different world size has no RNG file for new ranks: fresh RNG
-            set_rng_state(torch.load(rng_file, weights_only=False))
-        with open(os.path.join(path, TRAIN_STATE)) as f:
+            return self._restore(directory, manifest)
+        finally:
+            if remote:
+                barrier(self.world)
+                if downloader:
+                    shutil.rmtree(directory, ignore_errors=True)
+
+    def _restore(self, directory: str, manifest: Manifest) -> dict[str, Any]:
+        if manifest.layout != self.layout.layout:
+            raise UserError(f"checkpoint {directory}: written by engine {manifest.engine} ({manifest.layout} "
+                            f"layout); resume it with --engine {manifest.engine}, or export it with "
+                            f"`bigclip export` and start from the weights with --pretrained")
+        self.layout.load(directory, manifest.world_size)
+        own_rng = os.path.join(directory, rng_file(self.world.rank))
+        if os.path.exists(own_rng):
+            load_rng_file(own_rng)
+        elif self.world.is_main:
+            logger.info(f"checkpoint {directory}: saved by {manifest.world_size} ranks, resumed on "
+                        f"{self.world.world_size}: new ranks start with fresh random state")
+        with open(os.path.join(directory, TRAIN_STATE)) as f:
             return json.load(f)
+
+
+def make_layout(engine, world: World, group, async_mode: str):
+    """The engine's checkpoint layout. Async writer per engine, chosen by bench/checkpoint_stall.py:
+    a thread for DCP (its file writes, hashing and uploads release the GIL; a process costs a shared-memory
+    copy of the state and a second interpreter), and a thread for DeepSpeed's uploads."""
+    mode = "thread" if async_mode in ("auto", "off") else async_mode
+    if engine.name == "deepspeed":
+        from .deepspeed_layout import DeepSpeedLayout
+
+        return DeepSpeedLayout(engine, world, group, mode)
+    from .dcp_layout import DCPLayout
+
+    return DCPLayout(engine, world, group, mode)
+
+
+def _picklable(value: Any) -> Any:
+    if isinstance(value, BaseException):
+        try:
+            import pickle
+
+            pickle.dumps(value)
+            return value
+        except Exception:  # noqa: BLE001
+            return RuntimeError(f"{type(value).__name__}: {value}")
+    return value
+
+
+def _basename(location: str) -> str:
+    return location.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _local_listing(path: str, manifest: Manifest) -> dict[str, int]:
+    out = {}
+    for rel in manifest.files:
+        p = os.path.join(path, rel)
+        if os.path.isfile(p):
+            out[rel] = os.path.getsize(p)
+    return out
+
+
+def _replace_dir(src: str, dst: str) -> None:
+    if os.path.exists(dst):  # replacing epoch_latest: move the old one aside, then drop it
+        old = dst + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
+
+def verify(path: str) -> dict[str, Any]:
+    """The manifest (as a dict) of a complete, uncorrupted local checkpoint, else a UserError."""
+    return verify_local(path).__dict__

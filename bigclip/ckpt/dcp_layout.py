@@ -1,0 +1,272 @@
+"""Engine state for DDP and FSDP: torch.distributed.checkpoint (DCP), sharded by rank, reshardable on load.
+
+What each rank writes:
+  FSDP  its own DTensor shards (get_state_dict returns them; DCP writes local shards only).
+  DDP   every rank holds the same state, so the leaves (parameters, Adam moments, …) are split between the
+        ranks by size before staging: each rank copies and writes only its 1/N. DCP's planner would also
+        de-duplicate, but only after every rank had copied everything — splitting first cuts the time the
+        loop is blocked by N.
+Either way the checkpoint holds each tensor once and `.metadata` says where, so it loads at any world size.
+
+The save is split in two so the loop is blocked only by the first part:
+  stage(): copy this rank's state into host buffers that are allocated on the first save and reused by every
+           later one (DCP's DefaultStager caches them by storage; pinned on CUDA, shared memory when a writer
+           process needs them).
+  write(): in the background, DCP plans (collectives on the checkpoint's own gloo group, never the training
+           group: async saves on the default group crash gloo) and writes files into a local directory. With
+           the thread writer each file is handed to the FileSink the moment it is closed, so uploads overlap
+           with writing; the process writer (a daemon process, DCP's executor) hands files over when done.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ..errors import UserError
+from .upload import FileSink
+
+FILE_TARGET_BYTES = 128 * 2**20  # files per rank ~ bytes / this: small enough to pipeline uploads
+MAX_FILES_PER_RANK = 16
+METADATA = ".metadata"
+
+
+@contextmanager
+def _quiet_single_process():
+    # DCP warns on every single-process save/load that it assumes one process; that is the intent here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def engine_parts(engine) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    model = getattr(engine, "model", None)
+    optimizer = getattr(engine, "optimizer", None)
+    if model is None or optimizer is None:
+        raise TypeError(f"engine {engine.name!r} exposes no .model/.optimizer for DCP checkpoints")
+    return model, optimizer, getattr(engine, "scaler", None)
+
+
+def engine_state(engine) -> dict[str, Any]:
+    """FQN-keyed model and optimizer state (DTensor shards under FSDP) plus the grad scaler."""
+    model, optimizer, scaler = engine_parts(engine)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+    if scaler is not None:
+        state["scaler"] = scaler.state_dict()
+    return state
+
+
+def _leaves(tree: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.extend(_leaves(value, prefix + (key,)))
+        else:
+            out.append((prefix + (key,), value))
+    return out
+
+
+def split_replicated(state: dict, rank: int, world_size: int) -> dict:
+    """This rank's share of a replicated state tree: leaves dealt out largest-first to the lightest rank.
+
+    Deterministic (same keys and sizes on every rank), so the shares are disjoint and cover everything.
+    """
+    if world_size == 1:
+        return state
+    leaves = _leaves(state)
+    sizes = [v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0 for _, v in leaves]
+    load = [0] * world_size
+    owner = {}
+    for i in sorted(range(len(leaves)), key=lambda i: (-sizes[i], str(leaves[i][0]))):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += max(sizes[i], 1)
+    mine: dict = {}
+    for i, (path, value) in enumerate(leaves):
+        if owner[i] != rank:
+            continue
+        node = mine
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return mine
+
+
+class _NotifyingFileSystem(FileSystem):
+    """DCP's local filesystem, calling on_file(path) as soon as a file is complete (fsynced and closed)."""
+
+    def __init__(self, on_file: Callable[[str], None]):
+        self.on_file = on_file
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            yield stream
+        if "w" in mode and not str(path).endswith(".tmp"):
+            self.on_file(str(path))
+
+    def rename(self, path, new_path) -> None:  # .metadata is written as .metadata.tmp, then renamed
+        super().rename(path, new_path)
+        self.on_file(str(new_path))
+
+
+class _ChunkedWriter(FileSystemWriter):
+    """FileSystemWriter that splits a rank's data into several files (~FILE_TARGET_BYTES each) written one
+    after another, so the first can be uploading while the next is written."""
+
+    def write_data(self, plan, planner):
+        try:
+            from torch.distributed.checkpoint.filesystem import _item_size, _split_by_size_and_type
+            from torch.distributed.checkpoint.planner import WriteItemType
+        except ImportError:  # private helpers moved: fall back to DCP's own split
+            return super().write_data(plan, planner)
+        import queue
+
+        total = sum(_item_size(i) for i in plan.items if i.type != WriteItemType.BYTE_IO)
+        files = max(1, min(MAX_FILES_PER_RANK, -(-total // FILE_TARGET_BYTES)))
+        file_queue: queue.Queue = queue.Queue()
+        for n, bucket in enumerate(_split_by_size_and_type(files, plan.items)):
+            if not bucket:
+                continue
+            name = f"{plan.storage_data.prefix}{n}.distcp"
+            file_queue.put((self.fs.concat_path(self.path, name), name, bucket))
+        return self._write_data(planner, file_queue)
+
+
+class _NotifyingWriter(_ChunkedWriter):
+    def __init__(self, path: str, on_file: Callable[[str], None]):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+        self.fs = _NotifyingFileSystem(on_file)
+
+
+class _AlreadyStaged:
+    """An AsyncStager for dcp.async_save that passes through a dict stage() already copied."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict, **_):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class DCPLayout:
+    layout = "dcp"
+    writes_while_staging = False
+
+    def __init__(self, engine, world, group, mode: str = "thread"):
+        self.engine = engine
+        self.world = world
+        self.group = group
+        # The process writer needs a process group to hand to its daemon; a single process uses the thread.
+        self.mode = "thread" if (mode == "process" and group is None) else mode
+        self.replicated = not getattr(engine, "sharded_state", False)
+        # Staging copies in a background thread (a side stream on CUDA): the loop goes on with the next
+        # forward and backward, which do not change parameters or optimizer state, and waits for the copy
+        # only before the next optimizer step (CheckpointManager.wait_staged).
+        cuda = torch.cuda.is_available()
+        self._stager = DefaultStager(StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=self.mode == "process", use_async_staging=True,
+            use_non_blocking_copy=cuda))
+        self._reniced = False
+
+    # -- saving
+    def stage(self, directory: str) -> Future:
+        """This rank's share of the state (collected here, in the loop's thread), copied into the reused host
+        buffers in the background: a future of the staged dict."""
+        state = engine_state(self.engine)
+        if self.replicated:
+            state = split_replicated(state, self.world.rank, self.world.world_size)
+        staged = self._stager.stage(state)
+        if not isinstance(staged, Future):
+            done: Future = Future()
+            done.set_result(staged)
+            staged = done
+        return staged
+
+    def write(self, staging: Future, directory: str, sink: FileSink) -> None:
+        """Background: write this rank's files into `directory`, handing each finished file to `sink`."""
+        staged = staging.result()
+        os.makedirs(directory, exist_ok=True)
+        pg = self.group
+        if self.mode == "process":
+            response = dcp.async_save(staged, storage_writer=_ChunkedWriter(directory, thread_count=1),
+                                      process_group=pg, async_stager=_AlreadyStaged(),
+                                      async_checkpointer_type=dcp.state_dict_saver.AsyncCheckpointerType.PROCESS)
+            future: Future = response.upload_completion if hasattr(response, "upload_completion") else response
+            future.result()
+            self._renice_writer_process()
+            mine = f"__{self.world.rank}_"
+            for name in sorted(os.listdir(directory)):
+                if name.startswith(mine) or (name == METADATA and self.world.rank == 0):
+                    sink.submit(os.path.join(directory, name))
+            return
+        with _quiet_single_process():
+            dcp.save(staged, storage_writer=_NotifyingWriter(directory, sink.submit), process_group=pg,
+                     no_dist=pg is None)
+
+    def _renice_writer_process(self) -> None:
+        # DCP's daemon writer process: same reasoning as the checkpoint threads (upload.lower_priority).
+        if self._reniced:
+            return
+        self._reniced = True
+        try:
+            from torch.distributed.checkpoint import _async_process_executor as executor
+
+            from .upload import BACKGROUND_NICE
+
+            os.setpriority(os.PRIO_PROCESS, executor._CHECKPOINT_PROCESS._save_process.pid, BACKGROUND_NICE)
+        except (ImportError, AttributeError, OSError):
+            pass
+
+    # -- loading
+    def load(self, directory: str, saved_world_size: int | None = None) -> None:
+        model, optimizer, scaler = engine_parts(self.engine)
+        state = engine_state(self.engine)  # the structure to fill (optimizer state is initialised for it)
+        try:
+            with _quiet_single_process():
+                dcp.load(state, storage_reader=FileSystemReader(directory), process_group=self.group,
+                         no_dist=self.group is None)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        except Exception as e:  # DCP wraps per-rank failures in CheckpointException
+            first = str(e).strip().splitlines()
+            raise UserError(f"checkpoint {directory}: does not fit this model/optimizer "
+                            f"({first[0][:300] if first else type(e).__name__}); resume with the flags "
+                            f"(--model, --engine, optimizer) the run was started with") from None
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+
+    def close(self) -> None:
+        self._stager.close()
+
+
+def read_model_state(directory: str) -> dict[str, torch.Tensor]:
+    """The full model weights of a DCP checkpoint, in one process, without the training world size."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(directory)
+    metadata = reader.read_metadata()
+    flat = {key: torch.empty(md.size, dtype=md.properties.dtype)
+            for key, md in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+    if not flat:
+        raise UserError(f"checkpoint {directory}: holds no model tensors")
+    with _quiet_single_process():
+        dcp.load(flat, storage_reader=reader, no_dist=True)
+    return {key[len("model."):]: value for key, value in flat.items()}
+

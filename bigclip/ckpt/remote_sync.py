@@ -1,0 +1,74 @@
+"""--remote-sync for everything that is not a checkpoint: out.log, metrics.jsonl, params.yaml, tensorboard.
+
+Rank 0 copies new or changed files of the run directory to the remote run directory every
+--remote-sync-frequency seconds, and once more when the run ends. Checkpoints are not copied here: the
+manager uploads their files as they are written and commits them with a manifest, so a half-written
+checkpoint is never copied (what OpenCLIP's periodic `aws s3 sync` can do).
+
+Both --remote-sync-protocol values use the same fsspec/s3fs path with parallel, retried uploads; "s3"
+only insists on an s3:// URL, as OpenCLIP's aws-cli path did.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from .storage import Storage, StorageError, StorageUnavailable
+
+logger = logging.getLogger("bigclip")
+SKIP_DIRS = ("checkpoints",)
+
+
+class RemoteSync:
+    def __init__(self, local_root: str, remote: Storage, every_seconds: float):
+        self.local_root = local_root
+        self.remote = remote
+        self.every_seconds = max(1.0, float(every_seconds))
+        self._seen: dict[str, tuple[int, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bigclip-remote-sync", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_seconds):
+            self.sync_once()
+
+    def sync_once(self) -> int:
+        """Upload what changed since the last pass; returns the number of files sent."""
+        sent = 0
+        for dirpath, dirnames, files in os.walk(self.local_root):
+            if dirpath == self.local_root:
+                dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")]
+            for name in files:
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, self.local_root).replace(os.sep, "/")
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                stamp = (st.st_size, st.st_mtime_ns)
+                if self._seen.get(rel) == stamp:
+                    continue
+                try:
+                    # A snapshot of the bytes: out.log and metrics.jsonl keep growing while we upload.
+                    with open(path, "rb") as f:
+                        data = f.read()
+                    self.remote.put_bytes(rel, data)
+                except (OSError, StorageError, StorageUnavailable) as e:
+                    logger.warning(f"--remote-sync: could not copy {rel} to {self.remote.display} ({e}); "
+                                   f"will try again")
+                    continue
+                self._seen[rel] = stamp
+                sent += 1
+        return sent
+
+    def stop(self) -> None:
+        """Stop the periodic copy and make one last pass (the run's end waits for it)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.sync_once()

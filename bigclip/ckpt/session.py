@@ -1,0 +1,168 @@
+"""What the training loop asks of checkpoints, in four calls: resume, after_step, after_epoch, finish.
+
+Built from the config: where checkpoints go (local <logs>/<name>/checkpoints, and with --remote-sync also
+<remote>/<name>/checkpoints), the cadence (--save-frequency epochs, --save-every-n-steps,
+--save-every-minutes), SIGTERM handling, retention (--delete-previous-checkpoint, --keep-last-k) and the
+periodic copy of logs (--remote-sync-frequency).
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import tempfile
+from typing import Any
+
+from .cadence import SaveCadence
+from .manager import CheckpointManager
+from .preemption import PreemptionFlag, Preempted
+from .remote_sync import RemoteSync
+from .storage import Storage, is_url, join, parse_storage_options, redact_url
+
+logger = logging.getLogger("bigclip")
+
+
+def local_logs_dir(cfg) -> str:
+    """Where the run writes locally. --logs may be a URL (s3://bucket/runs): then the run writes to a local
+    staging folder (BIGCLIP_LOCAL_LOGS, default <tmp>/bigclip-logs-<user>) and everything goes to the URL,
+    exactly as --remote-sync does."""
+    if not is_url(cfg.logs):
+        return cfg.logs
+    return os.environ.get("BIGCLIP_LOCAL_LOGS") or os.path.join(tempfile.gettempdir(),
+                                                                f"bigclip-logs-{getpass.getuser()}")
+
+
+def remote_run_root(cfg, name: str) -> str | None:
+    if cfg.remote_sync:
+        return join(cfg.remote_sync, name)
+    return join(cfg.logs, name) if is_url(cfg.logs) else None
+
+
+def preflight(cfg, name: str, world) -> None:
+    """Before any model is built: can the remote store be written? Bad credentials, a missing bucket or an
+    unreachable endpoint stop every rank here with one line. Collective."""
+    from ..dist import broadcast_object
+    from ..errors import UserError
+    from .storage import StorageError, StorageUnavailable
+
+    root = remote_run_root(cfg, name)
+    problem = None
+    if root and world.is_main:
+        try:
+            store = Storage(root, parse_storage_options(cfg.storage_options), retry_seconds=30)
+            store.check_writable()
+            if cfg.resume is None and store.exists("params.yaml"):
+                problem = (f"--name {name}: {store.display} already holds a run; pass a new --name, or "
+                           f"--resume latest to continue that run")
+        except (StorageError, UserError) as e:
+            problem = str(e)
+        except StorageUnavailable as e:
+            problem = f"{e}; check the endpoint (AWS_ENDPOINT_URL / --storage-options) and the network"
+    problem = broadcast_object(problem, world)
+    if problem:
+        raise UserError(problem)
+
+
+class CheckpointSession:
+    def __init__(self, cfg, paths, name: str, engine, world, config_dict: dict[str, Any]):
+        self.cfg = cfg
+        self.world = world
+        self.config_dict = config_dict
+        self.remote_root = remote_run_root(cfg, name)
+        options = parse_storage_options(cfg.storage_options)
+        self.manager = CheckpointManager(
+            paths.checkpoints, engine, world, cfg.delete_previous_checkpoint,
+            remote=join(self.remote_root, "checkpoints") if self.remote_root else None,
+            storage_options=options, keep_last_k=cfg.keep_last_k, async_mode=cfg.checkpoint_async)
+        self.cadence = SaveCadence(cfg, world)
+        self.preemption = PreemptionFlag()
+        self.preemption.install()
+        self.sync = None
+        if self.remote_root and world.is_main:
+            self.sync = RemoteSync(paths.root, Storage(self.remote_root, options), cfg.remote_sync_frequency)
+            self.sync.sync_once()  # params.yaml and the log so far, before any training
+            self.sync.start()
+        self._where = paths.checkpoints + (f" and {redact_url(self.manager.remote.root)}" if self.remote_root else "")
+
+    # -- resume
+    def resume(self, state: dict[str, Any]) -> None:
+        spec = self.cfg.resume
+        found = self.manager.resume(spec)
+        if spec == "latest" and found is None:
+            logger.info(f"--resume latest: no committed checkpoint in {self._where}; starting fresh")
+        if found is None:
+            return
+        location, saved = found
+        state.update({k: saved[k] for k in ("step", "epoch", "samples_seen", "batches_in_epoch") if k in saved})
+        where = f"epoch {state['epoch']}" + (f" (+{state['batches_in_epoch']} batches)"
+                                             if state.get("batches_in_epoch") else "")
+        logger.info(f"resumed from {redact_url(location)} at {where}, step {state['step']}")
+
+    # -- saving
+    def _record(self, state: dict[str, Any], epoch: int, batches_in_epoch: int) -> dict[str, Any]:
+        return {"step": state["step"], "epoch": epoch, "samples_seen": state["samples_seen"],
+                "batches_in_epoch": batches_in_epoch, "config": self.config_dict}
+
+    def _save(self, tag: str, record: dict[str, Any], aliases: list[str] = ()) -> None:
+        self.manager.save(tag, record, aliases=list(aliases))
+        self.cadence.saved()
+
+    def before_update(self) -> None:
+        """Called by the loop right before the optimizer step: a save in flight must hold its copy first."""
+        self.manager.wait_staged()
+
+    def after_step(self, state: dict[str, Any], epoch: int, last_in_epoch: bool) -> None:
+        """Called by the loop after every optimizer step (collective in multi-process runs)."""
+        save, stop = self.cadence.after_step(state["step"], self.preemption.requested)
+        if save and not stop and last_in_epoch and self.cadence.epoch_due(epoch + 1):
+            save = False  # the epoch-end checkpoint, a moment later, covers this step
+        if save and self.manager.last_saved_step != state["step"]:
+            tag = f"step_{state['step']}"
+            if not stop and self.manager.stalled():
+                # A new save normally waits for the previous one; but while that one is stuck retrying an
+                # unreachable store, waiting would stop training, so a step/minute checkpoint is skipped.
+                if self.world.is_main:
+                    logger.warning(f"checkpoint {tag} skipped: the previous checkpoint is still retrying its "
+                                   f"upload")
+            else:
+                aliases = ["epoch_latest"] if self.cfg.save_most_recent else []
+                self._save(tag, self._record(state, epoch, state["batches_in_epoch"]), aliases)
+        if stop:
+            raise Preempted(state["step"])
+
+    def after_epoch(self, state: dict[str, Any], completed: int) -> None:
+        tags = [f"epoch_{completed}"] if self.cadence.epoch_due(completed) else []
+        if self.cfg.save_most_recent:
+            tags.append("epoch_latest")
+        if tags:
+            self._save(tags[0], self._record(state, completed, 0), tags[1:])
+
+    # -- the end
+    def finish(self, preempted: Preempted | None = None) -> None:
+        """Wait for the last checkpoint to commit, copy the logs one last time, restore SIGTERM."""
+        try:
+            self.manager.wait()
+            last = self.manager.results[-1] if self.manager.results else None
+            if preempted is not None:
+                committed = f"checkpoint {last.tag} committed" if last and last.error is None else \
+                    "no checkpoint could be committed"
+                logger.info(f"stopped by SIGTERM at step {preempted.step}: {committed}; continue with "
+                            f"--resume latest --name <this run>")
+            if self.sync is not None:
+                self.sync.stop()
+                self.sync = None
+        finally:
+            self.preemption.restore()
+
+    def close(self) -> None:
+        """Release threads and buffers. After finish() there is nothing left to wait for; on the error path
+        a pending save is still waited for (it may commit), but its failure must not hide the real error."""
+        self.preemption.restore()
+        try:
+            if self.sync is not None:
+                self.sync.stop()
+                self.sync = None
+            self.manager.close()
+        except Exception as e:  # noqa: BLE001
+            logger.warning(f"checkpoint shutdown: {e}")

@@ -1,0 +1,81 @@
+"""`bigclip export CKPT OUT.pt|OUT.safetensors`: one consolidated model state dict from a checkpoint.
+
+CKPT is a checkpoint directory or URL (…/checkpoints/<tag>) of any engine and any world size; it is verified
+against its manifest first. The output holds the model weights only (no optimizer), in OpenCLIP's parameter
+names by default, so `open_clip.create_model(..., pretrained=OUT)` or bigclip's --pretrained can load it.
+One process, no GPUs, no process group: DCP checkpoints are read with their metadata, DeepSpeed checkpoints
+with DeepSpeed's zero_to_fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+
+import torch
+
+from .ckpt.storage import is_url, parse_storage_options, redact_url
+from .ckpt.verify import fetch_verified, verify_local
+from .errors import UserError
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .cli import _OneLineErrorParser
+
+    p = _OneLineErrorParser(prog="bigclip export", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="checkpoint directory or URL (s3://, gs://, az://, https://)")
+    p.add_argument("output", help="OUT.pt (torch.save) or OUT.safetensors")
+    p.add_argument("--names", choices=("openclip", "bigclip"), default="openclip",
+                   help="parameter names of the output (default: openclip)")
+    p.add_argument("--storage-options", default=None, help="JSON of fsspec options for a URL checkpoint")
+    return p
+
+
+def model_state(directory: str, layout: str) -> dict[str, torch.Tensor]:
+    if layout == "deepspeed":
+        from .ckpt.deepspeed_layout import read_model_state
+    else:
+        from .ckpt.dcp_layout import read_model_state
+    return read_model_state(directory)
+
+
+def export(checkpoint: str, output: str, names: str = "openclip", storage_options: dict | None = None) -> int:
+    if not output.endswith((".pt", ".pth", ".bin", ".safetensors")):
+        raise UserError(f"bigclip export: output {output}: name it .pt or .safetensors")
+    tmp = None
+    try:
+        if is_url(checkpoint):
+            tmp = tempfile.mkdtemp(prefix="bigclip-export-")
+            manifest = fetch_verified(checkpoint, os.path.join(tmp, "ckpt"), storage_options)
+            directory = os.path.join(tmp, "ckpt")
+        else:
+            manifest = verify_local(checkpoint)
+            directory = checkpoint
+        state = model_state(directory, manifest.layout)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if names == "openclip":
+        from .model.convert import bigclip_to_openclip
+
+        state = bigclip_to_openclip(state)
+    state = {k: v.detach().contiguous() for k, v in state.items()}
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    if output.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(state, output, metadata={"format": "pt", "source": redact_url(checkpoint) or "",
+                                           "step": str(manifest.step)})
+    else:
+        torch.save(state, output)
+    params = sum(v.numel() for v in state.values())
+    print(f"exported {len(state)} tensors ({params / 1e6:.1f}M parameters, step {manifest.step}, "
+          f"{names} names) from {redact_url(checkpoint)} to {output}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    return export(args.checkpoint, args.output, args.names, parse_storage_options(args.storage_options))

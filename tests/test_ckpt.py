@@ -1,0 +1,300 @@
+"""Checkpoints end to end in one process: exact mid-epoch resume, SIGTERM, remote sync to a real S3-protocol
+server (retention, partial uploads, corrupt shards, outages, bad credentials), export."""
+
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from bigclip import cli
+from bigclip.ckpt import CheckpointManager
+from bigclip.ckpt import storage as storage_mod
+from bigclip.ckpt.manifest import MANIFEST
+from bigclip.config import resolve
+from bigclip.dist import World
+from bigclip.engine import build_engine
+from bigclip.errors import UserError
+from bigclip.model import create_model
+from helpers import TINY_SYNTHETIC, read_metrics, step_losses
+from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
+
+# 96 samples / batch 8 = 12 steps per epoch, 24 in all; a checkpoint every 4 steps (mid-epoch ones included).
+# A constant LR schedule, so that a run told --epochs 1 takes the same first 12 steps as the reference.
+FLAGS = [*TINY_SYNTHETIC, "--train-num-samples", "96", "--save-every-n-steps", "4", "--lr-scheduler", "const"]
+
+
+def run(logs, name, *extra):
+    code = cli.main([*FLAGS, "--logs", str(logs), "--name", name, *extra])
+    assert code == 0
+    return os.path.join(str(logs), name)
+
+
+def assert_same_losses(got: dict, want: dict, steps) -> None:
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-7), step
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run every resumed run is compared with."""
+    logs = tmp_path_factory.mktemp("reference")
+    run_dir = run(logs, "full")
+    return run_dir, step_losses(run_dir)
+
+
+@pytest.fixture
+def bigclip_log():
+    """Everything the bigclip logger says during the test (it does not propagate to pytest's caplog)."""
+    lines = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("bigclip")
+    handler, level = Collect(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def tiny_engine(seed=0):
+    cfg = resolve(dict(model="test-tiny", dataset_type="synthetic", precision="fp32"))
+    torch.manual_seed(seed)
+    return build_engine(cfg, create_model("test-tiny"), World())
+
+
+def test_cadence_and_exact_mid_epoch_resume(reference, tmp_path):
+    run_dir, full = reference
+    names = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
+    assert names == ["epoch_1", "epoch_2", "step_16", "step_20", "step_4", "step_8"]  # 12, 24: epoch saves
+    manifest = json.load(open(os.path.join(run_dir, "checkpoints", "step_16", MANIFEST)))
+    assert manifest["step"] == 16 and manifest["epoch"] == 1 and manifest["layout"] == "dcp"
+    assert {"train_state.json", ".metadata", "rng/rank_00000.pt"} <= set(manifest["files"])
+    state = json.load(open(os.path.join(run_dir, "checkpoints", "step_16", "train_state.json")))
+    assert state["batches_in_epoch"] == 4 and state["config"]["save_every_n_steps"] == 4
+    # Resume mid-epoch 1 (after its 4th batch) into a new run: the same losses from step 17 on.
+    resumed = step_losses(run(tmp_path, "resumed", "--resume", os.path.join(run_dir, "checkpoints", "step_16")))
+    assert sorted(resumed) == list(range(17, 25))
+    assert_same_losses(resumed, full, range(17, 25))
+    assert "waiting for the last checkpoint" in open(os.path.join(tmp_path, "resumed", "out.log")).read()
+
+
+def _when_step(run_dir, step, action, timeout=240):
+    """Run action() in a thread as soon as metrics.jsonl shows `step` (the run goes on in this thread)."""
+    def watch():
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            path = os.path.join(run_dir, "metrics.jsonl")
+            if os.path.exists(path) and any(r.get("step", 0) >= step for r in read_metrics(run_dir)):
+                action()
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_sigterm_saves_a_final_checkpoint_and_exits_cleanly(reference, tmp_path, capfd):
+    _, full = reference
+    run_dir = os.path.join(tmp_path, "sig")
+    # A harmless handler underneath bigclip's, in case the signal lands after the run restored it.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        _when_step(run_dir, 3, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        code = cli.main([*FLAGS, "--save-every-n-steps", "0", "--logs", str(tmp_path), "--name", "sig"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    out = capfd.readouterr().out
+    assert code == 0 and "stopped by SIGTERM" in out and "Traceback" not in out
+    stopped = max(step_losses(run_dir))
+    assert 3 <= stopped < 24, "the signal should arrive mid-run"
+    assert f"step_{stopped}" in os.listdir(os.path.join(run_dir, "checkpoints"))
+    resumed = step_losses(run(tmp_path, "sig", "--save-every-n-steps", "0", "--resume", "latest"))
+    assert max(resumed) == 24
+    assert_same_losses(resumed, full, range(stopped + 1, 25))
+
+
+def test_latest_skips_partial_and_corrupt_checkpoints(reference, tmp_path, bigclip_log):
+    run_dir, _ = reference
+    ckpts = str(tmp_path / "checkpoints")
+    shutil.copytree(os.path.join(run_dir, "checkpoints"), ckpts)
+    # A save killed before its manifest: files, no manifest.
+    shutil.copytree(os.path.join(ckpts, "step_20"), os.path.join(ckpts, "step_28"))
+    os.remove(os.path.join(ckpts, "step_28", MANIFEST))
+    shutil.copytree(os.path.join(ckpts, "step_8"), os.path.join(ckpts, "step_32.partial"))
+    # A committed checkpoint whose shard was corrupted afterwards (same size, different bytes).
+    bad = os.path.join(ckpts, "step_36")
+    shutil.copytree(os.path.join(ckpts, "epoch_2"), bad)
+    manifest = json.load(open(os.path.join(bad, MANIFEST)))
+    manifest.update(step=36, tag="step_36")
+    json.dump(manifest, open(os.path.join(bad, MANIFEST), "w"))
+    shard = os.path.join(bad, "__0_0.distcp")
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(shard, "wb").write(bytes(data))
+
+    manager = CheckpointManager(ckpts, tiny_engine(seed=1), World())
+    assert manager.latest() == bad  # committed and complete by size: it is a candidate ...
+    with pytest.raises(UserError, match="checksum"):
+        manager.load(bad)  # ... but never loaded
+    location, state = manager.resume("latest")
+    assert location == os.path.join(ckpts, "epoch_2") and state["step"] == 24
+    assert any("step_36" in line and "checksum" in line for line in bigclip_log)
+    with pytest.raises(UserError, match="no valid manifest.json"):
+        manager.load(os.path.join(ckpts, "step_28"))
+    # What was restored is what was saved.
+    saved = tiny_engine(seed=2)
+    CheckpointManager(str(tmp_path / "other"), saved, World()).load(os.path.join(run_dir, "checkpoints", "epoch_2"))
+    for (name, a), b in zip(manager.engine.model.state_dict().items(), saved.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    manager.close()
+
+
+def test_remote_sync_retention_and_resume_from_s3(reference, s3, s3_bucket, tmp_path):
+    _, full = reference
+    remote = f"s3://{s3_bucket}/runs"
+    secret_options = json.dumps({"client_kwargs": {"endpoint_url": s3.endpoint}, "key": "testing",
+                                 "secret": "testing"})
+    run_dir = run(tmp_path, "r", "--epochs", "1", "--remote-sync", remote, "--remote-sync-protocol", "s3",
+                  "--delete-previous-checkpoint", "--keep-last-k", "2", "--save-most-recent",
+                  "--storage-options", secret_options)
+    fs = s3.fs()
+    prefix = f"{s3_bucket}/runs/r"
+    committed = sorted(p.split("/")[-2] for p in fs.glob(f"{prefix}/checkpoints/*/{MANIFEST}"))
+    assert committed == ["epoch_1", "epoch_latest", "step_8"]  # keep-last-k 2 dropped step_4 remotely
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["epoch_1", "epoch_latest"]  # local: newest
+    for name in ("out.log", "metrics.jsonl", "params.yaml"):
+        assert fs.exists(f"{prefix}/{name}"), name  # logs copied by --remote-sync
+    params = fs.cat(f"{prefix}/params.yaml").decode()
+    assert "testing" not in params and "***" in params  # --storage-options credentials never stored
+
+    # Uploads that never committed: shards without a manifest, and a manifest naming a missing file.
+    for tag in ("step_40", "step_44"):
+        fs.copy(f"{prefix}/checkpoints/epoch_1", f"{prefix}/checkpoints/{tag}", recursive=True)
+    fs.rm(f"{prefix}/checkpoints/step_40/{MANIFEST}")
+    m = json.loads(fs.cat(f"{prefix}/checkpoints/step_44/{MANIFEST}"))
+    m.update(step=44, tag="step_44")
+    fs.pipe(f"{prefix}/checkpoints/step_44/{MANIFEST}", json.dumps(m).encode())
+    fs.rm(f"{prefix}/checkpoints/step_44/__0_0.distcp")
+    # A corrupted shard in the newest numbered checkpoint (epoch_latest is an intact server-side copy).
+    shard = f"{prefix}/checkpoints/epoch_1/__0_0.distcp"
+    data = bytearray(fs.cat(shard))
+    data[100] ^= 0xFF
+    fs.pipe(shard, bytes(data))
+
+    # A new machine: no local copies. --resume latest looks at the remote store, verifies while downloading.
+    shutil.rmtree(os.path.join(run_dir, "checkpoints"))
+    resumed = step_losses(run(tmp_path / "elsewhere", "r", "--remote-sync", remote, "--remote-sync-protocol", "s3",
+                              "--resume", "latest"))
+    log = open(tmp_path / "elsewhere" / "r" / "out.log").read()
+    assert "step_44: __0_0.distcp is missing; skipped" in log
+    assert "epoch_1: __0_0.distcp: checksum does not match" in log
+    assert f"resumed from {remote}/r/checkpoints/epoch_latest" in log
+    assert sorted(resumed) == list(range(13, 25))
+    assert_same_losses(resumed, full, range(13, 25))
+
+
+def test_s3_outage_never_blocks_training(s3, s3_bucket, tmp_path, monkeypatch, capfd):
+    """The server goes away just before the first checkpoint and comes back 10 s later: training keeps
+    stepping, the upload is retried and completes, and every checkpoint that was started commits."""
+    monkeypatch.setattr(storage_mod, "RETRY_SECONDS", 120.0)
+    run_dir = os.path.join(tmp_path, "outage")
+    window = {}
+
+    def outage():
+        s3.stop()
+        window["down_at"] = max(r["step"] for r in read_metrics(run_dir) if "loss" in r)
+        time.sleep(10)
+        window["during"] = [r for r in read_metrics(run_dir) if "loss" in r and r["step"] > window["down_at"]]
+        s3.start()
+
+    watcher = _when_step(run_dir, 5, outage)
+    code = cli.main([*TINY_SYNTHETIC, "--train-num-samples", "240", "--epochs", "1", "--save-every-n-steps", "6",
+                     "--remote-sync", f"s3://{s3_bucket}/runs", "--logs", str(tmp_path), "--name", "outage"])
+    watcher.join()
+    out = capfd.readouterr().out
+    assert code == 0
+    during = window["during"]
+    assert len(during) >= 5, "training should keep stepping while the store is down"
+    assert max(r["batch_time"] for r in during) < 5.0
+    assert "retrying" in out
+    committed = sorted(p.split("/")[-2] for p in s3.fs().glob(f"{s3_bucket}/runs/outage/checkpoints/*/{MANIFEST}"))
+    assert "step_6" in committed and "epoch_1" in committed, out[-3000:]
+    started = {line.split("checkpoint ")[1].split(":")[0] for line in out.splitlines()
+               if "saving in the background" in line}
+    assert started <= set(committed)
+
+
+def test_bad_credentials_and_missing_bucket_stop_with_one_line(s3, s3_bucket, tmp_path, monkeypatch, capfd):
+    code = cli.main([*FLAGS, "--logs", str(tmp_path), "--name", "nobucket", "--remote-sync",
+                     "s3://missing-bucket-xyz/runs"])
+    err = capfd.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "Traceback" not in err
+    assert "missing-bucket-xyz" in err and "exists" in err
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLEWRONG")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with s3.enforce_auth():
+        code = cli.main([*FLAGS, "--logs", str(tmp_path), "--name", "badkeys", "--remote-sync",
+                         f"s3://{s3_bucket}/runs"])
+    err = capfd.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "Traceback" not in err
+    assert "access denied" in err and "not-the-secret" not in err
+    assert s3.fs().find(s3_bucket) == []  # nothing written, no manifest
+
+
+def test_export_to_safetensors_and_pt(reference, tmp_path):
+    run_dir, _ = reference
+    ckpt = os.path.join(run_dir, "checkpoints", "epoch_2")
+    assert cli.main(["export", ckpt, str(tmp_path / "m.safetensors")]) == 0
+    assert cli.main(["export", ckpt, str(tmp_path / "m.pt"), "--names", "bigclip"]) == 0
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "m.safetensors"))
+    assert "visual.conv1.weight" in exported and "token_embedding.weight" in exported  # OpenCLIP names
+    restored = tiny_engine(seed=3)
+    CheckpointManager(str(tmp_path / "c"), restored, World()).load(ckpt)
+    for path in ("m.safetensors", "m.pt"):
+        model = create_model("test-tiny", pretrained=str(tmp_path / path))
+        for (name, a), b in zip(model.state_dict().items(), restored.model.state_dict().values()):
+            assert torch.equal(a, b), (path, name)
+    plain = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert "visual.trunk.patch_embed.proj.weight" in plain
+
+
+def test_logs_url_and_http_checkpoints(reference, s3, s3_bucket, tmp_path, monkeypatch):
+    """--logs s3://… runs through a local staging folder; a checkpoint served over http(s) can be exported."""
+    monkeypatch.setenv("BIGCLIP_LOCAL_LOGS", str(tmp_path / "staging"))
+    code = cli.main([*TINY_SYNTHETIC, "--train-num-samples", "32", "--epochs", "1", "--logs",
+                     f"s3://{s3_bucket}/runs", "--name", "direct"])
+    assert code == 0
+    fs = s3.fs()
+    assert fs.exists(f"{s3_bucket}/runs/direct/checkpoints/epoch_1/{MANIFEST}")
+    assert fs.exists(f"{s3_bucket}/runs/direct/metrics.jsonl") and fs.exists(f"{s3_bucket}/runs/direct/out.log")
+    # The same name again is refused: the remote already holds that run.
+    assert cli.main([*TINY_SYNTHETIC, "--logs", f"s3://{s3_bucket}/runs", "--name", "direct",
+                     "--epochs", "1"]) == 2
+
+    import functools
+    import http.server
+
+    run_dir, _ = reference
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=os.path.join(run_dir, "checkpoints"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/epoch_2"
+        assert cli.main(["export", url, str(tmp_path / "from_http.pt")]) == 0
+    finally:
+        server.shutdown()
+    assert torch.load(tmp_path / "from_http.pt", weights_only=True)["visual.conv1.weight"].shape[0] > 0

@@ -1,0 +1,204 @@
+"""Checkpoints on 2 gloo ranks: SIGKILL of one rank then --resume latest, save/resume round trips for DDP,
+FSDP2 and DeepSpeed ZeRO-2/3 (the save runs in the background while training goes on), and loading a
+checkpoint written by 2 ranks in 1 process (resharding)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from bigclip.ckpt import CheckpointManager
+from bigclip.config import resolve
+from bigclip.dist import World
+from bigclip.engine import build_engine
+from bigclip.model import create_model
+from helpers import REPO, TINY_SYNTHETIC, TRAIN_SCRIPT, free_port, read_metrics, subprocess_env
+
+pytestmark = pytest.mark.slow
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        return int(env[b"RANK"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _torchrun(args, cwd):
+    # No --logs flag: torch 2.14's torchrun rejects any "--logs" after the script as an abbreviation of its
+    # own --logs-specs, so the run writes to the default ./logs/ under cwd.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           TRAIN_SCRIPT, *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                            env=subprocess_env(), start_new_session=True)
+
+
+def _losses_by_occurrence(run_dir):
+    first, second = {}, {}
+    for r in read_metrics(run_dir):
+        if "loss" in r:
+            (second if r["step"] in first else first)[r["step"]] = r["loss"]
+    return first, second
+
+
+def test_sigkill_one_rank_then_resume_latest_gives_the_same_losses(tmp_path):
+    """Rank 1 is SIGKILLed mid-run (a checkpoint may be half written). The restarted run resumes from the
+    last committed checkpoint and recomputes the steps after it with exactly the losses the killed run had."""
+    # 160 samples / (8 x 2 ranks) = 10 steps per epoch, 20 in all; a checkpoint every 4 steps.
+    flags = [*TINY_SYNTHETIC, "--train-num-samples", "160", "--save-every-n-steps", "4", "--name", "killed"]
+    run_dir = os.path.join(tmp_path, "logs", "killed")
+    proc = _torchrun(flags, tmp_path)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and \
+                any(r.get("step", 0) >= 10 for r in read_metrics(run_dir)):
+            break
+        time.sleep(0.02)
+    victims = [pid for pid in _children(proc.pid) if _rank_of(pid) == 1]
+    assert victims, "rank 1 not found"
+    os.kill(victims[0], signal.SIGKILL)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # what is left of the job dies too
+        proc.wait()
+    killed_out = proc.stdout.read()
+    assert proc.returncode != 0, killed_out[-2000:]
+    killed_at = max(r["step"] for r in read_metrics(run_dir) if "loss" in r)
+    assert killed_at < 20, "the kill should land mid-run"
+
+    resumed = _torchrun([*flags, "--resume", "latest"], tmp_path)
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out[-3000:]
+    line = next(x for x in out.splitlines() if "resumed from" in x)
+    resumed_at = int(line.rsplit("step ", 1)[1])
+    assert resumed_at >= 4 and resumed_at % 4 == 0
+    first, second = _losses_by_occurrence(run_dir)
+    overlap = [s for s in range(resumed_at + 1, killed_at + 1)]
+    assert overlap, (resumed_at, killed_at)
+    for step in overlap:  # the killed run's losses, recomputed after the restart
+        assert second[step] == pytest.approx(first[step], rel=1e-6, abs=1e-7), step
+    assert max(first) == 20 or max(second) == 20
+
+
+WORKER = r'''
+"""torchrun worker: for each engine, train 2 steps, save asynchronously, train 2 more while the save runs,
+then build a fresh engine (other seed), resume 'latest' and train the same 2 steps: losses must match."""
+import copy, json, os, sys, functools
+import torch
+from bigclip.config import resolve
+from bigclip.dist import init_distributed
+from bigclip.engine import build_engine, build_model
+from bigclip.model import create_model
+from bigclip.train import build_loss_fn, forward_backward
+from bigclip.ckpt import CheckpointManager
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    texts = torch.randint(1, 250, (4, 16), generator=g)
+    texts[:, -1] = 258
+    return torch.randn(4, 3, 16, 16, generator=g), texts
+
+def train(engine, loss_fn, world, steps, before_update=lambda: None):
+    losses = []
+    for step in steps:
+        engine.set_lr(1e-3)
+        loss, _ = forward_backward(engine, loss_fn, [batch(step, world.rank)], world)
+        before_update()  # what the loop does: an asynchronous save finishes copying before the update
+        engine.step()
+        losses.append(loss)
+    return losses
+
+def full_model(engine):
+    out = {}
+    for name, p in engine.model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().clone()
+    return out
+
+spec, out_path, root = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
+world = init_distributed("cpu", "gloo")
+results = {}
+for name, config in spec.items():
+    cfg = resolve({"dataset_type": "synthetic", "precision": "fp32", "model": "test-tiny", "batch_size": 4,
+                   "lr": 1e-3, "wd": 0.1, "seed": 0, "workers": 0, **config})
+    directory = os.path.join(root, name)
+    torch.manual_seed(0)
+    a = build_engine(cfg, build_model(cfg, world, functools.partial(create_model, cfg.model)), world)
+    loss_fn = build_loss_fn(cfg, world)
+    train(a, loss_fn, world, range(2))
+    manager = CheckpointManager(directory, a, world)
+    manager.save("step_2", {"step": 2, "epoch": 0, "samples_seen": 16, "batches_in_epoch": 2})
+    manager.wait_staged()
+    snapshot = full_model(a) if a.name != "deepspeed" else None
+    after_a = train(a, loss_fn, world, range(2, 4), manager.wait_staged)  # while the save runs
+    manager.close()
+    torch.manual_seed(1)
+    b = build_engine(cfg, build_model(cfg, world, functools.partial(create_model, cfg.model)), world)
+    manager = CheckpointManager(directory, b, world)
+    location, state = manager.resume("latest")
+    after_b = train(b, loss_fn, world, range(2, 4))
+    manager.close()
+    results[name] = {"a": after_a, "b": after_b, "location": location, "step": state["step"],
+                     "blocked_s": None}
+    if world.rank == 0 and snapshot is not None:
+        torch.save(snapshot, os.path.join(root, name + "_step2_model.pt"))
+if world.rank == 0:
+    json.dump(results, open(out_path, "w"))
+'''
+
+
+def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
+    ds = os.path.join(REPO, "ds_configs")
+    spec = {"ddp": {"engine": "ddp"}, "fsdp": {"engine": "fsdp"},
+            "zero2": {"ds_config": os.path.join(ds, "zero2.json")},
+            "zero3": {"ds_config": os.path.join(ds, "zero3.json")}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(tmp_path / "worker.py"), str(tmp_path / "spec.json"), str(tmp_path / "out.json"), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420,
+                          env=subprocess_env(DS_ACCELERATOR="cpu"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    results = json.loads((tmp_path / "out.json").read_text())
+    for name, r in results.items():
+        assert r["step"] == 2 and r["location"].endswith("step_2"), name
+        assert r["b"] == pytest.approx(r["a"], rel=1e-6, abs=1e-7), name  # resumed == uninterrupted
+        manifest = json.loads((tmp_path / name / "step_2" / "manifest.json").read_text())
+        assert manifest["world_size"] == 2 and manifest["engine"] == ("deepspeed" if "zero" in name else name)
+        assert {"rng/rank_00000.pt", "rng/rank_00001.pt"} <= set(manifest["files"])
+    ddp_files = json.loads((tmp_path / "ddp" / "step_2" / "manifest.json").read_text())["files"]
+    assert any(f.startswith("__0_") for f in ddp_files) and any(f.startswith("__1_") for f in ddp_files)
+
+    # Resharding: the DDP and FSDP checkpoints of 2 ranks load in 1 process (DDP engine, no process group).
+    cfg = resolve(dict(model="test-tiny", dataset_type="synthetic", precision="fp32", batch_size=4))
+    for name in ("ddp", "fsdp"):
+        torch.manual_seed(5)
+        engine = build_engine(cfg, create_model("test-tiny"), World())
+        state = CheckpointManager(str(tmp_path / "ws1"), engine, World()).load(str(tmp_path / name / "step_2"))
+        assert state["step"] == 2
+        want = torch.load(tmp_path / f"{name}_step2_model.pt", weights_only=True)
+        for pname, p in engine.model.named_parameters():
+            assert torch.equal(p.detach(), want[pname]), (name, pname)
+        assert all(s["step"].item() == 2 for s in engine.optimizer.state.values()), name
