@@ -16,7 +16,9 @@ from .errors import UserError
 
 SUBCOMMANDS_HELP = """subcommands:
   bigclip [train] FLAGS     train (the default; `python launch/train.py FLAGS` is the same)
-  bigclip models            list the architectures"""
+  bigclip models            list the architectures
+  bigclip export CKPT OUT   a checkpoint (directory or URL, any engine) -> OUT.pt / OUT.safetensors
+  bigclip plan [--model M]  memory per GPU under each engine (state, activations, largest batch)"""
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -27,7 +29,7 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 
 
 def _argparse_kwargs(f) -> dict[str, Any]:
-    kwargs = dict(f.metadata["argparse"])
+    kwargs = {k: v for k, v in f.metadata["argparse"].items() if k != "aliases"}
     kwargs["help"] = f.metadata["help"]
     annotation = str(f.type)
     if annotation == "bool":
@@ -58,7 +60,8 @@ def build_train_parser(prog: str = "bigclip") -> argparse.ArgumentParser:
         group_name = f.metadata["group"]
         if group_name not in groups:
             groups[group_name] = parser.add_argument_group(group_name)
-        groups[group_name].add_argument(config_mod.flag_name(f.name), dest=f.name, **_argparse_kwargs(f))
+        names = [config_mod.flag_name(f.name), *f.metadata["argparse"].get("aliases", [])]
+        groups[group_name].add_argument(*names, dest=f.name, **_argparse_kwargs(f))
     # Launchers add these: the DeepSpeed launcher passes --local_rank; torchrun may pass --local-rank.
     launcher = parser.add_argument_group("launcher (set by torchrun / deepspeed; not needed by hand)")
     launcher.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
@@ -89,7 +92,20 @@ def _cmd_train(argv: list[str]) -> int:
     return run(cfg, local_rank=launcher.get("local_rank"))
 
 
-SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _cmd_train, "models": _cmd_models}
+def _cmd_export(argv: list[str]) -> int:
+    from .export import main as export_main
+
+    return export_main(argv)
+
+
+def _cmd_plan(argv: list[str]) -> int:
+    from .plan import main as plan_main
+
+    return plan_main(argv)
+
+
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _cmd_train, "models": _cmd_models,
+                                                       "export": _cmd_export, "plan": _cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:

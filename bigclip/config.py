@@ -167,7 +167,8 @@ class TrainConfig:
                                           "(DCP's daemon process) or off (the loop waits; new in bigclip).", CKPT)
 
     # ---- logging
-    logs: str = _flag("./logs/", "Where logs, metrics and checkpoints go.", LOG)
+    logs: str = _flag("./logs/", "Where logs, metrics and checkpoints go: a directory, or a URL (s3://, gs://, "
+                                 "az://) written through a local staging folder as with --remote-sync.", LOG)
     name: str | None = _flag(None, "Run name (default: date, model, lr, batch size, precision).", LOG)
     log_every_n_steps: int = _flag(100, "Print and record metrics every N steps.", LOG)
     report_to: str = _flag("", "tensorboard, wandb or tensorboard,wandb.", LOG)
@@ -461,8 +462,10 @@ def _validate_checkpoint_flags(cfg: TrainConfig) -> None:
     if cfg.remote_sync and cfg.remote_sync_protocol == "s3" and not cfg.remote_sync.startswith("s3://"):
         raise UserError(f"--remote-sync {cfg.remote_sync}: --remote-sync-protocol s3 (the default) needs an "
                         f"s3:// URL; add --remote-sync-protocol fsspec for other stores and directories")
-    if cfg.remote_sync and cfg.remote_sync.startswith(("http://", "https://")):
-        _fail("remote_sync", cfg.remote_sync, "http(s) is read-only; use s3://, gs://, az:// or a directory")
+    for name in ("remote_sync", "logs"):
+        value = getattr(cfg, name)
+        if value and str(value).startswith(("http://", "https://")):
+            _fail(name, value, "http(s) is read-only; use s3://, gs://, az:// or a directory")
 
 
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch
 
 from . import config as config_mod
 from .ckpt.preemption import Preempted
-from .ckpt.session import CheckpointSession, preflight
+from .ckpt.session import CheckpointSession, local_logs_dir, preflight
 from .dist import World, all_reduce_min, all_reduce_sum, broadcast_object, init_distributed, shutdown
 from .engine import build_engine
 from .errors import UserError
@@ -147,9 +147,11 @@ def _stop_if_nonfinite(loss: torch.Tensor, world: World) -> None:
 
 # ----------------------------------------------------------------------------------------- one epoch
 def train_one_epoch(cfg, engine, loss_fn, data: dict, epoch: int, state: dict[str, Any], schedule,
-                    sinks: MetricSinks, world: World, skip_batches: int = 0, on_step=None) -> None:
+                    sinks: MetricSinks, world: World, skip_batches: int = 0, on_step=None,
+                    before_update=None) -> None:
     """One epoch. on_step(state, epoch, last_in_epoch), if given, runs after every optimizer step (the
-    checkpoint cadence; it may raise Preempted)."""
+    checkpoint cadence; it may raise Preempted); before_update(), right before every optimizer step (an
+    asynchronous checkpoint finishes copying the state it is about to change)."""
     info = data["train"]
     info.set_epoch(epoch, skip_batches=skip_batches)
     engine.train()
@@ -174,6 +176,8 @@ def train_one_epoch(cfg, engine, loss_fn, data: dict, epoch: int, state: dict[st
         engine.set_lr(schedule(step))
         try:
             loss_value, out = forward_backward(engine, loss_fn, micro, world)
+            if before_update is not None:
+                before_update()
             grad_norm = engine.step()
             state["nonfinite_streak"] = 0
         except NonFiniteLoss:
@@ -274,7 +278,7 @@ def run(cfg, local_rank: int | None = None) -> int:
 
 def _run(cfg, world: World) -> int:
     name = _resolve_run_name(cfg, world)
-    paths = run_paths(cfg.logs, name)
+    paths = run_paths(local_logs_dir(cfg), name)  # --logs s3://… writes locally and uploads (--remote-sync)
     resuming = cfg.resume is not None
     problem = None
     if world.is_main:
@@ -332,7 +336,7 @@ def _train(cfg, world, engine, loss_fn, data, tokenizer, state, ckpt, paths, act
             for epoch in range(state["epoch"], cfg.epochs):
                 train_one_epoch(cfg, engine, loss_fn, data, epoch, state, schedule, sinks, world,
                                 skip_batches=state.pop("batches_in_epoch", 0) if epoch == state["epoch"] else 0,
-                                on_step=ckpt.after_step)
+                                on_step=ckpt.after_step, before_update=ckpt.before_update)
                 state["epoch"] = completed = epoch + 1
                 metrics = evaluate(engine, data, tokenizer, cfg, completed, world)
                 _report_eval(metrics, state, completed, sinks)

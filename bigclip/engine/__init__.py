@@ -3,21 +3,34 @@
     1. freeze locked towers         (--lock-image / --lock-text: requires_grad off before any wrapping)
     2. activation checkpointing     (per transformer block, inside the towers' block loop)
     3. compile per block            (--torchcompile: each block compiled in place, names unchanged)
-    4. wrap / shard by the engine   (DDP; FSDP2 and DeepSpeed ZeRO slot in here)
+    4. wrap / shard by the engine   (DDP; FSDP2: fully_shard per block, then the root; DeepSpeed ZeRO 0-3)
     5. materialise and initialise   (engines that build on the meta device)
+
+Step 0 comes before all of these: `build_model` asks the engine where the model is built. DDP and ZeRO-0/1/2
+take a real, initialised model; FSDP2 and ZeRO-3 take a meta model when it is large (--sharded-init auto:
+500M+ parameters) and initialise it shard by shard in step 5 (engine/sharded_init.py), so no rank ever
+holds the whole of a ViT-bigG-14.
 
 Each step is a small function; the model code itself never mentions an engine.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..dist import World
 from .base import Engine
 from .ddp import DDPEngine
+from .deepspeed import DeepSpeedEngine
+from .fsdp import FSDPEngine
 
-ENGINE_CLASSES: dict[str, type[Engine]] = {"ddp": DDPEngine}
+ENGINE_CLASSES: dict[str, type[Engine]] = {"ddp": DDPEngine, "fsdp": FSDPEngine, "deepspeed": DeepSpeedEngine}
+
+
+def build_model(cfg, world: World, factory) -> nn.Module:
+    """Step 0: the engine decides whether the model is built whole or on meta (see above)."""
+    return ENGINE_CLASSES[cfg.engine].build_model(cfg, world, factory)
 
 
 def apply_locks(model: nn.Module, cfg) -> None:
@@ -35,9 +48,12 @@ def apply_activation_checkpointing(model: nn.Module, cfg) -> None:
 def apply_compile(model: nn.Module, cfg) -> None:
     # Per block rather than whole-model: compile time stays flat in depth, parameter names stay the
     # same (checkpoints and sharding see the usual names), and a graph break stays local to one block.
+    # The block's forward is compiled, not its __call__: the engines' per-block hooks (FSDP2's all-gather,
+    # ZeRO-3's parameter fetch) stay outside the graph, so their changing state fails no guard (under ZeRO-3
+    # compiling __call__ recompiled every block on every call).
     if cfg.torchcompile:
         for block in model.transformer_blocks():
-            block.compile()
+            block.forward = torch.compile(block.forward)
 
 
 def build_engine(cfg, model: nn.Module, world: World) -> Engine:
@@ -47,4 +63,5 @@ def build_engine(cfg, model: nn.Module, world: World) -> Engine:
     return ENGINE_CLASSES[cfg.engine](cfg, model, world)
 
 
-__all__ = ["Engine", "DDPEngine", "build_engine", "ENGINE_CLASSES"]
+__all__ = ["Engine", "DDPEngine", "FSDPEngine", "DeepSpeedEngine", "build_engine", "build_model",
+           "ENGINE_CLASSES"]

@@ -20,11 +20,11 @@ Additions for sharding engines (FSDP2, DeepSpeed):
                                            models and materialise the shards themselves.
     engine.sharded_state                   False: state_dict() is the whole state, rank 0 may save it alone.
                                            True: every rank holds a part; every rank must take part in saving.
-                                           FSDP's state_dict() holds DTensors (for torch.distributed.checkpoint).
+                                           FSDP's state_dict() holds DTensors (for DCP).
     engine.save_checkpoint(dir, tag) / load_checkpoint(dir, tag)
                                            collective; write/read this engine's state under dir. The default
                                            torch-saves state_dict() from rank 0; FSDP writes a DCP directory;
-                                           DeepSpeed writes its own checkpoint files (its state_dict() raises).
+                                           DeepSpeed writes its own files (its state_dict() raises).
     engine.state_bytes()                   bytes of parameters, gradients and optimizer state on this rank
 """
 
@@ -49,7 +49,7 @@ class Engine(abc.ABC):
 
     @classmethod
     def build_model(cls, cfg, world: World, factory) -> nn.Module:
-        """Build the model for this engine; `factory(**overrides)` is the model factory with the run's options."""
+        """Build the model for this engine; `factory(**overrides)` is create_model with the run's options."""
         return factory()
 
     def __init__(self, cfg, model: nn.Module, world: World):

@@ -1,0 +1,163 @@
+"""Per-rank memory of DDP, ZeRO-1/2/3 and FSDP2 side by side, against `bigclip plan`'s arithmetic.
+
+    python bench/engine_memory.py --model ViT-B-32 --world-sizes 2 4 --batch-size 4 --steps 6
+
+Each (engine, world size) runs in a fresh `torchrun` launch so its peak process memory is its own. Inside,
+the same bigclip pieces as a training run (engine.build_model, build_engine, the loop's forward_backward,
+engine.step) train on random batches; after the backward of the third step (Adam moments exist, gradients
+not yet freed) engine.state_bytes() counts the bytes of parameters, gradients and optimizer state the rank
+holds (engine/memory.py: distinct tensor storages reachable from the model and the optimizer). Printed per
+rank: that state, its ratio to DDP's, the plan's prediction for it, peak RSS, and samples/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINES = {
+    "ddp": {"engine": "ddp"},
+    "zero1": {"ds_config": os.path.join(REPO, "ds_configs", "zero1.json")},
+    "zero2": {"ds_config": os.path.join(REPO, "ds_configs", "zero2.json")},
+    "zero3": {"ds_config": os.path.join(REPO, "ds_configs", "zero3.json")},
+    "fsdp": {"engine": "fsdp"},
+}
+
+
+# ------------------------------------------------------------------------------------------- worker side
+def worker(args) -> None:
+    import torch
+
+    from bigclip.config import resolve
+    from bigclip.dist import init_distributed
+    from bigclip.engine import build_engine, build_model
+    from bigclip.engine.memory import peak_rss_bytes
+    from bigclip.model import create_model, get_model_config
+    from bigclip.train import build_loss_fn, forward_backward
+
+    world = init_distributed("cpu")
+    cfg = resolve({"model": args.model, "dataset_type": "synthetic", "precision": args.precision,
+                   "batch_size": args.batch_size, "lr": 1e-4, "warmup": 1, "workers": 0,
+                   "grad_checkpointing": args.grad_checkpointing, **ENGINES[args.engine]})
+    arch = get_model_config(cfg.model)
+    size, context = arch["vision_cfg"]["image_size"], arch["text_cfg"]["context_length"]
+    torch.manual_seed(0)
+    model = build_model(cfg, world, functools.partial(create_model, cfg.model))
+    engine = build_engine(cfg, model, world)
+    loss_fn = build_loss_fn(cfg, world)
+    engine.train()
+    g = torch.Generator().manual_seed(world.rank)
+    state, times = None, []
+    for step in range(args.steps):
+        images = torch.randn(cfg.batch_size, 3, size, size, generator=g)
+        texts = torch.randint(1, 250, (cfg.batch_size, context), generator=g)
+        start = time.perf_counter()
+        forward_backward(engine, loss_fn, [(images, texts)], world)
+        mid = time.perf_counter()
+        if step == 2:
+            state = engine.state_bytes()  # after backward, before the step frees the gradients (not timed)
+        resume = time.perf_counter()
+        engine.step()
+        if step >= 2:  # the first steps build optimizer state and warm caches
+            times.append((mid - start) + (time.perf_counter() - resume))
+    out = {"rank": world.rank, "state": state, "peak_rss": peak_rss_bytes(),
+           "step_s": sorted(times)[len(times) // 2]}
+    import torch.distributed as dist
+
+    gathered = [None] * world.world_size
+    dist.all_gather_object(gathered, out)
+    if world.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------- driver side
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(engine: str, world_size: int, args) -> list[dict] | str:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
+               f"--master_port={_free_port()}", os.path.abspath(__file__), "--worker", "--engine", engine,
+               "--model", args.model, "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+               "--precision", args.precision, "--out", out] + (["--grad-checkpointing"]
+                                                               if args.grad_checkpointing else [])
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": REPO,
+               # tensors of 4 MB+ are mmap'ed: freed memory leaves the process, RSS means live bytes
+               "MALLOC_MMAP_THRESHOLD_": str(4 << 20)}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+        if proc.returncode != 0:
+            errors = [line for line in proc.stderr.splitlines() if "Error" in line] or ["?"]
+            return "failed: " + errors[-1][:200]
+        with open(out) as f:
+            return json.load(f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="ViT-B-32")
+    p.add_argument("--world-sizes", nargs="+", type=int, default=[2])
+    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--grad-checkpointing", action="store_true")
+    p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--engine", default="ddp", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+
+    sys.path.insert(0, REPO)
+    from bigclip.plan import model_facts, state_bytes
+
+    facts = model_facts(args.model)
+    plan_precision = "fp32" if args.precision == "fp32" else "amp"
+    MiB = 2**20
+    print(f"# {args.model} ({facts.params / 1e6:.1f}M parameters), precision {args.precision}, "
+          f"batch {args.batch_size} per rank, CPU + gloo\n")
+    print("| engine | world | params MiB | grads MiB | optimizer MiB | state MiB/rank | vs DDP | plan MiB | "
+          "measured/plan | peak RSS MiB/rank | samples/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for n in args.world_sizes:
+        ddp_state = None
+        for engine in args.engines:
+            result = launch(engine, n, args)
+            if isinstance(result, str):
+                print(f"| {engine} | {n} | {result} |")
+                continue
+            r0 = result[0]
+            s = r0["state"]
+            if engine == "ddp":
+                ddp_state = s["total"]
+            plan = state_bytes(engine, facts.params, n, plan_precision,
+                               facts if plan_precision == "amp" else None)
+            peak = max(r["peak_rss"] for r in result)
+            step_s = max(r["step_s"] for r in result)
+            ratio = f"{s['total'] / ddp_state:.2f}" if ddp_state else "-"
+            print(f"| {engine} | {n} | {s['params'] / MiB:.0f} | {s['grads'] / MiB:.0f} | "
+                  f"{s['optimizer'] / MiB:.0f} | {s['total'] / MiB:.0f} | {ratio} | {plan / MiB:.0f} | "
+                  f"{s['total'] / plan:.2f} | {peak / MiB:.0f} | {args.batch_size * n / step_s:.1f} |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

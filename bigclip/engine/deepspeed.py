@@ -1,0 +1,289 @@
+"""DeepSpeed engine: ZeRO stages 0-3, CPU offload, bf16 and fp16 with dynamic loss scaling.
+
+DeepSpeed owns the optimizer, loss scaling, clipping and accumulation; this file maps them onto the
+engine contract the loop speaks:
+
+    loop                         DeepSpeed
+    engine.module(...)           DeepSpeedEngine.forward (ZeRO-3 gathers each block's parameters in hooks)
+    with engine.no_sync():       set_gradient_accumulation_boundary(False) for the micro-batches inside
+    engine.backward(loss)        ds.backward(loss, scale_wrt_gas=False); ds.step() off the boundary
+    engine.step()                ds.step() on the boundary: reduce, unscale, clip, optimizer step
+    engine.set_lr(lr)            the lr of every param group of DeepSpeed's optimizer (bigclip's schedule)
+
+Why scale_wrt_gas=False: with OpenCLIP's --accum-freq every micro-batch's loss is already the loss of the
+whole accumulated batch (cached features of the other micro-batches stand in as negatives), and the
+gradient of the big batch is the *sum* of the micro-batch gradients. DeepSpeed's default would divide by
+the accumulation steps. gradient_accumulation_steps is still set to --accum-freq so DeepSpeed's
+train_batch_size bookkeeping is right.
+
+The optimizer: without an "optimizer" section in the JSON, bigclip's own torch optimizer (AdamW with its
+no-decay groups, or --opt timm/...) is handed to DeepSpeed as the client optimizer: no FusedAdam/CPUAdam
+JIT build. With one (ds_configs/zero3_offload.json), DeepSpeed builds its own (DeepSpeedCPUAdam when the
+optimizer is offloaded) over bigclip's parameter groups.
+
+Giant models (ZeRO-3, --sharded-init): built on meta, every parameter initialised as a DTensor shard by the
+model's own init (sharded_init.py), then handed to DeepSpeed one module at a time: the module's
+parameters are gathered whole (one module at a time) and partitioned by deepspeed.zero.Init(module=...).
+No rank ever holds more than its shards plus one module's parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import optim
+from ..dist import World
+from . import ds_config as dsc
+from .base import Engine, clip_and_measure
+from .sharded_init import build_for_sharding, is_meta, materialise, modules_children_first, shard_meta_params
+from .single import ensure_process_group
+
+LOGIT_SCALE_MAX = math.log(100.0)  # CLIP.clamp_logit_scale_'s bound, applied to DeepSpeed's fp32 masters
+
+
+def _prepare_environment(world: World) -> None:
+    # DeepSpeed picks its accelerator at first use; on a CPU run say so up front (silences its probe warning).
+    if world.device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_RANK", str(world.local_rank))  # zero.Init reads it
+    ensure_process_group(world)
+
+
+def widest_tower(model: nn.Module) -> int | None:
+    widths = [getattr(model.visual, "width", None), getattr(model.text, "width", None)]
+    widths = [w for w in widths if w]
+    return max(widths) if widths else None
+
+
+def resolve_config(cfg, world: World, model: nn.Module | None = None) -> dict[str, Any]:
+    return dsc.resolve(cfg, world.world_size, world.device.type,
+                       hidden_size=widest_tower(model) if model is not None else None)
+
+
+def _param_dtype(ds: dict[str, Any]) -> torch.dtype:
+    if ds.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if ds.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
+def _named_groups(model: nn.Module, weight_decay: float) -> list[tuple[list[str], float]]:
+    """bigclip's decay / no-decay split as parameter names (shapes are only right before partitioning)."""
+    ids = {id(p): n for n, p in model.named_parameters()}
+    return [([ids[id(p)] for p in g["params"]], g["weight_decay"])
+            for g in optim.param_groups(model, weight_decay)]
+
+
+def partition_meta_model(model: nn.Module, ds: dict[str, Any], world: World, seed: int) -> None:
+    """Initialise a meta model shard by shard and convert it to ZeRO-3 parameters, module by module."""
+    import deepspeed
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(world.device.type, (world.world_size,))
+    shard_meta_params(model, mesh)
+    materialise(model, world.device, seed, world.rank)
+    dtype = _param_dtype(ds)
+    for module in modules_children_first(model):
+        own = list(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        for name, p in own:
+            full = p.full_tensor().to(dtype)  # this one parameter, whole, on every rank; its shard is dropped
+            setattr(module, name, nn.Parameter(full, requires_grad=p.requires_grad))
+        # Partitions exactly this module's (now whole) parameters; its children are ZeRO params already.
+        deepspeed.zero.Init(module=module, config_dict_or_path=ds, dtype=dtype)
+
+
+def mark_blocks_as_leaves(model: nn.Module) -> None:
+    """ZeRO-3 gathers parameters in hooks on every submodule by default. Marking each transformer block a
+    "leaf" gathers a whole block in one hook before it runs (FSDP2's unit too): fewer, larger all-gathers,
+    and a per-block torch.compile traces no DeepSpeed hooks (with hooks inside, every change of a parameter's
+    gathered/partitioned state failed a guard and recompiled the block on every call).
+
+    Blocks that are only partly frozen (--lock-text keeps its LayerNorms trainable) stay per-submodule:
+    DeepSpeed 0.19 releases a leaf's frozen weights before the backward that still needs them."""
+    from deepspeed.utils import set_z3_leaf_module
+
+    for block in model.transformer_blocks():
+        if len({p.requires_grad for p in block.parameters()}) == 1:
+            set_z3_leaf_module(block, True)
+
+
+class DeepSpeedEngine(Engine):
+    name = "deepspeed"
+    sharded_state = True  # ZeRO partitions optimizer state (and at stage 3 parameters): every rank saves
+
+    @classmethod
+    def build_model(cls, cfg, world: World, factory) -> nn.Module:
+        ds = dsc.resolve(cfg, world.world_size, world.device.type)
+        if cfg.sharded_init == "always" and dsc.stage(ds) != 3:
+            from ..errors import UserError
+
+            raise UserError(f"--sharded-init always: DeepSpeed partitions parameters only at ZeRO stage 3, "
+                            f"and {cfg.ds_config or 'the default config'} has stage {dsc.stage(ds)}")
+        return build_for_sharding(cfg, factory, shards_params=dsc.stage(ds) == 3)
+
+    def __init__(self, cfg, model: nn.Module, world: World):
+        super().__init__(cfg, model, world)
+        _prepare_environment(world)
+        import deepspeed
+
+        # DeepSpeed's comm layer wraps the group bigclip opened (its config reads the world size from it).
+        backend = world.backend or ("nccl" if world.device.type == "cuda" else "gloo")
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+        self.ds_config = resolve_config(cfg, world, model)
+        self.stage = dsc.stage(self.ds_config)
+        groups_by_name = _named_groups(model, cfg.wd)
+        if is_meta(model):
+            partition_meta_model(model, self.ds_config, world, cfg.seed)
+        else:
+            model.to(world.device)
+        if self.stage == 3:
+            mark_blocks_as_leaves(model)
+        params = dict(model.named_parameters())
+        groups = [{"params": [params[n] for n in names], "weight_decay": wd} for names, wd in groups_by_name]
+
+        client_optimizer = None
+        if "optimizer" not in self.ds_config:
+            client_optimizer = optim.create_optimizer(cfg, groups)
+            if dsc.offloads_optimizer(self.ds_config):
+                # A torch optimizer over offloaded fp32 partitions runs on the CPU, just slower than
+                # DeepSpeedCPUAdam; DeepSpeed refuses it unless told this is intended.
+                self.ds_config.setdefault("zero_force_ds_cpu_optimizer", False)
+        self.ds, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=client_optimizer,
+            model_parameters=groups if client_optimizer is None else None, config=self.ds_config)
+        self._model = model
+        self._mixed = self.ds.bfloat16_enabled() or self.ds.fp16_enabled()
+        self._in_no_sync = False
+        self._autocast_dtype = _param_dtype(self.ds_config) if self._mixed else None
+
+    # -- model access
+    @property
+    def module(self) -> nn.Module:
+        return self.ds
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    def train(self, mode: bool = True) -> None:
+        self.ds.train(mode)
+
+    def eval(self) -> None:
+        self.ds.eval()
+
+    # -- precision and accumulation
+    def autocast(self):
+        # DeepSpeed stores bf16/fp16 weights; autocast casts the fp32 inputs (images) to match and keeps the
+        # loss and normalisations in fp32 as under DDP's amp.
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.world.device.type, dtype=self._autocast_dtype)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    # -- optimisation
+    def backward(self, loss: torch.Tensor) -> None:
+        boundary = not self._in_no_sync
+        self.ds.set_gradient_accumulation_boundary(boundary)
+        self.ds.backward(loss, scale_wrt_gas=False)
+        if not boundary:
+            self.ds.step()  # off the boundary DeepSpeed only counts the micro-step
+
+    def step(self) -> float:
+        fallback = None
+        if self.stage == 0 and not self._mixed:  # plain torch optimizer underneath: DeepSpeed keeps no norm
+            fallback = clip_and_measure([p for p in self._model.parameters() if p.requires_grad], None)
+        self.ds.set_gradient_accumulation_boundary(True)
+        self.ds.step()
+        applied = self.ds.was_step_applied()
+        self._clear_stage3_gradient_partitions()
+        norm = self.ds.get_global_grad_norm()
+        if norm is None:
+            norm = fallback if fallback is not None else float("nan")
+        norm = float(norm)
+        self._clamp_logit_scale()
+        if not applied:  # fp16 overflow: DeepSpeed skipped the update and lowered the loss scale
+            return float("inf")
+        return norm
+
+    def _clear_stage3_gradient_partitions(self) -> None:
+        """ZeRO-3 copies a parameter's gradient into its partition buffer in the first micro-batch of a step
+        and adds it in later ones. A parameter whose first gradient of the step arrives in a later
+        micro-batch (the logit scale: detached in all but the last micro-batch under --accum-freq) would be
+        added onto the previous step's leftovers. Zeroing the buffer after each step makes add == copy."""
+        buffer = getattr(self.ds.optimizer, "grad_partitions_flat_buffer", None) if self.stage == 3 else None
+        if buffer is not None:
+            buffer.zero_()
+
+    def _clamp_logit_scale(self) -> None:
+        """CLIP's temperature clamp, applied to the copy DeepSpeed updates (its fp32 master) as well as to
+        the working copy; clamping only the working copy would be undone by the next step."""
+        from deepspeed.utils import safe_get_local_fp32_param, safe_set_local_fp32_param
+
+        with torch.no_grad():
+            for p in (self._model.logit_scale,):
+                if hasattr(p, "ds_id"):  # ZeRO-3: local partitions of the master and of the working copy
+                    local = safe_get_local_fp32_param(p) if p.requires_grad else None
+                    if local is not None and local.numel():
+                        safe_set_local_fp32_param(p, local.clamp(0, LOGIT_SCALE_MAX))
+                    p.ds_tensor.clamp_(0, LOGIT_SCALE_MAX)
+                else:
+                    # ZeRO-1/2 and bf16: the fragment of the fp32 master this rank owns
+                    mapping = getattr(p, "_hp_mapping", None)
+                    if mapping is not None:
+                        mapping.get_hp_fragment().clamp_(0, LOGIT_SCALE_MAX)
+                if p.data.numel():
+                    p.data.clamp_(0, LOGIT_SCALE_MAX)
+
+    def zero_grad(self) -> None:
+        self.ds.zero_grad()
+        if hasattr(self.ds.optimizer, "zero_grad"):
+            self.ds.optimizer.zero_grad()
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.ds.optimizer.param_groups:
+            group["lr"] = lr
+
+    def get_lr(self) -> float:
+        return self.ds.optimizer.param_groups[0]["lr"]
+
+    # -- state: DeepSpeed's own checkpoint files (every rank writes its partitions)
+    def save_checkpoint(self, directory: str, tag: str | None = None) -> None:
+        self.ds.save_checkpoint(directory, tag=tag or "engine_state", save_latest=False)
+
+    def load_checkpoint(self, directory: str, tag: str | None = None) -> None:
+        path, _ = self.ds.load_checkpoint(directory, tag=tag or "engine_state", load_optimizer_states=True,
+                                          load_lr_scheduler_states=False)
+        if path is None:
+            from ..errors import UserError
+
+            raise UserError(f"checkpoint {directory}: no DeepSpeed state '{tag or 'engine_state'}' inside; "
+                            f"resume with the engine and DeepSpeed config the run was saved with")
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError("the DeepSpeed engine saves with save_checkpoint(directory, tag): its "
+                                  "optimizer (and at ZeRO-3 its parameters) are partitioned across ranks")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError("the DeepSpeed engine loads with load_checkpoint(directory, tag)")
+
+    def state_bytes(self) -> dict[str, int]:
+        from .memory import tensor_bytes
+
+        return tensor_bytes(self._model, self.ds.optimizer)

@@ -1,0 +1,207 @@
+"""DeepSpeed JSON configs: read them, fill every "auto" from the TrainConfig, refuse contradictions.
+
+DeepSpeed itself does not resolve "auto" (only the Hugging Face integration does), so a config written
+for bigclip may leave the values bigclip already knows to bigclip:
+
+    train_micro_batch_size_per_gpu   --batch-size
+    gradient_accumulation_steps      --accum-freq
+    train_batch_size                 micro x accum x world size (computed; an explicit value must agree)
+    gradient_clipping                --grad-clip-norm (0 = off)
+    bf16.enabled / fp16.enabled      --precision (amp on CPU, amp_bf16, bf16 -> bf16; GPU amp, fp16 -> fp16)
+    optimizer.params.*               --lr, --beta1/--beta2 (betas), --eps, --wd
+    zero_optimization.*bucket*, stage3_param_persistence_threshold   from the model's width
+
+An explicit value that contradicts the run (e.g. train_micro_batch_size_per_gpu 32 with --batch-size 64)
+stops the run before any work with one line naming both. bigclip's --lr-scheduler drives the learning rate
+(engine.set_lr), so a "scheduler" section is refused rather than silently fighting it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+from ..errors import UserError
+
+AUTO = "auto"
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "ds_configs")
+# Used by `--engine deepspeed` without a config file: ZeRO-2, everything else filled from flags.
+DEFAULT_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": AUTO,
+    "gradient_accumulation_steps": AUTO,
+    "gradient_clipping": AUTO,
+    "bf16": {"enabled": AUTO},
+    "fp16": {"enabled": AUTO},
+    "zero_optimization": {"stage": 2},
+}
+
+
+def read(path: str, flag: str = "--ds_config") -> dict[str, Any]:
+    """The JSON object in `path`, or a UserError naming the file (and line, for syntax errors)."""
+    if not os.path.isfile(path):
+        raise UserError(f"{flag} {path}: file not found; pass a DeepSpeed JSON config "
+                        f"(examples in ds_configs/)")
+    with open(path) as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{flag} {path}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg}); "
+                        f"fix the file") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{flag} {path}: expected a JSON object at the top level, got {type(data).__name__}")
+    return data
+
+
+def precision_flags(cfg, device_type: str) -> tuple[bool, bool]:
+    """(bf16, fp16) as DeepSpeed should run for --precision on this device."""
+    from ..precision import resolve_precision
+    import torch
+
+    p = resolve_precision(cfg.precision, torch.device(device_type))
+    low = {p.autocast_dtype, p.param_dtype}
+    return torch.bfloat16 in low, torch.float16 in low
+
+
+def _fill(section: dict, key: str, value: Any, where: str, source: str, path: str,
+          equal=lambda a, b: a == b) -> None:
+    """Set section[key] to `value` when it is absent or "auto"; otherwise it must agree."""
+    current = section.get(key, AUTO)
+    if current == AUTO:
+        section[key] = value
+    elif not equal(current, value):
+        raise UserError(f"{path}: {where} is {json.dumps(current)} but {source} means {json.dumps(value)}; "
+                        f"make them agree or set it to \"auto\"")
+
+
+def _close(a, b) -> bool:
+    try:
+        return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(b)))
+    except (TypeError, ValueError):
+        return False
+
+
+def _close_seq(a, b) -> bool:
+    return isinstance(a, (list, tuple)) and len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+
+
+def _find_auto(node: Any, prefix: str = "") -> str | None:
+    if node == AUTO:
+        return prefix or "(top level)"
+    if isinstance(node, dict):
+        for k, v in node.items():
+            found = _find_auto(v, f"{prefix}.{k}" if prefix else k)
+            if found:
+                return found
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            found = _find_auto(v, f"{prefix}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def resolve(cfg, world_size: int | None, device_type: str, hidden_size: int | None = None,
+            raw: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config DeepSpeed receives: the file (or DEFAULT_CONFIG) with every "auto" filled.
+
+    world_size None checks everything except train_batch_size (used at flag-validation time, before
+    the launcher's world is known). hidden_size (the model's widest tower) fills the bucket sizes.
+    """
+    path = cfg.ds_config or "the default DeepSpeed config"
+    ds = copy.deepcopy(raw if raw is not None else (read(cfg.ds_config) if cfg.ds_config else DEFAULT_CONFIG))
+
+    _fill(ds, "train_micro_batch_size_per_gpu", cfg.batch_size, "train_micro_batch_size_per_gpu",
+          f"--batch-size {cfg.batch_size}", path)
+    _fill(ds, "gradient_accumulation_steps", cfg.accum_freq, "gradient_accumulation_steps",
+          f"--accum-freq {cfg.accum_freq}", path)
+    if world_size is not None:
+        total = cfg.batch_size * cfg.accum_freq * world_size
+        _fill(ds, "train_batch_size", total, "train_batch_size",
+              f"--batch-size {cfg.batch_size} x --accum-freq {cfg.accum_freq} x {world_size} processes", path)
+    clip = cfg.grad_clip_norm if cfg.grad_clip_norm is not None else 0.0
+    _fill(ds, "gradient_clipping", float(clip), "gradient_clipping",
+          f"--grad-clip-norm {cfg.grad_clip_norm}", path, _close)
+
+    bf16, fp16 = precision_flags(cfg, device_type)
+    for name, want in (("bf16", bf16), ("fp16", fp16)):
+        section = ds.setdefault(name, {})
+        if not isinstance(section, dict):
+            raise UserError(f"{path}: \"{name}\" must be an object like {{\"enabled\": \"auto\"}}")
+        _fill(section, "enabled", want, f"{name}.enabled", f"--precision {cfg.precision} on {device_type}",
+              path)
+    if fp16:
+        ds["fp16"].setdefault("loss_scale", 0)  # 0: dynamic loss scaling, as torch's GradScaler
+    if "bfloat16" in ds:
+        raise UserError(f"{path}: use the \"bf16\" section instead of the legacy \"bfloat16\" one")
+    if ds.get("torch_autocast", {}).get("enabled"):
+        raise UserError(f"{path}: \"torch_autocast\" is not used by bigclip; remove it and pick mixed "
+                        f"precision with --precision (amp_bf16 -> DeepSpeed bf16)")
+
+    if "scheduler" in ds:
+        raise UserError(f"{path}: remove the \"scheduler\" section; bigclip's --lr-scheduler, --lr and "
+                        f"--warmup drive DeepSpeed's learning rate")
+    if "optimizer" in ds:
+        _fill_optimizer(ds["optimizer"], cfg, path)
+    else:
+        # bigclip hands DeepSpeed its own torch optimizer (no FusedAdam/CPUAdam JIT build).
+        ds.setdefault("zero_allow_untested_optimizer", True)
+
+    zero = ds.setdefault("zero_optimization", {})
+    if not isinstance(zero, dict) or zero.get("stage", 0) not in (0, 1, 2, 3):
+        raise UserError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3")
+    if hidden_size is not None:
+        # The Hugging Face integration's rule of thumb for these sizes.
+        for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
+                           ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+                           ("stage3_param_persistence_threshold", 10 * hidden_size)):
+            if zero.get(key) == AUTO:
+                zero[key] = value
+    ds.setdefault("steps_per_print", 10**9)  # bigclip logs progress itself
+    ds.setdefault("wall_clock_breakdown", False)
+
+    leftover = _find_auto({k: v for k, v in ds.items() if k != "zero_optimization"} if hidden_size is None
+                          else ds)
+    if leftover:
+        raise UserError(f"{path}: {leftover} is \"auto\" but bigclip cannot fill it; give a value")
+    return ds
+
+
+def _fill_optimizer(section: dict, cfg, path: str) -> None:
+    from ..optim import hyperparameters
+
+    kind = str(section.get("type", "")).lower()
+    if kind not in ("adam", "adamw"):
+        raise UserError(f"{path}: optimizer.type {section.get('type')!r} is not supported by bigclip; "
+                        f"use \"AdamW\" or drop the optimizer section (bigclip then passes its own --opt)")
+    if cfg.opt != "adamw":
+        raise UserError(f"{path}: optimizer.type {section.get('type')!r} contradicts --opt {cfg.opt}; "
+                        f"drop the optimizer section or use --opt adamw")
+    hp = hyperparameters(cfg)
+    params = section.setdefault("params", {})
+    _fill(params, "lr", hp["lr"], "optimizer.params.lr", f"--lr {hp['lr']}", path, _close)
+    _fill(params, "betas", [hp["beta1"], hp["beta2"]], "optimizer.params.betas",
+          f"--beta1 {hp['beta1']} --beta2 {hp['beta2']}", path, _close_seq)
+    _fill(params, "eps", hp["eps"], "optimizer.params.eps", f"--eps {hp['eps']}", path, _close)
+    # bigclip's parameter groups carry their own weight decay (none on gains, biases, logit scale);
+    # this value applies to the decayed group.
+    _fill(params, "weight_decay", hp["wd"], "optimizer.params.weight_decay", f"--wd {hp['wd']}", path, _close)
+    if kind == "adam":
+        params.setdefault("adam_w_mode", True)  # OpenCLIP's AdamW: decoupled weight decay
+
+
+def stage(ds: dict[str, Any]) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def offloads_params(ds: dict[str, Any]) -> bool:
+    device = (ds.get("zero_optimization", {}).get("offload_param") or {}).get("device", "none")
+    return device not in (None, "none")
+
+
+def offloads_optimizer(ds: dict[str, Any]) -> bool:
+    device = (ds.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
+    return device not in (None, "none")

@@ -1,0 +1,213 @@
+"""FSDP2 engine: torch.distributed.fsdp.fully_shard, every transformer block a unit, then the root.
+
+Each rank keeps 1/N of every parameter, gradient and optimizer state (DTensors sharded along dim 0) and
+all-gathers one block's parameters just before the block runs; gradients are reduce-scattered after it.
+
+Applied in this order (the engine half of engine/__init__.py's list):
+    cast        --precision bf16/fp16 store the weights in that dtype (as DDP does)
+    shard       fully_shard(block) for every block of both towers, then fully_shard(model) for the rest
+                (embeddings, projections, logit scale: parameters of shape (1,) shard fine, 0-d ones don't)
+    materialise a model built on meta gets its local shards allocated and initialised (sharded_init.py)
+
+--precision maps onto MixedPrecisionPolicy: amp / amp_bf16 all-gather parameters in bf16 (fp16 for amp
+on GPU) and reduce gradients in fp32; weights and optimizer state stay fp32. The loop's autocast context
+is kept as well, so ops outside the blocks (loss, pooling) run exactly as under DDP.
+
+--fsdp-hybrid (or --fsdp-replicate-degree R) shards within groups of world/R ranks and replicates across
+the R groups (HSDP): all-gathers stay inside a node, only one all-reduce of gradient shards crosses nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import optim
+from ..dist import World
+from ..errors import UserError
+from .base import Engine
+from .sharded_init import build_for_sharding, is_meta, materialise
+from .single import ensure_process_group
+
+
+def build_mesh(cfg, world: World):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    replicate = cfg.fsdp_replicate_degree or 1
+    if cfg.fsdp_hybrid:
+        replicate = max(1, world.world_size // max(1, world.local_world_size))
+    if world.world_size % replicate:
+        raise UserError(f"--fsdp-replicate-degree {replicate}: must divide the world size {world.world_size}")
+    device_type = world.device.type
+    if replicate == 1:
+        return init_device_mesh(device_type, (world.world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicate, world.world_size // replicate),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def mixed_precision_policy(precision):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision.autocast_dtype is None:  # fp32, or pure bf16/fp16 weights: compute in the stored dtype
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
+
+
+class FSDPEngine(Engine):
+    name = "fsdp"
+    sharded_state = True  # state_dict() holds this rank's shards: every rank saves and loads
+
+    @classmethod
+    def build_model(cls, cfg, world: World, factory) -> nn.Module:
+        return build_for_sharding(cfg, factory, shards_params=True)
+
+    def __init__(self, cfg, model: nn.Module, world: World):
+        super().__init__(cfg, model, world)
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        ensure_process_group(world)
+        self.mesh = build_mesh(cfg, world)
+        on_meta = is_meta(model)
+        if not on_meta:
+            model.to(device=world.device)
+        if self.precision.autocast_dtype is None and self.precision.param_dtype != torch.float32:
+            model.to(dtype=self.precision.param_dtype)
+
+        offload = OffloadPolicy()
+        if cfg.fsdp_offload_cpu:
+            # Pinned host memory needs CUDA; on a CPU-only run the shards already live in host memory.
+            offload = CPUOffloadPolicy(pin_memory=world.device.type == "cuda")
+        kwargs = dict(mesh=self.mesh, mp_policy=mixed_precision_policy(self.precision),
+                      offload_policy=offload)
+        reshard = not cfg.fsdp_no_reshard_after_forward
+        for block in model.transformer_blocks():
+            fully_shard(block, reshard_after_forward=reshard, **kwargs)
+        # The root's parameters (embeddings, projections, logit scale) are needed again right at the start of
+        # backward, so resharding them after forward would only add an all-gather.
+        fully_shard(model, reshard_after_forward=False, **kwargs)
+        if on_meta:
+            materialise(model, world.device if not cfg.fsdp_offload_cpu else torch.device("cpu"),
+                        cfg.seed, self.mesh.get_local_rank("shard"))
+
+        self._model = model
+        self.optimizer = optim.create_optimizer(cfg, optim.param_groups(model, cfg.wd))
+        self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.scaler = None
+        if self.precision.loss_scaling:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            # Shards overflow independently; the sharded scaler agrees on "found inf" across ranks.
+            self.scaler = ShardedGradScaler(world.device.type)
+
+    # -- model access
+    @property
+    def module(self) -> nn.Module:
+        return self._model
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    # -- accumulation: reduce-scatter only in the last micro-batch's backward
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._model.set_requires_gradient_sync(False)
+        if self.precision.autocast_dtype is not None:
+            # With bf16/fp16 all-gathers and fp32 reductions, FSDP2 keeps gradients it accumulates without
+            # syncing in fp32 and fresh ones in bf16, and one reduce-scatter needs a single dtype. The logit
+            # scale (root group) is detached in all but the last micro-batch, so the root group would mix
+            # the two. The root (embeddings, projections, temperature) therefore reduces every micro-batch;
+            # the blocks, nearly all of the parameters, still reduce only in the last one.
+            self._model.set_requires_gradient_sync(True, recurse=False)
+        try:
+            yield
+        finally:
+            self._model.set_requires_gradient_sync(True)
+
+    # -- optimisation
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self) -> float:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        norm = grad_norm_and_clip(self._params, self.cfg.grad_clip_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif math.isfinite(norm):
+            self.optimizer.step()
+        self.zero_grad()
+        self._model.clamp_logit_scale_()  # elementwise, so it applies to each local shard as is
+        return norm
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def get_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def logit_scale(self) -> torch.Tensor:
+        return self._model.logit_scale.full_tensor().detach()
+
+    # -- state: sharded DTensors, for torch.distributed.checkpoint (every rank calls)
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self._model, self.optimizer)
+        return {"model": model_state, "optimizer": optim_state,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self._model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
+    def save_checkpoint(self, directory: str, tag: str | None = None) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.state_dict(), checkpoint_id=os.path.join(directory, tag or "engine_state"))
+
+    def load_checkpoint(self, directory: str, tag: str | None = None) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        state = self.state_dict()  # the target layout: DCP reads each rank's shards into it in place
+        dcp.load(state, checkpoint_id=os.path.join(directory, tag or "engine_state"))
+        self.load_state_dict(state)
+
+    def state_bytes(self) -> dict[str, int]:
+        from torch.distributed.fsdp import FSDPModule
+
+        from .memory import tensor_bytes
+
+        for m in self._model.modules():  # the root stays gathered after forward; count the shards only
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        return tensor_bytes(self._model, self.optimizer)
+
+
+def grad_norm_and_clip(params: list[torch.Tensor], max_norm: float | None) -> float:
+    """Global grad norm of sharded gradients (reduced over all shards), clipping in place when asked."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    total = nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # the per-shard partial norms, reduced
+    if max_norm is not None and math.isfinite(max_norm):
+        nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return float(total)

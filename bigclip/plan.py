@@ -1,0 +1,138 @@
+"""`bigclip plan`: how much GPU memory a run needs per GPU under each engine, before renting the GPUs.
+
+    bigclip plan --model ViT-bigG-14 --gpus 8 64 256 1024 --gpu-mem 40 80 --batch-size 32
+
+Training state per GPU (Ψ parameters, N data-parallel ranks; ZeRO paper, Rajbhandari et al. 2020, with
+K = 12 bytes of fp32 master weights + Adam moments per parameter):
+
+    precision amp (bf16/fp16 compute)            precision fp32 (what the CPU benchmark measures)
+    ddp     16Ψ  (fp32 weights, grads, Adam)     16Ψ
+    zero1   2Ψ + 2Ψ + 12Ψ/N                      4Ψ + 4Ψ + 12Ψ/N   (DeepSpeed keeps a separate fp32
+    zero2   2Ψ + 14Ψ/N                           4Ψ + 16Ψ/N         master even in fp32)
+    zero3   16Ψ/N                                20Ψ/N             (weights + grads + master + Adam)
+    fsdp    16Ψ/N + gathered bf16 blocks         16Ψ/N             (fp32 shards; MixedPrecisionPolicy
+            (two blocks in flight + the root)                       gathers blocks in bf16)
+    zero3_offload  ~0 on the GPU (weights, grads and Adam in host memory: 16Ψ/N per rank there)
+
+Activations per sample (16-bit, Korthikanti et al. 2022 without dropout and with fused attention, which saves
+no s×s scores): each block stores about s·h·(16 + 4r) bytes (s tokens, width h, MLP ratio r). With
+--grad-checkpointing each block keeps only its 2·s·h-byte input, plus one block's full activations while it
+is recomputed. Both towers count; the contrastive loss is chunked (no B×B logits) and is ignored here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+GiB = 1024**3
+ENGINES = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp")
+# CUDA context, allocator fragmentation, communication buckets: kept out of the arithmetic, reserved here.
+OVERHEAD_BYTES = 3 * GiB
+
+
+@dataclass
+class ModelFacts:
+    name: str
+    params: int
+    block_params: int  # the largest transformer block
+    root_params: int  # parameters outside the blocks (embeddings, projections, norms, logit scale)
+    towers: list[tuple[int, int, int, float]]  # (layers, tokens, width, mlp ratio) per tower
+
+
+def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
+    from .model import create_model, get_model_config
+
+    model = create_model(name, device="meta", image_size=image_size)
+    cfg = get_model_config(name)
+    blocks = model.transformer_blocks()
+    block_sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    params = sum(p.numel() for p in model.parameters())
+    v, t = cfg["vision_cfg"], cfg["text_cfg"]
+    h, w = model.visual.image_size
+    vision_tokens = (h // v["patch_size"]) * (w // v["patch_size"]) + 1
+    return ModelFacts(name, params, max(block_sizes), params - sum(block_sizes), [
+        (v["layers"], vision_tokens, v["width"], float(v.get("mlp_ratio", 4.0))),
+        (t["layers"], t["context_length"], t["width"], float(t.get("mlp_ratio", 4.0))),
+    ])
+
+
+def state_bytes(engine: str, psi: int, n: int, precision: str = "amp",
+                facts: ModelFacts | None = None) -> float:
+    """Parameters + gradients + optimizer state per GPU (bytes)."""
+    if precision == "fp32":
+        return {"ddp": 16 * psi, "zero1": 8 * psi + 12 * psi / n, "zero2": 4 * psi + 16 * psi / n,
+                "zero3": 20 * psi / n, "zero3_offload": 0.0, "fsdp": 16 * psi / n}[engine]
+    table = {"ddp": 16 * psi, "zero1": 4 * psi + 12 * psi / n, "zero2": 2 * psi + 14 * psi / n,
+             "zero3": 16 * psi / n, "zero3_offload": 0.0, "fsdp": 16 * psi / n}
+    value = table[engine]
+    if engine == "fsdp" and facts is not None:
+        value += 2 * (2 * facts.block_params + facts.root_params)  # bf16 gathered: 2 blocks + the root
+    return value
+
+
+def activation_bytes(facts: ModelFacts, batch: int, checkpointing: bool) -> float:
+    """Activation memory per GPU for `batch` samples (16-bit activations)."""
+    full_per_block = [tokens * width * (16 + 4 * ratio) for _, tokens, width, ratio in facts.towers]
+    if not checkpointing:
+        return batch * sum(layers * f for (layers, *_), f in zip(facts.towers, full_per_block))
+    kept = sum(layers * 2 * tokens * width for layers, tokens, width, _ in facts.towers)
+    return batch * (kept + max(full_per_block))
+
+
+def max_batch(facts: ModelFacts, engine: str, n: int, gpu_bytes: float, checkpointing: bool,
+              precision: str = "amp") -> int:
+    free = gpu_bytes - OVERHEAD_BYTES - state_bytes(engine, facts.params, n, precision, facts)
+    per_sample = activation_bytes(facts, 1, checkpointing)
+    return max(0, math.floor(free / per_sample))
+
+
+def _gb(x: float) -> str:
+    return f"{x / GiB:.1f}"
+
+
+def render(models: list[str], gpus: list[int], gpu_mem: list[float], batch: int, precision: str,
+           image_size: int | None = None) -> str:
+    lines = []
+    for name in models:
+        facts = model_facts(name, image_size)
+        act = activation_bytes(facts, batch, False)
+        act_ckpt = activation_bytes(facts, batch, True)
+        lines += [f"## {name}: {facts.params / 1e9:.2f}B parameters (largest block "
+                  f"{facts.block_params / 1e6:.0f}M, outside blocks {facts.root_params / 1e6:.0f}M), "
+                  f"precision {precision}", "",
+                  f"Activations for {batch} samples per GPU: {_gb(act)} GiB, with --grad-checkpointing "
+                  f"{_gb(act_ckpt)} GiB.", "",
+                  "State per GPU (GiB) = parameters + gradients + optimizer state; then the largest "
+                  f"micro-batch per GPU that fits ({_gb(OVERHEAD_BYTES)} GiB reserved), without / with "
+                  "checkpointing.", ""]
+        header = "| engine | " + " | ".join(f"{n} GPUs" for n in gpus) + " | " + " | ".join(
+            f"max batch @ {m:g} GB, {gpus[0]} GPUs" for m in gpu_mem) + " |"
+        lines += [header, "|" + "---|" * (1 + len(gpus) + len(gpu_mem))]
+        for engine in ENGINES:
+            states = [_gb(state_bytes(engine, facts.params, n, precision, facts)) for n in gpus]
+            fits = []
+            for mem in gpu_mem:
+                gpu_bytes = mem * 1e9
+                a = max_batch(facts, engine, gpus[0], gpu_bytes, False, precision)
+                b = max_batch(facts, engine, gpus[0], gpu_bytes, True, precision)
+                fits.append(f"{a} / {b}")
+            lines.append(f"| {engine} | " + " | ".join(states) + " | " + " | ".join(fits) + " |")
+        lines.append("")
+    lines.append("zero3_offload keeps weights, gradients and Adam state in host memory (16Ψ/N bytes per "
+                 "rank there); its GPU column is working buffers only.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bigclip plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", nargs="+", default=["ViT-H-14", "ViT-bigG-14"])
+    parser.add_argument("--gpus", nargs="+", type=int, default=[8, 64, 256, 1024])
+    parser.add_argument("--gpu-mem", nargs="+", type=float, default=[40, 80], help="GB per GPU")
+    parser.add_argument("--batch-size", type=int, default=32, help="micro-batch per GPU")
+    parser.add_argument("--precision", choices=("amp", "fp32"), default="amp")
+    parser.add_argument("--force-image-size", type=int, default=None)
+    args = parser.parse_args(argv)
+    print(render(args.model, args.gpus, args.gpu_mem, args.batch_size, args.precision, args.force_image_size))
+    return 0

@@ -1,0 +1,193 @@
+"""Runs several engines one after another inside one torchrun launch and records what each did.
+
+    torchrun --nproc_per_node 2 tests/engine_worker.py SPEC.json OUT.json
+
+SPEC is a list of runs: {"name", "steps", "config": {TrainConfig values}, "arch": optional architecture dict
+registered under config["model"], "clamp_check": bool}. Every run sees the same synthetic batches (seeded by
+step and rank) and goes through bigclip's own pieces: engine.build_model, build_engine, the loop's
+forward_backward (OpenCLIP accumulation), engine.step, and an eval forward through engine.module. One launch
+for many engines keeps the cost of process start-up and DeepSpeed initialisation to once per test file.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+
+import torch
+
+from bigclip.config import resolve
+from bigclip.dist import init_distributed
+from bigclip.engine import build_engine, build_model
+from bigclip.engine.memory import peak_rss_bytes
+from bigclip.model import create_model, get_model_config
+from bigclip.schedule import build_schedule
+from bigclip.train import build_loss_fn, forward_backward
+
+
+def current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> None:
+    """Reset VmHWM to the current RSS (Linux: writing 5 to clear_refs), so the next peak is this run's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def batch(step: int, rank: int, micro: int, n: int, image_size: int, context: int):
+    g = torch.Generator().manual_seed(1000 * step + 100 * rank + micro)
+    images = torch.randn(n, 3, image_size, image_size, generator=g)
+    texts = torch.randint(1, 250, (n, context), generator=g)
+    return images, texts
+
+
+def _use_compile_backend(backend: str) -> None:
+    """Per-block compile with a cheap backend: tests that compile composes with checkpointing and sharding
+    (dynamo tracing, FSDP/ZeRO hooks) without paying minutes of inductor C++ builds on a CPU."""
+    plain = torch.compile
+    if getattr(plain, "_bigclip_test_backend", None) != backend:
+        def compile_fn(*args, **kwargs):
+            kwargs.setdefault("backend", backend)
+            return plain(*args, **kwargs)
+
+        compile_fn._bigclip_test_backend = backend
+        torch.compile = compile_fn
+    original = torch.nn.Module.compile
+    if getattr(original, "_bigclip_test_backend", None) == backend:
+        return
+
+    def compile_with(self, *args, **kwargs):
+        kwargs.setdefault("backend", backend)
+        return original(self, *args, **kwargs)
+
+    compile_with._bigclip_test_backend = backend
+    torch.nn.Module.compile = compile_with
+
+
+def run_one(spec: dict, world) -> dict:
+    if spec.get("compile_backend"):
+        _use_compile_backend(spec["compile_backend"])
+    if "arch" in spec:  # a test-only architecture (e.g. ViT-bigG-14 widths, 2 blocks per tower)
+        from bigclip.model.factory import _load_configs
+
+        _load_configs()[spec["config"]["model"]] = spec["arch"]
+    values = {"dataset_type": "synthetic", "precision": "fp32", "lr": 1e-3, "warmup": 2, "wd": 0.1,
+              "gather_with_grad": True, "seed": 0, "workers": 0, **spec["config"]}
+    cfg = resolve(values)
+    arch = get_model_config(cfg.model)
+    image_size = arch["vision_cfg"]["image_size"]
+    context = arch["text_cfg"]["context_length"]
+
+    torch.manual_seed(cfg.seed)
+    reset_peak_rss()
+    rss0 = current_rss()
+    t0 = time.perf_counter()
+    model = build_model(cfg, world, functools.partial(create_model, cfg.model))
+    engine = build_engine(cfg, model, world)
+    build_s = time.perf_counter() - t0
+    build_rss = peak_rss_bytes() - rss0  # the high-water mark while building, above what was there before
+    build_state = engine.state_bytes()["total"]  # what the engine keeps: the rest of build_rss was transient
+    loss_fn = build_loss_fn(cfg, world)
+    # one schedule for every run, however many steps it takes, so shorter runs follow the longer ones
+    schedule = build_schedule(cfg, spec.get("schedule_steps", 20))
+
+    out = {"losses": [], "norms": [], "build_s": build_s, "build_rss_bytes": build_rss,
+           "build_state_bytes": build_state,
+           "num_params": sum(p.numel() for p in engine.model.parameters()) if engine.name == "ddp" else None}
+    if spec.get("clamp_check"):
+        out["logit_scale_after"] = []
+    engine.train()
+    t0 = time.perf_counter()
+    for step in range(spec["steps"]):
+        engine.set_lr(schedule(step))
+        micro = [batch(step, world.rank, j, cfg.batch_size, image_size, context)
+                 for j in range(cfg.accum_freq)]
+        if spec.get("clamp_check") and step == 0:
+            _set_logit_scale_master(engine, 10.0)
+        loss, _ = forward_backward(engine, loss_fn, micro, world)
+        out["norms"].append(engine.step())
+        out["losses"].append(loss)
+        if spec.get("clamp_check"):
+            with torch.no_grad(), engine.autocast():
+                seen = float(engine.module(texts=micro[0][1][:1])["logit_scale"].float().log().mean())
+            out["logit_scale_after"].append([seen, _logit_scale_master(engine)])
+    out["step_s"] = (time.perf_counter() - t0) / spec["steps"]
+    engine.eval()
+    images, texts = batch(9999, 0, 0, 4, image_size, context)
+    with torch.no_grad(), engine.autocast():
+        text_only = engine.module(texts=texts)["text_features"].float()
+        image_only = engine.module(images=images)["image_features"].float()
+    out["eval_checksum"] = [float(text_only.abs().sum()), float(image_only.abs().sum())]
+    out["state_bytes"] = engine.state_bytes()
+    out["peak_rss_bytes"] = peak_rss_bytes()
+    return out
+
+
+@torch.no_grad()
+def _set_logit_scale_master(engine, value: float) -> None:
+    """Put the temperature out of range in the copy the optimizer updates (DeepSpeed: its fp32 master)."""
+    p = engine.model.logit_scale
+    if engine.name != "deepspeed":
+        p.data.fill_(value)  # DDP: the parameter; FSDP: this rank's shard of it
+        return
+    from deepspeed.utils import safe_get_local_fp32_param, safe_set_local_fp32_param
+
+    if hasattr(p, "ds_id"):
+        local = safe_get_local_fp32_param(p)
+        if local is not None and local.numel():
+            safe_set_local_fp32_param(p, torch.full_like(local, value))
+        p.ds_tensor.fill_(value)
+    elif getattr(p, "_hp_mapping", None) is not None:
+        p._hp_mapping.get_hp_fragment().fill_(value)
+    if p.data.numel():
+        p.data.fill_(value)
+
+
+def _logit_scale_master(engine) -> float:
+    p = engine.model.logit_scale
+    if hasattr(p, "full_tensor"):  # FSDP between steps: a sharded DTensor (after a forward: the gathered one)
+        return float(p.full_tensor())
+    if engine.name == "deepspeed":
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full = safe_get_full_fp32_param(p)  # collective: every rank asks
+        if full is not None:
+            return float(full.flatten()[0])
+    return float(p.detach().flatten()[0])
+
+
+def main() -> int:
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    with open(spec_path) as f:
+        runs = json.load(f)
+    world = init_distributed("cpu")
+    results = {}
+    for spec in runs:
+        try:
+            results[spec["name"]] = run_one(spec, world)
+        except Exception as e:  # record and go on: one broken engine should not hide the others' results
+            import traceback
+
+            traceback.print_exc()
+            results[spec["name"]] = {"error": f"{type(e).__name__}: {e}"}
+    if world.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""FSDP2 and DeepSpeed ZeRO-1/2/3 on 2 real gloo processes, against DDP on the same data.
+
+Most engine comparisons share one torchrun launch (tests/engine_worker.py runs the engines one after
+another), so process start-up and DeepSpeed's initialisation are paid once. Tolerances:
+  fp32: every step's loss within relative 1e-4 of DDP's (measured: identical to the printed digits), and the
+        pre-clipping gradient norm within 1e-3;
+  bf16 (amp_bf16): within relative 3e-2 over 10 steps. The engines round differently on purpose: DDP keeps
+        fp32 weights under autocast, FSDP2 all-gathers bf16 copies of fp32 shards, DeepSpeed stores bf16
+        weights with fp32 masters; measured: at most 4.4e-3 (1.4e-2 with --accum-freq 2).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, free_port, read_metrics, step_losses, subprocess_env, torchrun
+
+pytestmark = pytest.mark.slow
+
+WORKER = os.path.join(REPO, "tests", "engine_worker.py")
+DS = {stage: os.path.join(REPO, "ds_configs", f"zero{stage}.json") for stage in (1, 2, 3)}
+FP32_RTOL, BF16_RTOL = 1e-4, 3e-2
+
+
+def run_worker(tmp_path, runs, name="runs", timeout=900, **env):
+    spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}_out.json"
+    spec.write_text(json.dumps(runs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={free_port()}", WORKER, str(spec), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=subprocess_env(DS_ACCELERATOR="cpu", **env))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+    errors = {k: v["error"] for k, v in results.items() if "error" in v}
+    assert not errors, (errors, proc.stderr[-4000:])
+    return results
+
+
+def engines(**flags):
+    return {"ddp": {}, "fsdp": {"engine": "fsdp"}, "zero1": {"ds_config": DS[1]},
+            "zero2": {"ds_config": DS[2]}, "zero3": {"ds_config": DS[3]}, **flags}
+
+
+def assert_same_run(run, reference, rtol, steps=None, norms=True):
+    steps = steps or len(reference["losses"])
+    assert len(run["losses"]) >= steps
+    for i in range(steps):
+        assert run["losses"][i] == pytest.approx(reference["losses"][i], rel=rtol), f"step {i}"
+        if norms:
+            assert run["norms"][i] == pytest.approx(reference["norms"][i], rel=max(rtol, 1e-3)), f"norm {i}"
+
+
+def test_every_engine_matches_ddp_step_by_step(tmp_path):
+    """test-tiny, same seed and data, 20 steps, global loss (--gather-with-grad): ddp == fsdp == zero1/2/3,
+    also with --accum-freq 2, with --grad-checkpointing (every block, and every 2nd), with per-block
+    compile + checkpointing, HSDP, CPU offload (FSDP and ZeRO-3), in bf16, and the logit-scale clamp
+    reaching DeepSpeed's fp32 masters."""
+    tiny = {"model": "test-tiny", "batch_size": 8}
+    runs = []
+
+    def add(name, steps, **config):
+        runs.append({"name": name, "steps": steps, "config": {**tiny, **config}})
+
+    for name, flags in engines().items():
+        add(name, 20, **flags)
+        add(f"{name}_accum", 10, **flags, accum_freq=2, batch_size=4)
+    add("fsdp_ckpt", 10, engine="fsdp", grad_checkpointing=True)
+    add("zero3_ckpt", 10, ds_config=DS[3], grad_checkpointing=True)
+    add("zero2_ckpt_every2", 10, ds_config=DS[2], grad_checkpointing=True, grad_checkpointing_every=2)
+    for name, flags in (("fsdp", {"engine": "fsdp"}), ("zero3", {"ds_config": DS[3]})):
+        runs.append({"name": f"{name}_compile", "steps": 4, "compile_backend": "aot_eager",
+                     "config": {**tiny, **flags, "torchcompile": True, "grad_checkpointing": True}})
+    # ds_configs/zero3_offload.json names DeepSpeed's optimizer (CPU Adam: a 1-3 minute JIT build on first
+    # use); the same offload of parameters and optimizer state with bigclip's torch AdamW needs no build
+    offload = json.loads(open(os.path.join(REPO, "ds_configs", "zero3_offload.json")).read())
+    del offload["optimizer"]
+    (tmp_path / "zero3_offload_torch_adamw.json").write_text(json.dumps(offload))
+    add("zero3_offload", 5, ds_config=str(tmp_path / "zero3_offload_torch_adamw.json"))
+    # locked towers: frozen blocks, and text blocks frozen except their LayerNorms (OpenCLIP's --lock-text)
+    for name, flags in (("ddp", {}), ("fsdp", {"engine": "fsdp"}), ("zero3", {"ds_config": DS[3]})):
+        add(f"{name}_locked", 5, **flags, lock_image=True, lock_image_unlocked_groups=1, lock_text=True)
+    add("fsdp_hsdp", 5, engine="fsdp", fsdp_replicate_degree=2)
+    add("fsdp_offload_noreshard", 5, engine="fsdp", fsdp_offload_cpu=True, fsdp_no_reshard_after_forward=True)
+    for name, flags in (("ddp", {}), ("fsdp", {"engine": "fsdp"}), ("zero2", {"ds_config": DS[2]}),
+                        ("zero3", {"ds_config": DS[3]})):
+        add(f"{name}_bf16", 10, **flags, precision="amp_bf16")
+    for name, flags in (("ddp", {}), ("fsdp", {"engine": "fsdp"}), ("zero3", {"ds_config": DS[3]})):
+        add(f"{name}_bf16_accum", 10, **flags, precision="amp_bf16", accum_freq=2, batch_size=4)
+    for name, flags in (("ddp", {}), ("fsdp", {"engine": "fsdp"}), ("zero1", {"ds_config": DS[1]}),
+                        ("zero3", {"ds_config": DS[3]}), ("zero2_bf16", {"ds_config": DS[2],
+                                                                       "precision": "amp_bf16"})):
+        runs.append({"name": f"clamp_{name}", "steps": 2, "clamp_check": True, "config": {**tiny, **flags}})
+    r = run_worker(tmp_path, runs)
+
+    ddp, ddp_accum = r["ddp"], r["ddp_accum"]
+    assert all(x == x for x in ddp["losses"]) and ddp["losses"][-1] < ddp["losses"][0]
+    for name in ("fsdp", "zero1", "zero2", "zero3"):
+        assert_same_run(r[name], ddp, FP32_RTOL)
+        assert_same_run(r[f"{name}_accum"], ddp_accum, FP32_RTOL)
+    # accumulation is a different computation (4 x 2 micro-batches) of the same global batch size
+    assert ddp_accum["losses"] != ddp["losses"]
+    for name in ("fsdp_ckpt", "zero3_ckpt", "zero2_ckpt_every2", "fsdp_compile", "zero3_compile", "fsdp_hsdp",
+                 "fsdp_offload_noreshard", "zero3_offload"):
+        assert_same_run(r[name], ddp, FP32_RTOL, steps=len(r[name]["losses"]))
+    for name in ("fsdp_locked", "zero3_locked"):
+        assert_same_run(r[name], r["ddp_locked"], FP32_RTOL)
+    for name in ("fsdp_bf16", "zero2_bf16", "zero3_bf16"):
+        assert_same_run(r[name], r["ddp_bf16"], BF16_RTOL, norms=False)
+    for name in ("fsdp_bf16_accum", "zero3_bf16_accum"):  # bf16 gathers + fp32 reductions + accumulation
+        assert_same_run(r[name], r["ddp_bf16_accum"], BF16_RTOL, norms=False)
+
+    # eval goes through every engine's forward on all ranks (text-only and image-only calls included)
+    for name in ("fsdp", "zero1", "zero2", "zero3"):
+        assert r[name]["eval_checksum"] == pytest.approx(ddp["eval_checksum"], rel=1e-4)
+
+    # sharded engines hold about half of DDP's parameter bytes per rank at world size 2
+    assert r["fsdp"]["state_bytes"]["params"] < 0.6 * ddp["state_bytes"]["params"]
+    assert r["zero3"]["state_bytes"]["params"] < 0.6 * ddp["state_bytes"]["params"]
+
+    # the logit scale was set to 10 in the copy the optimizer updates; after a step every engine has clamped
+    # it to log(100), in the weights the forward sees and in the (fp32 master) copy the next step starts from
+    for name in ("ddp", "fsdp", "zero1", "zero3", "zero2_bf16"):
+        for seen, master in r[f"clamp_{name}"]["logit_scale_after"]:
+            assert seen <= 4.6052 and master <= 4.6052, name
+
+
+def test_wide_model_runs_under_fsdp_and_zero3_with_sharded_init(tmp_path):
+    """ViT-bigG-14 widths (vision 1664 / MLP 8192, text 1280, vocab 49408), 2 blocks per tower: built on meta,
+    initialised shard by shard, one step on 2 ranks under fsdp and zero3. Building never needs the whole
+    model on a rank, and both engines start from the same weights (the same sharded init)."""
+    with open(os.path.join(REPO, "bigclip", "model", "configs", "ViT-bigG-14.json")) as f:
+        arch = json.load(f)
+    arch["vision_cfg"]["layers"] = arch["text_cfg"]["layers"] = 2
+    arch["vision_cfg"]["image_size"] = 112  # fewer patches; the widths are what this test is about
+    base = {"model": "bigG-2-blocks", "batch_size": 1, "sharded_init": "always"}
+    runs = [{"name": "fsdp", "steps": 1, "arch": arch, "config": {**base, "engine": "fsdp"}},
+            {"name": "zero3", "steps": 1, "arch": arch, "config": {**base, "ds_config": DS[3]}},
+            {"name": "fsdp_whole", "steps": 1, "arch": arch, "config": {**base, "engine": "fsdp",
+                                                                         "sharded_init": "never"}}]
+    # tensors of 4 MB and more are mmap'ed and unmapped on free, so RSS follows live memory between runs
+    r = run_worker(tmp_path, runs, "wide", MALLOC_MMAP_THRESHOLD_=str(4 << 20))
+
+    full_fp32 = 2 * r["fsdp"]["state_bytes"]["params"]  # world size 2: each rank holds half
+    assert full_fp32 > 650e6  # ~176M parameters
+    for name in ("fsdp", "zero3", "fsdp_whole"):
+        run = r[name]
+        assert run["losses"][0] == run["losses"][0] and run["norms"][0] > 0
+        assert run["state_bytes"]["params"] < 0.55 * full_fp32
+    # Setup memory beyond what the engine keeps (its shards, DeepSpeed's buffers): with sharded init at most
+    # one module gathered whole (the 253 MB token embedding is the largest); never the whole model, which is
+    # what building it whole first costs.
+    transient = {name: r[name]["build_rss_bytes"] - r[name]["build_state_bytes"] for name in r}
+    assert transient["fsdp"] < 0.45 * full_fp32 and transient["zero3"] < 0.45 * full_fp32, transient
+    assert transient["fsdp_whole"] > 0.5 * full_fp32, transient
+    # both engines start from the same weights: the model's init, run on DTensor shards
+    assert r["zero3"]["losses"][0] == pytest.approx(r["fsdp"]["losses"][0], rel=1e-4)
+
+
+def test_mission_deepspeed_launch_line(tmp_path):
+    """`deepspeed launch/train.py --ds_config ds_configs/zero2.json [flags]` as written, 2 CPU processes."""
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [launcher, "--master_port", str(free_port()), "launch/train.py",
+           "--ds_config", "ds_configs/zero2.json",
+           "--model", "test-tiny", "--dataset-type", "synthetic", "--train-num-samples", "128",
+           "--val-num-samples", "32", "--batch-size", "8", "--epochs", "1", "--precision", "fp32",
+           "--workers", "0", "--lr", "1e-3", "--warmup", "2", "--log-every-n-steps", "1",
+           "--gather-with-grad", "--logs", str(tmp_path), "--name", "ds"]
+    # LOCAL_SIZE is how DeepSpeed's CPU accelerator counts its "devices": 2 processes on this node.
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env=subprocess_env(DS_ACCELERATOR="cpu", LOCAL_SIZE="2"))
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    run_dir = os.path.join(tmp_path, "ds")
+    losses = step_losses(run_dir)
+    assert sorted(losses) == list(range(1, 9))  # 128 samples / (8 x 2 ranks)
+    assert losses[8] < losses[1]
+    evals = [m for m in read_metrics(run_dir) if "eval/val_loss" in m]
+    assert evals and evals[-1]["eval/num_samples"] == 32
+    assert "engine deepspeed" in proc.stdout + proc.stderr
+    assert os.path.isfile(os.path.join(run_dir, "checkpoints", "epoch_1", "manifest.json"))
+
+
+def test_torchrun_fsdp_run_with_eval_and_checkpoint(tmp_path):
+    """`torchrun --nproc_per_node 2 launch/train.py --engine fsdp ...`: trains, evaluates, saves."""
+    proc = torchrun(2, ["--engine", "fsdp", "--model", "test-tiny", "--dataset-type", "synthetic",
+                        "--train-num-samples", "64", "--val-num-samples", "32", "--batch-size", "8",
+                        "--epochs", "1", "--precision", "amp_bf16", "--workers", "0", "--lr", "1e-3",
+                        "--warmup", "2", "--grad-checkpointing", "--accum-freq", "2", "--log-every-n-steps", "1",
+                        "--logs", str(tmp_path), "--name", "fsdp"], DS_ACCELERATOR="cpu")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_dir = os.path.join(tmp_path, "fsdp")
+    assert sorted(step_losses(run_dir)) == [1, 2]
+    assert any("eval/val_loss" in m for m in read_metrics(run_dir))
+    assert os.path.isfile(os.path.join(run_dir, "checkpoints", "epoch_1", "manifest.json"))
