@@ -7,8 +7,9 @@ Each (N, impl) runs in a fresh child process so that peak RSS (resource.getrusag
 that run alone. "loss memory" is the child's peak RSS minus its RSS just before the loss call,
 when the features already exist: the memory the loss itself needs (logits, tiles, statistics
 and the feature gradients, which both paths allocate). Children run with
-MALLOC_MMAP_THRESHOLD_=1048576 so that RSS follows live allocations (see run_child). The naive path is skipped above
---naive-max-gb of estimated need (OpenCLIP's recipe holds about four N x N fp32 matrices at once).
+MALLOC_MMAP_THRESHOLD_=1048576 so that RSS follows live allocations (see run_child).
+The naive path is skipped above --naive-max-gb of estimated need (OpenCLIP's recipe holds about
+four N x N fp32 matrices at once).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def _cpu_seconds() -> float:
 
 
 def run_child(n: int, dim: int, impl: str, seed: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--sizes", str(n), "--dim", str(dim), "--impl", impl, "--seed", str(seed)]
+    cmd = [sys.executable, __file__, "--child", "--sizes", str(n), "--dim", str(dim),
+           "--impl", impl, "--seed", str(seed)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     # glibc keeps freed blocks below its (self-raising) mmap threshold resident, so RSS would
     # depend on allocation history; a fixed 1 MiB threshold returns every large buffer to the OS
@@ -93,8 +95,10 @@ def main() -> None:
         return
 
     print(f"CLIP loss forward+backward, d={args.dim}, fp32, CPU ({os.cpu_count()} cores)")
-    header = ("| N | naive loss memory | chunked loss memory | memory ratio | naive time | chunked time | time ratio "
-              "| naive CPU time | chunked CPU time | CPU time ratio | naive peak RSS | chunked peak RSS | loss rel. diff |")
+    header = ("| N | naive loss memory | chunked loss memory | memory ratio "
+              "| naive time | chunked time | time ratio "
+              "| naive CPU time | chunked CPU time | CPU time ratio "
+              "| naive peak RSS | chunked peak RSS | loss rel. diff |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     results = {}
@@ -114,9 +118,11 @@ def main() -> None:
         rel = abs(naive["loss"] - chunked["loss"]) / abs(naive["loss"])
         print(
             f"| {n} | {_gb(naive['extra'])} | {_gb(chunked['extra'])} | "
-            f"1/{naive['extra'] / chunked['extra']:.0f} | {naive['seconds']:.1f} s | {chunked['seconds']:.1f} s | "
+            f"1/{naive['extra'] / chunked['extra']:.0f} | "
+            f"{naive['seconds']:.1f} s | {chunked['seconds']:.1f} s | "
             f"{chunked['seconds'] / naive['seconds']:.2f}x | {naive['cpu']:.1f} s | {chunked['cpu']:.1f} s | "
-            f"{chunked['cpu'] / naive['cpu']:.2f}x | {_gb(naive['peak'])} | {_gb(chunked['peak'])} | {rel:.1e} |"
+            f"{chunked['cpu'] / naive['cpu']:.2f}x | "
+            f"{_gb(naive['peak'])} | {_gb(chunked['peak'])} | {rel:.1e} |"
         )
         sys.stdout.flush()
     report_targets(results)

@@ -4,8 +4,8 @@ Conventions asserted here (see bigclip/loss/distributed.py):
 - fused paths vs OpenCLIP's naive path, any flags, any per-rank grad_output: the same loss on
   every rank, the same feature gradients on every rank, and scale / bias gradients equal to the
   mean over ranks of OpenCLIP's per-rank gradients, identical on every rank;
-- with --local-loss --gather-with-grad (and for SigLIP with any exchange), fused and naive, against one process
-  computing the loss on the concatenated global batch (grad_output 1 everywhere):
+- with --local-loss --gather-with-grad (and for SigLIP with any exchange), fused and naive,
+  against one process computing the loss on the concatenated global batch (grad_output 1 everywhere):
   mean over ranks of the returned losses == the global loss,
   feature gradients on rank r == world_size x the global gradient of rank r's rows,
   scale / bias gradients on every rank == the global gradient (naive: their mean over ranks).
@@ -58,7 +58,8 @@ class _Towers(torch.nn.Module):
 
     def forward(self, images, texts):
         normalize = torch.nn.functional.normalize
-        return normalize(self.image(images), dim=-1), normalize(self.text(texts), dim=-1), self.logit_scale.exp(), self.logit_bias
+        image, text = normalize(self.image(images), dim=-1), normalize(self.text(texts), dim=-1)
+        return image, text, self.logit_scale.exp(), self.logit_bias
 
 
 def _check_ddp_step(rank, world, images, texts, siglip, flags, impl, dist_impl):
@@ -125,7 +126,8 @@ def _worker(rank: int, world: int, port: int, mode: str) -> None:
         def check_against_openclip(siglip, flags, impl, dist_impl):
             grad_output = 1.0 + 0.5 * rank  # ranks may scale their losses differently
             what = f"{impl}/{dist_impl} siglip={siglip} flags={flags} rank={rank}"
-            ref_loss, ref_grads = run(siglip, *flags, "naive", dist_impl if siglip else None, torch.float64, grad_output)
+            naive_dist_impl = dist_impl if siglip else None
+            ref_loss, ref_grads = run(siglip, *flags, "naive", naive_dist_impl, torch.float64, grad_output)
             loss, grads = run(siglip, *flags, impl, dist_impl, grad_output=grad_output)
             _close(loss, ref_loss, what + " loss", natural=1.0)
             for i, (g, r) in enumerate(zip(grads, ref_grads)):
@@ -163,11 +165,14 @@ def _worker(rank: int, world: int, port: int, mode: str) -> None:
             check_against_global(False, (True, True), "naive", None)
             check_against_global(False, (True, True), "chunked", "ring", torch.bfloat16)
             same_everywhere = torch.Generator().manual_seed(5)
+            shape = (world * BATCH, DIM)
             raw_images, raw_texts = (
-                torch.randn(world * BATCH, DIM, dtype=torch.float64, generator=same_everywhere) for _ in range(2)
+                torch.randn(shape, dtype=torch.float64, generator=same_everywhere) for _ in range(2)
             )
             for siglip, flags, dist_impl in [
-                (False, (True, True), "gather"), (False, (True, True), "ring"), (False, (False, True), "ring"),
+                (False, (True, True), "gather"),
+                (False, (True, True), "ring"),
+                (False, (False, True), "ring"),
                 (True, (False, False), "bidir"),
             ]:
                 _check_ddp_step(rank, world, raw_images, raw_texts, siglip, flags, "chunked", dist_impl)

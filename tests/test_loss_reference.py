@@ -7,6 +7,7 @@ formulas written a second way (explicit log-sum-exp and log1p sums).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -70,7 +71,9 @@ def natural_sizes(n: int, scale: float, grad_output: float = 1.0):
     return 1.0, g * max(scale, 1.0) / n, g
 
 
-def assert_matches(got, ref, feature_dtype=torch.float32, rtol: float = RTOL, what: str = "", natural=(0.0, 0.0, 0.0)):
+def assert_matches(
+    got, ref, feature_dtype=torch.float32, rtol: float = RTOL, what: str = "", natural=(0.0, 0.0, 0.0)
+):
     loss, grads = got
     ref_loss, ref_grads = ref
     loss_size, feature_size, scalar_size = natural
@@ -156,7 +159,8 @@ def test_siglip_reference_is_the_pairwise_sigmoid_loss():
             z = scale * sum(p * q for p, q in zip(a, b)) + bias
             y = 1.0 if i == j else -1.0
             total += math.log1p(math.exp(-y * z))
-    got = SigLipLoss(impl="naive")(image, text, torch.tensor(scale, dtype=torch.float64), torch.tensor(bias, dtype=torch.float64))
+    as_tensor = functools.partial(torch.tensor, dtype=torch.float64)
+    got = SigLipLoss(impl="naive")(image, text, as_tensor(scale), as_tensor(bias))
     assert abs(got.item() - total / 7) < 1e-12
 
 

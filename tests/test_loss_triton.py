@@ -26,7 +26,8 @@ def _run_group(group: str, interpret: bool):
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), group], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, os.path.abspath(__file__), group],
+        env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, f"group {group!r} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert f"ok {group}" in proc.stdout
@@ -46,7 +47,9 @@ def test_kernels_compile_for_cuda():
 
 # --------------------------------------------------------------- run inside the interpreter
 
-SHAPES = [(1, 1), (5, 3), (63, 17), (64, 64), (65, 33), (130, 100), (70, 512), (40, 768), (33, 1280), (20, 1023)]
+SHAPES = [
+    (1, 1), (5, 3), (63, 17), (64, 64), (65, 33), (130, 100), (70, 512), (40, 768), (33, 1280), (20, 1023),
+]
 
 
 def _check_losses(siglip: bool, dtypes, shapes) -> None:
@@ -139,7 +142,8 @@ def _compile_for_cuda() -> None:
         (clip_kernels._clip_grads_kernel, "bf16", clip_grads),
         (clip_kernels._clip_grads_kernel, "fp16", clip_grads),
         (siglip_kernels._siglip_sums_kernel, "fp16", dict(HAS_BIAS=True, HAS_DIAG=True)),
-        (siglip_kernels._siglip_grads_kernel, "fp32", dict(HAS_BIAS=True, HAS_DIAG=True, NEED_IMG=True, NEED_TXT=True)),
+        (siglip_kernels._siglip_grads_kernel, "fp32",
+         dict(HAS_BIAS=True, HAS_DIAG=True, NEED_IMG=True, NEED_TXT=True)),
     ]
     for kernel, dtype, flags in cases:
         constexprs = dict(blocks, **flags)

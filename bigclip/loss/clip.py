@@ -93,7 +93,8 @@ def clip_loss_fused(image, text, logit_scale, backend) -> torch.Tensor:
 def check_features(image: torch.Tensor, text: torch.Tensor) -> None:
     if image.dim() != 2 or image.shape != text.shape:
         raise ValueError(
-            f"image and text features must both be (batch, dim); got {tuple(image.shape)} and {tuple(text.shape)}"
+            "image and text features must both be (batch, dim); "
+            f"got {tuple(image.shape)} and {tuple(text.shape)}"
         )
 
 

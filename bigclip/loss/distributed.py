@@ -144,13 +144,16 @@ class _NeighbourExchangeBidir(torch.autograd.Function):
         ctx.peers = (left_rank, right_rank)
         to_left, to_right = to_left.contiguous(), to_right.contiguous()
         from_right, from_left = torch.empty_like(to_left), torch.empty_like(to_right)
-        _exchange([(to_right, right_rank), (to_left, left_rank)], [(from_right, right_rank), (from_left, left_rank)])
+        _exchange(
+            [(to_right, right_rank), (to_left, left_rank)], [(from_right, right_rank), (from_left, left_rank)]
+        )
         return from_right, from_left
 
     @staticmethod
     def backward(ctx, grad_from_right, grad_from_left):
         left_rank, right_rank = ctx.peers
-        return (None, None) + _NeighbourExchangeBidir.apply(right_rank, left_rank, grad_from_right, grad_from_left)
+        grads = _NeighbourExchangeBidir.apply(right_rank, left_rank, grad_from_right, grad_from_left)
+        return (None, None) + grads
 
 
 def gather_features(image, text, local_loss: bool, gather_with_grad: bool, rank: int, world_size: int):
@@ -388,7 +391,9 @@ class _ClipRing(torch.autograd.Function):
         ring.finish()
         col_lse, col_mean = stats_in[0], stats_in[1]
         pos = positive_logits(image, text)
-        loss, d_scale = _loss_and_dscale(row_lse, row_mean, col_lse, col_mean, pos, scale, batch, world, local_loss)
+        loss, d_scale = _loss_and_dscale(
+            row_lse, row_mean, col_lse, col_mean, pos, scale, batch, world, local_loss
+        )
         ctx.save_for_backward(image, text, scale, row_lse, col_lse, d_scale)
         ctx.mode, ctx.backend = mode, backend
         ctx.scale_meta = (logit_scale.shape, logit_scale.dtype)
@@ -400,7 +405,8 @@ class _ClipRing(torch.autograd.Function):
         local_loss, gather_with_grad, rank, world = ctx.mode
         batch = image.shape[0]
         need_image, need_text = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        a_img, b_img, a_txt, b_txt = _owner_weights(_grad_outputs(grad), rank, batch, local_loss, gather_with_grad)
+        weights = _owner_weights(_grad_outputs(grad), rank, batch, local_loss, gather_with_grad)
+        a_img, b_img, a_txt, b_txt = weights
         ring = _Ring(rank, world)
         d_image = torch.zeros(image.shape, device=image.device) if need_image else None
         current, current_lse = text.contiguous(), col_lse.contiguous()

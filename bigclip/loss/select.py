@@ -61,7 +61,9 @@ def resolve_impl(impl: str, features: torch.Tensor) -> str:
         return "triton" if features.is_cuda and triton_importable() else "chunked"
     if impl == "triton":
         if not triton_importable():
-            raise UserError("--loss-impl triton needs the 'triton' package; install it or use --loss-impl chunked.")
+            raise UserError(
+                "--loss-impl triton needs the 'triton' package; install it or use --loss-impl chunked."
+            )
         if not features.is_cuda and not triton_interpreted():
             raise UserError(
                 "--loss-impl triton needs CUDA tensors (or TRITON_INTERPRET=1 for the slow CPU interpreter); "

@@ -73,13 +73,19 @@ class _FusedSigLipBlock(torch.autograd.Function):
 
 
 def siglip_block_fused(image, text, logit_scale, logit_bias, negative_only: bool, backend) -> torch.Tensor:
-    return _FusedSigLipBlock.apply(image, text, logit_scale, logit_bias, None if negative_only else 0, backend)
+    diag = None if negative_only else 0
+    return _FusedSigLipBlock.apply(image, text, logit_scale, logit_bias, diag, backend)
 
 
 class SigLipLoss(nn.Module):
-    """SigLIP loss with OpenCLIP's exchanges and an implementation switch (naive | chunked | triton | auto)."""
+    """SigLIP loss with OpenCLIP's exchanges and an implementation switch.
 
-    def __init__(self, rank: int = 0, world_size: int = 1, impl: str = "auto", dist_impl: str | None = "bidir"):
+    impl: naive | chunked | triton | auto. dist_impl: bidir | shift | reduce | gather.
+    """
+
+    def __init__(
+        self, rank: int = 0, world_size: int = 1, impl: str = "auto", dist_impl: str | None = "bidir"
+    ):
         super().__init__()
         self.rank = rank
         self.world_size = world_size

@@ -58,8 +58,11 @@ def logits_tile(
     dims = tl.arange(0, BLOCK_D)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + dims
-        a = tl.load(img_ptr + rows[:, None] * stride_img + d[None, :], mask=(rows[:, None] < M) & (d[None, :] < D), other=0.0)
-        b = tl.load(txt_ptr + cols[:, None] * stride_txt + d[None, :], mask=(cols[:, None] < N) & (d[None, :] < D), other=0.0)
+        in_dim = d[None, :] < D
+        a_ptrs = img_ptr + rows[:, None] * stride_img + d[None, :]
+        b_ptrs = txt_ptr + cols[:, None] * stride_txt + d[None, :]
+        a = tl.load(a_ptrs, mask=(rows[:, None] < M) & in_dim, other=0.0)
+        b = tl.load(b_ptrs, mask=(cols[:, None] < N) & in_dim, other=0.0)
         x = dot_f32acc(a, tl.trans(b), x, UPCAST)
     return x
 

@@ -110,7 +110,8 @@ def siglip_block_sums(image, text, scale, bias, diag, tile: int | None = None) -
 
 
 def siglip_block_grads(
-    image, text, scale, bias, diag, coef, need_image: bool = True, need_text: bool = True, tile: int | None = None,
+    image, text, scale, bias, diag, coef,
+    need_image: bool = True, need_text: bool = True, tile: int | None = None,
 ):
     image, text = prepare(image), prepare(text)
     m, dim = image.shape
