@@ -122,6 +122,22 @@ class Engine(abc.ABC):
         return tensor_bytes(self.model, getattr(self, "optimizer", None))
 
 
+class TorchOptimizerEngine(Engine):
+    """An engine whose optimizer is a plain torch optimizer in `self.optimizer` (DDP, FSDP2)."""
+
+    optimizer: torch.optim.Optimizer
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def get_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+
 def clip_and_measure(params: list[torch.Tensor], max_norm: float | None) -> float:
     """Global grad norm of `params`, clipping in place when max_norm is set."""
     grads = [p.grad for p in params if p.grad is not None]

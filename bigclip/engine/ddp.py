@@ -15,10 +15,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import optim
 from ..dist import World
-from .base import Engine, clip_and_measure
+from .base import TorchOptimizerEngine, clip_and_measure
 
 
-class DDPEngine(Engine):
+class DDPEngine(TorchOptimizerEngine):
     name = "ddp"
 
     def __init__(self, cfg, model: nn.Module, world: World):
@@ -67,16 +67,6 @@ class DDPEngine(Engine):
         self.zero_grad()
         self._model.clamp_logit_scale_()
         return norm
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def get_lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     def state_dict(self) -> dict[str, Any]:
         return {

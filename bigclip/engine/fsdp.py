@@ -30,7 +30,7 @@ from torch import nn
 from .. import optim
 from ..dist import World
 from ..errors import UserError
-from .base import Engine
+from .base import TorchOptimizerEngine
 from .sharded_init import build_for_sharding, is_meta, materialise
 from .single import ensure_process_group
 
@@ -58,7 +58,7 @@ def mixed_precision_policy(precision):
     return MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
 
 
-class FSDPEngine(Engine):
+class FSDPEngine(TorchOptimizerEngine):
     name = "fsdp"
     sharded_state = True  # state_dict() holds this rank's shards: every rank saves and loads
 
@@ -145,16 +145,6 @@ class FSDPEngine(Engine):
         self.zero_grad()
         self._model.clamp_logit_scale_()  # elementwise, so it applies to each local shard as is
         return norm
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def get_lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     def logit_scale(self) -> torch.Tensor:
         return self._model.logit_scale.full_tensor().detach()
