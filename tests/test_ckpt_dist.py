@@ -1,6 +1,6 @@
 """Checkpoints on 2 gloo ranks: SIGKILL of one rank then --resume latest, save/resume round trips for DDP,
-FSDP2 and DeepSpeed ZeRO-2/3 (the save runs in the background while training goes on), and loading a
-checkpoint written by 2 ranks in 1 process (resharding)."""
+FSDP2 and DeepSpeed ZeRO-2/3 (the save runs in the background while training goes on), and resuming those
+checkpoints at world size 1 and 4 (resharding) with the losses of the uninterrupted 2-rank run."""
 
 import json
 import os
@@ -127,8 +127,14 @@ def train(engine, loss_fn, world, steps, before_update=lambda: None):
         loss, _ = forward_backward(engine, loss_fn, [batch(step, world.rank)], world)
         before_update()  # what the loop does: an asynchronous save finishes copying before the update
         engine.step()
-        losses.append(loss)
+        losses.append(mean_over_ranks(loss))
     return losses
+
+def mean_over_ranks(loss):
+    # With --local-loss each rank's loss covers its own rows; their mean is the loss of the global batch.
+    t = torch.tensor([loss], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return t.item() / torch.distributed.get_world_size()
 
 def full_model(engine):
     out = {}
@@ -141,8 +147,11 @@ spec, out_path, root = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
 world = init_distributed("cpu", "gloo")
 results = {}
 for name, config in spec.items():
+    # --local-loss --gather-with-grad: the gradient is that of the global batch's loss at any world size,
+    # so a resharded resume (test below) can be compared step by step with this run.
     cfg = resolve({"dataset_type": "synthetic", "precision": "fp32", "model": "test-tiny", "batch_size": 4,
-                   "lr": 1e-3, "wd": 0.1, "seed": 0, "workers": 0, **config})
+                   "lr": 1e-3, "wd": 0.1, "seed": 0, "workers": 0, "local_loss": True,
+                   "gather_with_grad": True, **config})
     directory = os.path.join(root, name)
     torch.manual_seed(0)
     a = build_engine(cfg, build_model(cfg, world, functools.partial(create_model, cfg.model)), world)
@@ -164,6 +173,61 @@ for name, config in spec.items():
                      "blocked_s": None}
     if world.rank == 0 and snapshot is not None:
         torch.save(snapshot, os.path.join(root, name + "_step2_model.pt"))
+if world.rank == 0:
+    json.dump(results, open(out_path, "w"))
+'''
+
+
+RESHARD_WORKER = r'''
+"""torchrun worker at another world size: load the step_2 checkpoints the 2-rank WORKER wrote and train its
+steps 2 and 3 on the same global batches (split over this world size). The losses must be the 2-rank run's."""
+import functools, json, os, sys
+import torch
+from bigclip.config import resolve
+from bigclip.dist import init_distributed
+from bigclip.engine import build_engine, build_model
+from bigclip.model import create_model
+from bigclip.train import build_loss_fn, forward_backward
+from bigclip.ckpt import CheckpointManager
+
+def batch(step, rank):  # the 2-rank run's batches
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    texts = torch.randint(1, 250, (4, 16), generator=g)
+    texts[:, -1] = 258
+    return torch.randn(4, 3, 16, 16, generator=g), texts
+
+def my_share(step, world):
+    images, texts = (torch.cat(x) for x in zip(batch(step, 0), batch(step, 1)))
+    n = 8 // world.world_size
+    return images[world.rank * n:(world.rank + 1) * n], texts[world.rank * n:(world.rank + 1) * n]
+
+def mean_over_ranks(loss, world):
+    if world.world_size == 1:
+        return loss
+    t = torch.tensor([loss], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return t.item() / world.world_size
+
+spec, out_path, root = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
+world = init_distributed("cpu", "gloo")
+results = {}
+for name, config in spec.items():
+    cfg = resolve({"dataset_type": "synthetic", "precision": "fp32", "model": "test-tiny",
+                   "batch_size": 8 // world.world_size, "lr": 1e-3, "wd": 0.1, "seed": 0, "workers": 0,
+                   "local_loss": True, "gather_with_grad": True, **config})
+    torch.manual_seed(7)
+    engine = build_engine(cfg, build_model(cfg, world, functools.partial(create_model, cfg.model)), world)
+    loss_fn = build_loss_fn(cfg, world)
+    manager = CheckpointManager(os.path.join(root, f"ws{world.world_size}", name), engine, world)
+    state = manager.load(os.path.join(root, name, "step_2"))
+    losses = []
+    for step in (2, 3):
+        engine.set_lr(1e-3)
+        loss, _ = forward_backward(engine, loss_fn, [my_share(step, world)], world)
+        engine.step()
+        losses.append(mean_over_ranks(loss, world))
+    manager.close()
+    results[name] = {"step": state["step"], "losses": losses}
 if world.rank == 0:
     json.dump(results, open(out_path, "w"))
 '''
@@ -191,7 +255,22 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
     ddp_files = json.loads((tmp_path / "ddp" / "step_2" / "manifest.json").read_text())["files"]
     assert any(f.startswith("__0_") for f in ddp_files) and any(f.startswith("__1_") for f in ddp_files)
 
-    # Resharding: the DDP and FSDP checkpoints of 2 ranks load in 1 process (DDP engine, no process group).
+    # Resharding: every engine's 2-rank checkpoint resumes at world size 1 and 4 (DCP reshards on load;
+    # DeepSpeed's ZeRO files go through its universal checkpoint) and continues exactly like the 2-rank run.
+    (tmp_path / "reshard.py").write_text(textwrap.dedent(RESHARD_WORKER))
+    for nproc in (1, 4):
+        out = tmp_path / f"reshard{nproc}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", str(tmp_path / "reshard.py"), str(tmp_path / "spec.json"), str(out),
+               str(tmp_path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                              env=subprocess_env(DS_ACCELERATOR="cpu"))
+        assert proc.returncode == 0, (nproc, (proc.stdout + proc.stderr)[-4000:])
+        for name, r in json.loads(out.read_text()).items():
+            assert r["step"] == 2, (nproc, name)
+            assert r["losses"] == pytest.approx(results[name]["a"], rel=1e-5), (nproc, name)
+
+    # The DDP and FSDP checkpoints of 2 ranks also load in this very process (DDP engine, no process group).
     cfg = resolve(dict(model="test-tiny", dataset_type="synthetic", precision="fp32", batch_size=4))
     for name in ("ddp", "fsdp"):
         torch.manual_seed(5)

@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import socket
+
+import torch
 
 from ..errors import UserError
 from .upload import FileSink
 
 ENGINE_DIR = "engine_state"
 _RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_")
+_DS_TOP_LEVEL = ("latest", "zero_to_fp32.py")
 
 
 class DeepSpeedLayout:
@@ -39,12 +44,19 @@ class DeepSpeedLayout:
         self.engine.save_checkpoint(directory, ENGINE_DIR)
 
     def write(self, handle, directory: str, sink: FileSink) -> None:
-        for dirpath, _, names in os.walk(directory):
+        # Only DeepSpeed's own folder: the RNG files and train_state.json beside it are written (through
+        # temporary names) by each rank's save thread and submitted by their writers; listing the whole
+        # directory here once raced with another rank's RNG file being renamed into place.
+        for dirpath, _, names in os.walk(os.path.join(directory, ENGINE_DIR)):
             for name in sorted(names):
                 m = _RANK_FILE.search(name)
                 owner = int(m.group(1)) if m else 0
-                if owner == self.world.rank and not name.endswith(".pt.tmp"):
+                if owner == self.world.rank and ".tmp" not in name:
                     sink.submit(os.path.join(dirpath, name))
+        if self.world.is_main:  # DeepSpeed's own companions of the tag folder
+            for name in _DS_TOP_LEVEL:
+                if os.path.isfile(os.path.join(directory, name)):
+                    sink.submit(os.path.join(directory, name))
 
     def load(self, directory: str, saved_world_size: int | None = None) -> None:
         if saved_world_size is not None and saved_world_size != self.world.world_size:
@@ -59,31 +71,56 @@ class DeepSpeedLayout:
 
         universal = os.path.join(directory, ENGINE_DIR + "_universal")
         problem = None
-        if self.world.is_main and not os.path.isdir(universal):
+        # One converter per node (a downloaded checkpoint is a per-node copy); on a shared file system the
+        # nodes race, so each converts into its own temporary folder and the first rename wins.
+        if self.world.local_rank == 0 and not os.path.isdir(universal):
+            scratch = f"{universal}.tmp-{socket.gethostname()}-{os.getpid()}"
             try:
-                _convert_to_universal(os.path.join(directory, ENGINE_DIR), universal)
+                _convert_to_universal(os.path.join(directory, ENGINE_DIR), scratch)
+                try:
+                    os.rename(scratch, universal)
+                except OSError:  # another node's conversion got there first
+                    shutil.rmtree(scratch, ignore_errors=True)
             except Exception as e:  # noqa: BLE001 — DeepSpeed's converter raises assorted types
+                shutil.rmtree(scratch, ignore_errors=True)
                 problem = f"{type(e).__name__}: {e}"
         if dist.is_initialized():
-            box = [problem]
-            dist.broadcast_object_list(box, src=0)
-            problem = box[0]
+            problems: list = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+            problem = next((p for p in problems if p), None)
         if problem:
             raise UserError(f"checkpoint {directory}: saved by {saved_world_size} DeepSpeed ranks, and converting "
                             f"it for {self.world.world_size} failed ({problem}); resume with "
                             f"{saved_world_size} processes")
         ds = self.engine.ds
+        # Two repairs after DeepSpeed 0.19's ZeRO-3 universal load (found by the resharded-resume test):
+        # it copies the first param group's hyperparameters onto every group, so the decay group would resume
+        # with the no-decay group's weight_decay 0 (the resumed run's own groups, from its config, are put
+        # back; the lr is set by bigclip's schedule every step anyway); and it hands every group the *same*
+        # `step` tensor, which AdamW then increments once per group per step, skewing bias correction.
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in _base_optimizer(ds).param_groups]
         ds._config.load_universal_checkpoint = True
         try:
             path, _ = ds.load_checkpoint(directory, tag=ENGINE_DIR + "_universal", load_optimizer_states=True,
                                          load_lr_scheduler_states=False)
         finally:
             ds._config.load_universal_checkpoint = False
+        optimizer = _base_optimizer(ds)
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update(saved)
+        for state in optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
         if path is None:
             raise UserError(f"checkpoint {directory}: DeepSpeed could not load the converted state")
 
     def close(self) -> None:
         pass
+
+
+def _base_optimizer(ds):
+    """The torch optimizer under DeepSpeed's ZeRO wrapper."""
+    return getattr(ds.optimizer, "optimizer", ds.optimizer)
 
 
 def _convert_to_universal(src: str, dst: str) -> None:
