@@ -163,8 +163,9 @@ class TrainConfig:
                                               "'{\"client_kwargs\": {\"endpoint_url\": \"http://host:9000\"}}'; "
                                               "credentials may go here or in AWS_* variables (never logged).",
                                         CKPT)
-    checkpoint_async: str = _flag("auto", "Where checkpoint files are written and uploaded: auto, thread, process "
-                                          "(DCP's daemon process) or off (the loop waits; new in bigclip).", CKPT)
+    checkpoint_async: str = _flag("auto", "Where checkpoint files are written and uploaded: auto (thread), thread, "
+                                          "process (DCP's daemon process; DDP/FSDP only) or off (the loop waits; "
+                                          "new in bigclip).", CKPT)
 
     # ---- logging
     logs: str = _flag("./logs/", "Where logs, metrics and checkpoints go: a directory, or a URL (s3://, gs://, "

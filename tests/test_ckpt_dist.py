@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from bigclip.config import resolve
 from bigclip.dist import World
 from bigclip.engine import build_engine
 from bigclip.model import create_model
-from helpers import REPO, TINY_SYNTHETIC, TRAIN_SCRIPT, free_port, read_metrics, subprocess_env
+from helpers import REPO, TINY_SYNTHETIC, TRAIN_SCRIPT, free_port, read_metrics, subprocess_env, wait_for_step
 
 pytestmark = pytest.mark.slow
 
@@ -69,12 +68,7 @@ def test_sigkill_one_rank_then_resume_latest_gives_the_same_losses(tmp_path):
     flags = [*TINY_SYNTHETIC, "--train-num-samples", "160", "--save-every-n-steps", "4", "--name", "killed"]
     run_dir = os.path.join(tmp_path, "logs", "killed")
     proc = _torchrun(flags, tmp_path)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and \
-                any(r.get("step", 0) >= 10 for r in read_metrics(run_dir)):
-            break
-        time.sleep(0.02)
+    wait_for_step(run_dir, 10, proc, timeout=300)
     victims = [pid for pid in _children(proc.pid) if _rank_of(pid) == 1]
     assert victims, "rank 1 not found"
     os.kill(victims[0], signal.SIGKILL)
@@ -143,38 +137,61 @@ def full_model(engine):
         out[name] = t.detach().clone()
     return out
 
-spec, out_path, root = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
-world = init_distributed("cpu", "gloo")
-results = {}
-for name, config in spec.items():
-    # --local-loss --gather-with-grad: the gradient is that of the global batch's loss at any world size,
-    # so a resharded resume (test below) can be compared step by step with this run.
-    cfg = resolve({"dataset_type": "synthetic", "precision": "fp32", "model": "test-tiny", "batch_size": 4,
-                   "lr": 1e-3, "wd": 0.1, "seed": 0, "workers": 0, "local_loss": True,
-                   "gather_with_grad": True, **config})
-    directory = os.path.join(root, name)
-    torch.manual_seed(0)
-    a = build_engine(cfg, build_model(cfg, world, functools.partial(create_model, cfg.model)), world)
-    loss_fn = build_loss_fn(cfg, world)
-    train(a, loss_fn, world, range(2))
-    manager = CheckpointManager(directory, a, world)
-    manager.save("step_2", {"step": 2, "epoch": 0, "samples_seen": 16, "batches_in_epoch": 2})
-    manager.wait_staged()
-    snapshot = full_model(a) if a.name != "deepspeed" else None
-    after_a = train(a, loss_fn, world, range(2, 4), manager.wait_staged)  # while the save runs
-    manager.close()
-    torch.manual_seed(1)
-    b = build_engine(cfg, build_model(cfg, world, functools.partial(create_model, cfg.model)), world)
-    manager = CheckpointManager(directory, b, world)
-    location, state = manager.resume("latest")
-    after_b = train(b, loss_fn, world, range(2, 4))
-    manager.close()
-    results[name] = {"a": after_a, "b": after_b, "location": location, "step": state["step"],
-                     "blocked_s": None}
-    if world.rank == 0 and snapshot is not None:
-        torch.save(snapshot, os.path.join(root, name + "_step2_model.pt"))
-if world.rank == 0:
-    json.dump(results, open(out_path, "w"))
+def main():  # the process writer's daemon re-imports __main__: nothing may run at import
+    spec, out_path, root = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
+    world = init_distributed("cpu", "gloo")
+    results = {}
+    for name, config in spec.items():
+        # --local-loss --gather-with-grad: the gradient is that of the global batch's loss at any world size,
+        # so a resharded resume (test below) can be compared step by step with this run.
+        cfg = resolve({"dataset_type": "synthetic", "precision": "fp32", "model": "test-tiny", "batch_size": 4,
+                       "lr": 1e-3, "wd": 0.1, "seed": 0, "workers": 0, "local_loss": True,
+                       "gather_with_grad": True, **config})
+        directory = os.path.join(root, name)
+        torch.manual_seed(0)
+        a = build_engine(cfg, build_model(cfg, world, functools.partial(create_model, cfg.model)), world)
+        loss_fn = build_loss_fn(cfg, world)
+        train(a, loss_fn, world, range(2))
+        manager = CheckpointManager(directory, a, world, async_mode=cfg.checkpoint_async)
+        manager.save("step_2", {"step": 2, "epoch": 0, "samples_seen": 16, "batches_in_epoch": 2})
+        manager.wait_staged()
+        snapshot = full_model(a) if a.name != "deepspeed" else None
+        after_a = train(a, loss_fn, world, range(2, 4), manager.wait_staged)  # while the save runs
+        writer = manager.mode
+        manager.close()
+        torch.manual_seed(1)
+        b = build_engine(cfg, build_model(cfg, world, functools.partial(create_model, cfg.model)), world)
+        manager = CheckpointManager(directory, b, world)
+        location, state = manager.resume("latest")
+        after_b = train(b, loss_fn, world, range(2, 4))
+        results[name] = {"a": after_a, "b": after_b, "location": location, "step": state["step"],
+                         "writer": writer}
+        if name == "zero2":  # DeepSpeed's files are written after staging, from copies training cannot touch
+            import glob
+            from concurrent.futures import ThreadPoolExecutor
+            from bigclip.ckpt.upload import FileSink
+            layout, target = manager.layout, os.path.join(root, "staged", "step_x")
+            os.makedirs(target, exist_ok=True)
+            masters = [t.clone() for t in b.ds.optimizer.single_partition_of_fp32_groups]
+            staged = layout.stage(target)
+            written_early = glob.glob(os.path.join(target, "engine_state", "*optim_states.pt"))
+            train(b, loss_fn, world, range(4, 5), staged.result)  # the copy lands, then the update moves masters
+            layout.write(staged, target, FileSink(target, None, ThreadPoolExecutor(1)))
+            path, = glob.glob(os.path.join(target, "engine_state", f"zero_pp_rank_{world.rank}_*optim_states.pt"))
+            saved = torch.load(path, weights_only=False)["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+            results[name]["staging"] = {"written_early": written_early,
+                                        "saved_equals_staged": all(torch.equal(x, y) for x, y in zip(saved, masters)),
+                                        "masters_moved": not all(torch.equal(x, y) for x, y in
+                                                                 zip(b.ds.optimizer.single_partition_of_fp32_groups, masters))}
+        if world.rank == 0 and snapshot is not None:
+            torch.save(snapshot, os.path.join(root, name + "_step2_model.pt"))
+        manager.close()
+    if world.rank == 0:
+        json.dump(results, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    main()
 '''
 
 
@@ -236,6 +253,7 @@ if world.rank == 0:
 def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
     ds = os.path.join(REPO, "ds_configs")
     spec = {"ddp": {"engine": "ddp"}, "fsdp": {"engine": "fsdp"},
+            "ddp_process_writer": {"engine": "ddp", "checkpoint_async": "process"},
             "zero2": {"ds_config": os.path.join(ds, "zero2.json")},
             "zero3": {"ds_config": os.path.join(ds, "zero3.json")}}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
@@ -250,8 +268,10 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
         assert r["step"] == 2 and r["location"].endswith("step_2"), name
         assert r["b"] == pytest.approx(r["a"], rel=1e-6, abs=1e-7), name  # resumed == uninterrupted
         manifest = json.loads((tmp_path / name / "step_2" / "manifest.json").read_text())
-        assert manifest["world_size"] == 2 and manifest["engine"] == ("deepspeed" if "zero" in name else name)
+        assert manifest["world_size"] == 2 and manifest["engine"] == ("deepspeed" if "zero" in name else spec[name]["engine"])
         assert {"rng/rank_00000.pt", "rng/rank_00001.pt"} <= set(manifest["files"])
+    assert results["ddp_process_writer"]["writer"] == "process" and results["ddp"]["writer"] == "thread"
+    assert results["zero2"]["staging"] == {"written_early": [], "saved_equals_staged": True, "masters_moved": True}
     ddp_files = json.loads((tmp_path / "ddp" / "step_2" / "manifest.json").read_text())["files"]
     assert any(f.startswith("__0_") for f in ddp_files) and any(f.startswith("__1_") for f in ddp_files)
 

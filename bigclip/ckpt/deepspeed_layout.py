@@ -1,9 +1,12 @@
-"""Engine state for DeepSpeed: DeepSpeed's own ZeRO checkpoint files, uploaded in the background.
+"""Engine state for DeepSpeed: DeepSpeed's own ZeRO checkpoint files, written and uploaded in the background.
 
-`engine.save_checkpoint(dir, tag)` is DeepSpeed's save: collective on the training group, every rank writing
-its optimizer partitions (and at ZeRO-3 its parameter partitions) with torch.save. It must run on the main
-thread, so for this engine the loop is blocked while DeepSpeed writes to local disk (page cache); hashing,
-fsync, upload and the commit run in the background like every other engine.
+`engine.save_checkpoint(dir, tag)` is DeepSpeed's save: collective on the training group, every rank producing
+its optimizer partitions (and at ZeRO-3 its parameter partitions). It must run on the main thread, but its
+file writes go through a checkpoint engine, and bigclip installs one that only collects each file's state
+dict (deepspeed_staging.py). Their tensors are copied into reused host buffers on a staging thread while the
+next forward/backward runs (the loop waits for it before the optimizer step), and torch.save of the copies,
+hashing, fsync, upload and the commit run on the save thread like every other engine's (a thread:
+torch.save's tensor writes release the GIL, and a process would need another copy).
 
 Which rank wrote which file follows DeepSpeed's names: `zero_pp_rank_{r}_…` files belong to data-parallel
 rank r, everything else (mp_rank_00_model_states.pt, zero_to_fp32.py) to rank 0.
@@ -18,6 +21,7 @@ import os
 import re
 import shutil
 import socket
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -34,16 +38,30 @@ class DeepSpeedLayout:
     writes_while_staging = True
 
     def __init__(self, engine, world, group, mode: str = "thread"):
+        from .deepspeed_staging import StagingCheckpointEngine
+
         self.engine = engine
         self.world = world
         self.group = group
-        self.mode = "thread"  # DeepSpeed writes on the main thread; only the upload is asynchronous
+        self.mode = "thread"
+        ds = engine.ds
+        self.stager = StagingCheckpointEngine(ds.checkpoint_engine)
+        ds.checkpoint_engine = self.stager
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="bigclip-stage")
 
-    def stage(self, directory: str) -> None:
-        """Blocking and collective: DeepSpeed writes this rank's files under directory/engine_state/."""
+    def stage(self, directory: str) -> Future:
+        """Collective: DeepSpeed hands this rank's files for directory/engine_state/ to the stager (its small
+        companions, `latest` and zero_to_fp32.py, are written right away); their tensors are copied on the
+        staging thread. The returned future holds the copies; wait for it before the next optimizer step."""
         self.engine.save_checkpoint(directory, ENGINE_DIR)
+        return self._copier.submit(self.stager.copy, self.stager.take())
 
-    def write(self, handle, directory: str, sink: FileSink) -> None:
+    def write(self, handle: Future, directory: str, sink: FileSink) -> None:
+        for path, state in handle.result():
+            tmp = f"{path}.tmp{os.getpid()}"
+            torch.save(state, tmp)
+            os.replace(tmp, path)  # FileSink fsyncs it before it counts as durable
+            sink.submit(path)
         # Only DeepSpeed's own folder: the RNG files and train_state.json beside it are written (through
         # temporary names) by each rank's save thread and submitted by their writers; listing the whole
         # directory here once raced with another rank's RNG file being renamed into place.
@@ -115,7 +133,7 @@ class DeepSpeedLayout:
             raise UserError(f"checkpoint {directory}: DeepSpeed could not load the converted state")
 
     def close(self) -> None:
-        pass
+        self._copier.shutdown(wait=True)
 
 
 def _base_optimizer(ds):

@@ -507,10 +507,14 @@ class CheckpointManager:
 def make_layout(engine, world: World, group, async_mode: str):
     """The engine's checkpoint layout. Async writer per engine, chosen by bench/checkpoint_stall.py:
     a thread for DCP (its file writes, hashing and uploads release the GIL; a process costs a shared-memory
-    copy of the state and a second interpreter), and a thread for DeepSpeed's uploads."""
+    copy of the state and a second interpreter), and a thread for DeepSpeed (its staged files are torch.saved
+    by the save thread; a process would need them copied once more into shared memory)."""
     mode = "thread" if async_mode in ("auto", "off") else async_mode
     if engine.name == "deepspeed":
         from .deepspeed_layout import DeepSpeedLayout
+
+        if mode == "process" and world.is_main:
+            logger.info("--checkpoint-async process: the DeepSpeed engine writes its checkpoints from a thread")
 
         return DeepSpeedLayout(engine, world, group, mode)
     from .dcp_layout import DCPLayout
