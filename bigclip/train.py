@@ -313,6 +313,9 @@ def _run(cfg, world: World) -> int:
         return _train(cfg, world, engine, loss_fn, data, tokenizer, state, ckpt, paths, active, config_dict)
     finally:
         ckpt.close()
+        for info in data.values():
+            if hasattr(info, "close"):
+                info.close()
 
 
 def _train(cfg, world, engine, loss_fn, data, tokenizer, state, ckpt, paths, active, config_dict) -> int:
@@ -343,7 +346,7 @@ def _train(cfg, world, engine, loss_fn, data, tokenizer, state, ckpt, paths, act
                 last_metrics.update(metrics)
                 ckpt.after_epoch(state, completed)
         except Preempted as stop:  # SIGTERM: the final checkpoint is on its way; wait for it below
-            preempted = stop
+            preempted = stop.with_traceback(None)  # no frames (and data loaders) kept alive by it
         ckpt.finish(preempted)
         if state["nonfinite_steps"]:
             logger.warning(f"{state['nonfinite_steps']} step(s) were skipped for a non-finite loss")

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_SCRIPT = os.path.join(REPO, "launch", "train.py")
@@ -20,6 +21,17 @@ TINY_SYNTHETIC = ["--model", "test-tiny", "--dataset-type", "synthetic", "--trai
 def read_metrics(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def wait_for_step(run_dir: str, step: int, proc=None, timeout: float = 240) -> bool:
+    """Poll the run's metrics.jsonl until it shows `step`; False if proc exits or time runs out first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (proc is None or proc.poll() is None):
+        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and \
+                any(r.get("step", 0) >= step for r in read_metrics(run_dir)):
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def step_losses(run_dir: str) -> dict[int, float]:

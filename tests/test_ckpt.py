@@ -6,6 +6,8 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -21,7 +23,7 @@ from bigclip.dist import World
 from bigclip.engine import build_engine
 from bigclip.errors import UserError
 from bigclip.model import create_model
-from helpers import TINY_SYNTHETIC, read_metrics, step_losses
+from helpers import TINY_SYNTHETIC, TRAIN_SCRIPT, read_metrics, step_losses, subprocess_env, wait_for_step
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
 # 96 samples / batch 8 = 12 steps per epoch, 24 in all; a checkpoint every 4 steps (mid-epoch ones included).
@@ -91,13 +93,8 @@ def test_cadence_and_exact_mid_epoch_resume(reference, tmp_path):
 def _when_step(run_dir, step, action, timeout=240):
     """Run action() in a thread as soon as metrics.jsonl shows `step` (the run goes on in this thread)."""
     def watch():
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            path = os.path.join(run_dir, "metrics.jsonl")
-            if os.path.exists(path) and any(r.get("step", 0) >= step for r in read_metrics(run_dir)):
-                action()
-                return
-            time.sleep(0.02)
+        if wait_for_step(run_dir, step, timeout=timeout):
+            action()
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
@@ -122,6 +119,24 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_cleanly(reference, tmp_path,
     resumed = step_losses(run(tmp_path, "sig", "--save-every-n-steps", "0", "--resume", "latest"))
     assert max(resumed) == 24
     assert_same_losses(resumed, full, range(stopped + 1, 25))
+
+
+def test_sigterm_to_the_whole_job_with_loader_workers(tmp_path):
+    """SLURM's --signal and a spot reclaim signal every process of the job, data-loader workers included:
+    the workers must outlive the signal until the main process has written its final checkpoint."""
+    run_dir = os.path.join(tmp_path, "job")
+    cmd = [sys.executable, TRAIN_SCRIPT, *FLAGS, "--save-every-n-steps", "0", "--workers", "2",
+           "--logs", str(tmp_path), "--name", "job"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=subprocess_env(), start_new_session=True)
+    wait_for_step(run_dir, 3, proc)
+    os.killpg(proc.pid, signal.SIGTERM)  # the main process and both workers
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "stopped by SIGTERM" in out and "Traceback" not in out
+    stopped = max(step_losses(run_dir))
+    assert stopped < 24, "the signal should arrive mid-run"
+    assert os.path.exists(os.path.join(run_dir, "checkpoints", f"step_{stopped}", MANIFEST))
 
 
 def test_latest_skips_partial_and_corrupt_checkpoints(reference, tmp_path, bigclip_log):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
+import signal
+import weakref
 from typing import Any
 
 import braceexpand
@@ -59,10 +62,46 @@ def _image_size(preprocess_cfg: dict, transform) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else tuple(size)[-2:]
 
 
+def ignore_sigterm(worker_id: int) -> None:
+    """DataLoader worker init: a preemption SIGTERM reaches every process of the job (SLURM signals the whole
+    job step), but the main process still needs its workers for the steps before its final checkpoint.
+    Workers end when the main process shuts the loader down (DataInfo.close, at the latest at exit: see
+    _shut_down_at_exit), or dies (DataLoader's parent watchdog)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+_LIVE_LOADERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
+
+
+def _shut_down_at_exit() -> None:
+    # Registered after multiprocessing's own exit handler, so it runs first: that handler would SIGTERM the
+    # (persistent, SIGTERM-ignoring) workers of a loader still alive at exit and then wait for them forever.
+    for loader in list(_LIVE_LOADERS):
+        shut_down_workers(loader)
+
+
+def shut_down_workers(loader) -> None:
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()  # tells each worker to stop, then joins it
+    if iterator is not None:
+        loader._iterator = None
+
+
+def _worker_loader(dataset, workers: int, **kwargs) -> DataLoader:
+    loader = DataLoader(dataset, num_workers=workers, persistent_workers=workers > 0,
+                        worker_init_fn=ignore_sigterm if workers > 0 else None,
+                        pin_memory=torch.cuda.is_available(), **kwargs)
+    if workers > 0:
+        if not _LIVE_LOADERS:
+            atexit.register(_shut_down_at_exit)
+        _LIVE_LOADERS.add(loader)
+    return loader
+
+
 def _map_style_loader(dataset, sampler: ShardedBatchSampler, workers: int,
                       skips: SkipCounter | None) -> DataInfo:
-    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                        persistent_workers=workers > 0, pin_memory=torch.cuda.is_available())
+    loader = _worker_loader(dataset, workers, batch_sampler=sampler)
     return DataInfo(loader, num_samples=len(dataset), num_batches=sampler.num_batches, sampler=sampler,
                     skips=skips)
 
@@ -139,8 +178,7 @@ class _Builder:
                                   source=f"{flag} {path}")
         # Fewer shards than workers is fine: WebDatasetStream then splits by sample, so no worker is idle.
         workers = cfg.workers
-        loader = DataLoader(stream, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
-                            pin_memory=torch.cuda.is_available())
+        loader = _worker_loader(stream, workers, batch_size=None)
         return DataInfo(loader, num_samples=num_samples or 0, num_batches=num_batches or 0, sampler=stream,
                         skips=skips)
 

@@ -32,6 +32,12 @@ class DataInfo:
         elif skip_batches:
             raise ValueError("this loader has no order to skip into")
 
+    def close(self) -> None:
+        """Stop the loader's worker processes now (persistent workers otherwise live as long as the loader)."""
+        from .factory import shut_down_workers
+
+        shut_down_workers(self.dataloader)
+
     def skipped(self) -> dict[str, int]:
         """Samples skipped so far by reason, summed over worker processes and epochs."""
         if self.skips is None:
