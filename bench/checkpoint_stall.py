@@ -1,6 +1,7 @@
 """How long does a checkpoint stop training? OpenCLIP's way vs bigclip's, side by side, same state, same run.
 
-    python bench/checkpoint_stall.py [--model ViT-B-32] [--modes thread,process] [--steps 4]
+    python bench/checkpoint_stall.py [--model ViT-B-32] [--modes thread,process,thread-local] [--steps 4]
+                                     [--deepspeed]
 
 One process (a 1-rank gloo group, so DCP's process writer can run), a real CLIP model with AdamW state of
 >= 1 GB, and a local S3-protocol server (moto, started here as a separate process on 127.0.0.1). Measured:
@@ -13,6 +14,10 @@ One process (a 1-rank gloo group, so DCP's process writer can run), a real CLIP 
   bigclip commit      from save() to manifest.json in the S3 server (DCP write, hash, upload, commit)
   upload floor        s3fs put of the same files (no DCP, no hashing, no manifest): the store's own speed
   step time           training steps while the save runs in the background vs steps with no save
+  thread-local        the thread writer with no remote store: what bigclip's own background work (DCP
+                      serialisation, CRC-32, fsync) costs a step, without the local S3 server's CPU
+  --deepspeed         the same for a DeepSpeed ZeRO-2 engine: DeepSpeed's own save_checkpoint (its default
+                      checkpoint engine torch.saves on the main thread) vs bigclip's staging engine
 
 Targets (issue 5): blocked <= 5% of the sync save; commit <= 1.5x the upload floor; steps during a background
 save within 10% of normal.
@@ -21,7 +26,6 @@ save within 10% of normal.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import shutil
 import socket
@@ -64,7 +68,7 @@ def start_s3() -> tuple[subprocess.Popen, str]:
     return proc, endpoint
 
 
-def build(model_name: str, batch_size: int):
+def build(model_name: str, batch_size: int, ds_config: str | None = None):
     import torch
 
     from bigclip.config import resolve
@@ -76,8 +80,9 @@ def build(model_name: str, batch_size: int):
 
     world = World()
     ensure_process_group(world)  # a 1-rank group: what the process writer needs, as in any torchrun job
+    extra = {"ds_config": ds_config} if ds_config else {}
     cfg = resolve(dict(model=model_name, dataset_type="synthetic", precision="fp32", batch_size=batch_size,
-                       lr=1e-4, workers=0))
+                       lr=1e-4, workers=0, **extra))
     torch.manual_seed(0)
     engine = build_engine(cfg, create_model(model_name), world)
     loss_fn = build_loss_fn(cfg, world)
@@ -99,6 +104,9 @@ def build(model_name: str, batch_size: int):
 
 
 def state_bytes(engine) -> int:
+    if engine.name == "deepspeed":
+        b = engine.state_bytes()
+        return b["params"] + b["optimizer"]
     n = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     for s in engine.optimizer.state.values():
         n += sum(v.numel() * v.element_size() for v in s.values() if hasattr(v, "numel"))
@@ -113,7 +121,14 @@ def sync_torch_save(engine, path: str) -> float:
     return time.perf_counter() - t
 
 
-def bigclip_save(engine, world, step, mode: str, local: str, remote: str, steps_during: int) -> dict:
+def deepspeed_sync_save(engine, path: str) -> float:
+    """DeepSpeed's own save_checkpoint with its default checkpoint engine (torch.save on the main thread)."""
+    t = time.perf_counter()
+    engine.ds.save_checkpoint(path, tag="engine_state", save_latest=False)
+    return time.perf_counter() - t
+
+
+def bigclip_save(engine, world, step, mode: str, local: str, remote: str | None, steps_during: int) -> dict:
     from bigclip.ckpt import CheckpointManager
 
     manager = CheckpointManager(local, engine, world, remote=remote, async_mode=mode)
@@ -127,17 +142,26 @@ def bigclip_save(engine, world, step, mode: str, local: str, remote: str, steps_
     manager.wait()
     idle = manager.results[-1]
     manager.save("measured", record)
-    during = []
-    while len(during) < steps_during or (manager._pending is not None and not manager._pending.done()):
+    during = []  # the steps that start while the save is still in flight (at least the first)
+    while not during or (not manager._pending.done() and len(during) < 6 * steps_during):
         during.append(step(manager.wait_staged))
-        if len(during) >= 6 * steps_during:
-            break
     manager.wait()
     result = manager.results[-1]  # blocked_s = time in save() + the wait before the next optimizer step
     assert result.error is None, result.error
     manager.close()
     return {"first_blocked": first.blocked_s, "blocked": result.blocked_s, "commit": result.commit_s,
             "idle_commit": idle.commit_s, "bytes": result.bytes, "files": result.files, "during": during}
+
+
+def os_copy_control(step, src: str, dst: str, steps_during: int) -> list[float]:
+    """Training steps while the OS itself copies the same files (cp + sync, no Python, no hashing): how much
+    moving that many bytes costs a step on this machine, whatever does it."""
+    proc = subprocess.Popen(["sh", "-c", f'cp -r "{src}" "{dst}" && sync'])
+    during = []
+    while not during or (proc.poll() is None and len(during) < 6 * steps_during):
+        during.append(step())
+    proc.wait()
+    return during
 
 
 def upload_floor(local_ckpt: str, remote_dir: str) -> float:
@@ -156,7 +180,8 @@ def main() -> None:
     p.add_argument("--model", default="ViT-B-32")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=4, help="baseline steps (median)")
-    p.add_argument("--modes", default="thread,process")
+    p.add_argument("--modes", default="thread,process,thread-local")
+    p.add_argument("--deepspeed", action="store_true", help="also measure a DeepSpeed ZeRO-2 engine")
     p.add_argument("--out", default="/tmp/ckpt_bench.md")
     p.add_argument("--threads", type=int, default=1,
                    help="training threads (default 1: one core trains, as a GPU job's loop thread does; the "
@@ -181,25 +206,76 @@ def main() -> None:
         rows = {}
         after = []
         for mode in args.modes.split(","):
-            r = bigclip_save(engine, world, step, mode, os.path.join(work, mode), f"s3://bench/{mode}/checkpoints",
-                             steps_during=args.steps)
+            writer, _, where = mode.partition("-")
+            remote = None if where == "local" else f"s3://bench/{mode}/checkpoints"
+            r = bigclip_save(engine, world, step, writer, os.path.join(work, mode), remote, steps_during=args.steps)
             rows[mode] = r
             after += [step() for _ in range(args.steps)]  # no save in flight: more baseline samples
             print(f"bigclip {mode}: blocked {r['blocked']:.3f} s (first save {r['first_blocked']:.3f} s), "
                   f"commit {r['commit']:.1f} s (idle {r['idle_commit']:.1f} s), {r['files']} files, steps during save "
                   f"{statistics.median(r['during']):.2f} s")
+        control = None
+        local_mode = next((m for m in rows if m.endswith("-local")), None)
+        if local_mode:
+            control = os_copy_control(step, os.path.join(work, local_mode, "measured"),
+                                      os.path.join(work, "os_copy"), args.steps)
+            after += [step() for _ in range(args.steps)]
+            print(f"control, cp + sync of the same files: steps {statistics.median(control):.2f} s")
         baseline = statistics.median(base + after)  # steps without a save, before and between the modes
         print(f"step without a save (median of {len(base + after)}): {baseline:.2f} s")
-        any_mode = next(iter(rows))
+        any_mode = next((m for m in rows if not m.endswith("-local")), next(iter(rows)))
         floor = upload_floor(os.path.join(work, any_mode, "measured"), "bench/floor/measured")
         print(f"upload floor (s3fs put of the same bytes): {floor:.1f} s")
-        write_table(args, nbytes, baseline, sync_s, rows, floor)
+        write_table(args, nbytes, baseline, sync_s, rows, floor, control)
+        if args.deepspeed:
+            del engine, step
+            deepspeed_rows(args, world, work)
     finally:
         moto.terminate()
         shutil.rmtree(work, ignore_errors=True)
 
 
-def write_table(args, nbytes, baseline, sync_s, rows, floor) -> None:
+def deepspeed_rows(args, world, work) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    engine, world, step = build(args.model, args.batch_size, os.path.join(REPO, "ds_configs", "zero2.json"))
+    step()
+    nbytes = state_bytes(engine)
+    base = [step() for _ in range(args.steps)]
+    sync_s = statistics.median(deepspeed_sync_save(engine, os.path.join(work, f"ds_sync_{i}")) for i in range(2))
+    print(f"DeepSpeed ZeRO-2: state {nbytes / 1e9:.2f} GB; its own save_checkpoint blocks {sync_s:.2f} s")
+    r = bigclip_save(engine, world, step, "thread", os.path.join(work, "ds"), "s3://bench/ds/checkpoints",
+                     steps_during=args.steps)
+    base += [step() for _ in range(args.steps)]
+    baseline = statistics.median(base)
+    floor = upload_floor(os.path.join(work, "ds", "measured"), "bench/dsfloor/measured")
+    lines = [
+        "",
+        f"DeepSpeed ZeRO-2 (`--deepspeed`, 1 rank, {nbytes / 1e9:.2f} GB of fp32 weights + fp32 partitions + AdamW "
+        f"state; step without a save {baseline:.2f} s):",
+        "",
+        "| | DeepSpeed save_checkpoint (its torch.save engine) | bigclip (staging engine + save thread) |",
+        "|---|---|---|",
+        f"| loop blocked per save | {sync_s:.2f} s | {r['blocked']:.3f} s ({100 * r['blocked'] / sync_s:.1f}%) |",
+        f"| first save (allocates staging buffers) | – | {r['first_blocked']:.3f} s |",
+        f"| committed in S3 while training goes on | not uploaded | {r['commit']:.1f} s "
+        f"({r['commit'] / floor:.2f}x floor {floor:.1f} s) |",
+        f"| step time during the background save | – | {statistics.median(r['during']):.2f} s "
+        f"({100 * (statistics.median(r['during']) / baseline - 1):+.0f}%) |",
+        "",
+    ]
+    text = "\n".join(lines)
+    with open(args.out, "a") as f:
+        f.write(text)
+    print(text)
+
+
+def _commit(r: dict, mode: str, key: str, floor: float) -> str:
+    if mode.endswith("-local"):
+        return f"{r[key]:.1f} s"
+    return f"{r[key]:.1f} s ({r[key] / floor:.2f}x floor)"
+
+
+def write_table(args, nbytes, baseline, sync_s, rows, floor, control=None) -> None:
     import platform
 
     import torch
@@ -214,21 +290,27 @@ def write_table(args, nbytes, baseline, sync_s, rows, floor) -> None:
         f"Python {platform.python_version()}), S3 = moto server on 127.0.0.1 (same CPU). Training step without a save: "
         f"{baseline:.2f} s.",
         "",
-        "| | OpenCLIP: torch.save from rank 0 | " + " | ".join(f"bigclip, {m} writer" for m in rows) + " |",
+        "| | OpenCLIP: torch.save from rank 0 | " + " | ".join(
+            f"bigclip, {m.split('-')[0]} writer" + (", local disk only" if m.endswith("-local") else "")
+            for m in rows) + " |",
         "|---|---|" + "---|" * len(rows),
         f"| loop blocked per save | {sync_s:.2f} s | " + " | ".join(
             f"{r['blocked']:.3f} s ({100 * r['blocked'] / sync_s:.1f}%)" for r in rows.values()) + " |",
         "| first save (allocates staging buffers) | – | " + " | ".join(
             f"{r['first_blocked']:.3f} s" for r in rows.values()) + " |",
-        "| committed in S3 while training goes on | not tracked (`aws s3 sync` every 5 min) | " + " | ".join(
-            f"{r['commit']:.1f} s ({r['commit'] / floor:.2f}x floor)" for r in rows.values()) + " |",
-        "| committed in S3, no training alongside | | " + " | ".join(
-            f"{r['idle_commit']:.1f} s ({r['idle_commit'] / floor:.2f}x floor)" for r in rows.values()) + " |",
-        f"| raw upload of the same bytes (s3fs put), the floor | | " + " | ".join(
-            f"{floor:.1f} s" for _ in rows) + " |",
+        "| committed (S3; local: renamed into place) while training goes on | not tracked (`aws s3 sync` every "
+        "5 min) | " + " | ".join(_commit(r, m, "commit", floor) for m, r in rows.items()) + " |",
+        "| committed, no training alongside | | " + " | ".join(
+            _commit(r, m, "idle_commit", floor) for m, r in rows.items()) + " |",
+        "| raw upload of the same bytes (s3fs put), the floor | | " + " | ".join(
+            "–" if m.endswith("-local") else f"{floor:.1f} s" for m in rows) + " |",
         "| step time during the background save | – | " + " | ".join(
             f"{statistics.median(r['during']):.2f} s ({100 * (statistics.median(r['during']) / baseline - 1):+.0f}%)"
             for r in rows.values()) + " |",
+        "",
+        *([f"Control: training steps while the OS copies the same files (`cp -r` + `sync`, no Python): "
+           f"{statistics.median(control):.2f} s ({100 * (statistics.median(control) / baseline - 1):+.0f}%)."]
+          if control else []),
         "",
         "Targets: blocked <= 5% of the synchronous save; commit <= 1.5x the upload floor; steps during a "
         "background save within 10% of normal.",

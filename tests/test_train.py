@@ -1,6 +1,5 @@
 """End-to-end training in one process: what a run writes, accumulation, resume, non-finite losses."""
 
-import copy
 import json
 import os
 
