@@ -128,6 +128,19 @@ def deepspeed_sync_save(engine, path: str) -> float:
     return time.perf_counter() - t
 
 
+S3_SERVER_PID: int | None = None
+
+
+def _cpu_seconds(pid: int | None) -> float:
+    """CPU time (user + system) used so far by process `pid` (0 when there is none)."""
+    if pid is None:
+        return 0.0
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
 def bigclip_save(engine, world, step, mode: str, local: str, remote: str | None, steps_during: int) -> dict:
     from bigclip.ckpt import CheckpointManager
 
@@ -141,15 +154,18 @@ def bigclip_save(engine, world, step, mode: str, local: str, remote: str | None,
     manager.save("idle", record, blocking=False)
     manager.wait()
     idle = manager.results[-1]
+    server = _cpu_seconds(S3_SERVER_PID)
     manager.save("measured", record)
     during = []  # the steps that start while the save is still in flight (at least the first)
     while not during or (not manager._pending.done() and len(during) < 6 * steps_during):
         during.append(step(manager.wait_staged))
     manager.wait()
     result = manager.results[-1]  # blocked_s = time in save() + the wait before the next optimizer step
+    server = _cpu_seconds(S3_SERVER_PID) - server
     assert result.error is None, result.error
     manager.close()
     return {"first_blocked": first.blocked_s, "blocked": result.blocked_s, "commit": result.commit_s,
+            "server_cpu": server,
             "idle_commit": idle.commit_s, "bytes": result.bytes, "files": result.files, "during": during}
 
 
@@ -189,6 +205,8 @@ def main() -> None:
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     moto, endpoint = start_s3()
+    global S3_SERVER_PID
+    S3_SERVER_PID = moto.pid
     work = tempfile.mkdtemp(prefix="bigclip-ckpt-bench-")
     try:
         engine, world, step = build(args.model, args.batch_size)
@@ -259,6 +277,7 @@ def deepspeed_rows(args, world, work) -> None:
         f"| first save (allocates staging buffers) | – | {r['first_blocked']:.3f} s |",
         f"| committed in S3 while training goes on | not uploaded | {r['commit']:.1f} s "
         f"({r['commit'] / floor:.2f}x floor {floor:.1f} s) |",
+        f"| CPU time the S3 server used during the save | – | {r['server_cpu']:.1f} s |",
         f"| step time during the background save | – | {statistics.median(r['during']):.2f} s "
         f"({100 * (statistics.median(r['during']) / baseline - 1):+.0f}%) |",
         "",
@@ -304,6 +323,8 @@ def write_table(args, nbytes, baseline, sync_s, rows, floor, control=None) -> No
             _commit(r, m, "idle_commit", floor) for m, r in rows.items()) + " |",
         "| raw upload of the same bytes (s3fs put), the floor | | " + " | ".join(
             "–" if m.endswith("-local") else f"{floor:.1f} s" for m in rows) + " |",
+        "| CPU time the S3 server used during the save | – | " + " | ".join(
+            "–" if m.endswith("-local") else f"{r['server_cpu']:.1f} s" for m, r in rows.items()) + " |",
         "| step time during the background save | – | " + " | ".join(
             f"{statistics.median(r['during']):.2f} s ({100 * (statistics.median(r['during']) / baseline - 1):+.0f}%)"
             for r in rows.values()) + " |",

@@ -219,6 +219,29 @@ def test_remote_sync_retention_and_resume_from_s3(reference, s3, s3_bucket, tmp_
     assert_same_losses(resumed, full, range(13, 25))
 
 
+@pytest.mark.parametrize("where", ["s3", "directory"])
+def test_fsspec_protocol_resume_latest_with_save_most_recent(reference, s3, s3_bucket, tmp_path, where):
+    """--remote-sync-protocol fsspec (any fsspec URL, or a plain directory) with --save-most-recent: a run on
+    a machine with no local copies resumes --resume latest from the remote epoch_latest."""
+    _, full = reference
+    remote = f"s3://{s3_bucket}/fsspec-runs" if where == "s3" else str(tmp_path / "shared-fs")
+    flags = ["--remote-sync", remote, "--remote-sync-protocol", "fsspec", "--save-most-recent",
+             "--save-every-n-steps", "0"]
+    run_dir = run(tmp_path / "first", "f", "--epochs", "1", *flags)
+    shutil.rmtree(os.path.join(run_dir, "checkpoints"))
+    # Only the most-recent copy is left to find (epoch_1, same step, would otherwise be preferred).
+    if where == "s3":
+        s3.fs().rm(f"{s3_bucket}/fsspec-runs/f/checkpoints/epoch_1", recursive=True)
+    else:
+        shutil.rmtree(os.path.join(remote, "f", "checkpoints", "epoch_1"))
+    resumed_dir = run(tmp_path / "second", "f", *flags, "--resume", "latest")
+    log = open(os.path.join(resumed_dir, "out.log")).read()
+    assert f"resumed from {remote}/f/checkpoints/epoch_latest at epoch 1" in log
+    resumed = step_losses(resumed_dir)
+    assert sorted(resumed) == list(range(13, 25))
+    assert_same_losses(resumed, full, range(13, 25))
+
+
 def test_s3_outage_never_blocks_training(s3, s3_bucket, tmp_path, monkeypatch, capfd):
     """The server goes away just before the first checkpoint and comes back 10 s later: training keeps
     stepping, the upload is retried and completes, and every checkpoint that was started commits."""

@@ -346,10 +346,8 @@ class CheckpointManager:
             fsync_dir(self.directory)
         if self.remote is not None:
             self.remote.rm(f"{alias}/{MANIFEST}")
-            fs = self.remote.fs
             for rel in manifest.files:  # server-side copies: no bytes travel through this machine
-                self.remote.retry(f"copy {tag}/{rel} to {alias}/",
-                                  lambda rel=rel: fs.copy(self.remote.url(f"{tag}/{rel}"), self.remote.url(f"{alias}/{rel}")))
+                self.remote.copy(f"{tag}/{rel}", f"{alias}/{rel}")
             self.remote.put_bytes(f"{alias}/{MANIFEST}", copy.to_bytes())
             self._drop_strays(alias, copy)
 

@@ -266,6 +266,15 @@ class Storage:
             return
         self.retry(f"upload {rel}", lambda: self.fs.pipe_file(target, data))
 
+    def copy(self, src_rel: str, dst_rel: str) -> None:
+        """Copy one stored file within the store: server-side in object storage (no bytes travel through
+        this machine), an fsynced copy in a directory."""
+        src, dst = self.url(src_rel), self.url(dst_rel)
+        if not self.remote:
+            self.retry(f"copy {src_rel} to {dst_rel}", lambda: _copy_durably(src, dst))
+            return
+        self.retry(f"copy {src_rel} to {dst_rel}", lambda: self.fs.copy(src, dst))
+
     def get_file(self, rel: str, local: str) -> None:
         os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
         if not self.remote:
