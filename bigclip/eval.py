@@ -1,8 +1,9 @@
 """Evaluation: validation loss and image<->text retrieval, and zero-shot classification.
 
 Every rank takes part and calls the engine's forward (never a rank-0-only forward of the bare model):
-with sharded engines each forward is a collective. Each rank evaluates the loader it is given; per-rank
-sums are all-reduced, and retrieval over the whole validation set uses features gathered from all ranks.
+with sharded engines each forward is a collective. Each rank evaluates the loader it is given, in lockstep
+with the others (a rank with fewer batches steps with a stand-in whose outputs are dropped); per-rank sums
+are all-reduced, and retrieval over the whole validation set uses features gathered from all ranks.
 """
 
 from __future__ import annotations
@@ -46,19 +47,61 @@ def retrieval_metrics(image_features: torch.Tensor, text_features: torch.Tensor,
     return metrics
 
 
+def lockstep(loader, world: World):
+    """(batch, real) pairs, as many on every rank as the rank with the most batches has.
+
+    Forward passes of sharded engines (FSDP, ZeRO-3) are collectives, and a rank's share of a validation
+    set need not be as long as the others' (WebDataset shards split unevenly, or fewer shards than ranks).
+    A rank that has run out keeps stepping with a stand-in batch (its first one, or zeros shaped like
+    another rank's) whose outputs the caller drops, instead of leaving the others waiting forever."""
+    if not world.distributed:
+        for batch in loader:
+            yield batch, True
+        return
+    batches, stand_in = iter(loader), None
+    while True:
+        batch = next(batches, None) if batches is not None else None
+        if batch is None:
+            batches = None  # exhausted: never asked again
+        elif stand_in is None:
+            stand_in = batch
+        flags = torch.tensor([float(batch is not None), float(stand_in is not None)])
+        have_batch, have_stand_in = all_reduce_sum(flags, world).tolist()
+        if have_batch == 0:
+            return
+        if have_stand_in < world.world_size:  # collective: once, when some rank has never had a batch
+            stand_in = _zeros_like_anyones(stand_in, world)
+        yield (batch, True) if batch is not None else (stand_in, False)
+
+
+def _zeros_like_anyones(batch, world: World):
+    """This rank's batch if it has one, else a one-sample batch of zeros shaped like another rank's."""
+    shapes = [None] * world.world_size
+    mine = None if batch is None else [(tuple(t.shape[1:]), t.dtype) for t in batch]
+    dist.all_gather_object(shapes, mine)
+    if batch is not None:
+        return batch
+    template = next(s for s in shapes if s is not None)
+    return tuple(torch.zeros((1, *shape), dtype=dtype) for shape, dtype in template)
+
+
 @torch.no_grad()
 def validate(engine, loader, world: World) -> dict[str, float]:
     device = world.device
     image_chunks, text_chunks = [], []
     loss_sum = torch.zeros(2, dtype=torch.float64)  # (sum of per-sample loss, samples)
     logit_scale = 1.0
-    for images, texts in loader:
+    for (images, texts), real in lockstep(loader, world):
         images = images.to(device, dtype=engine.precision.param_dtype, non_blocking=True)
         texts = texts.to(device, non_blocking=True)
         with engine.autocast():
             out = engine.module(images=images, texts=texts)
         img, txt = out["image_features"].float(), out["text_features"].float()
         logit_scale = float(out["logit_scale"].float().mean())
+        if not real:  # a stand-in (lockstep): only its feature width is kept, for an empty share
+            image_chunks.append(img[:0].cpu())
+            text_chunks.append(txt[:0].cpu())
+            continue
         logits = logit_scale * img @ txt.t()
         if "logit_bias" in out:
             logits = logits + out["logit_bias"].float()
@@ -96,10 +139,12 @@ def zero_shot(engine, loader, tokenizer, classnames: list[str], templates: list[
               world: World) -> dict[str, float]:
     classifier = zero_shot_classifier(engine, tokenizer, classnames, templates, world.device)
     counts = torch.zeros(3, dtype=torch.float64)  # top-1 hits, top-5 hits, samples
-    for images, labels in loader:
+    for (images, labels), real in lockstep(loader, world):
         images, labels = images.to(world.device, dtype=engine.precision.param_dtype), labels.to(world.device)
         with engine.autocast():
             feats = engine.module(images=images)["image_features"].float()
+        if not real:
+            continue
         logits = feats @ classifier
         topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
         hits = topk == labels.view(-1, 1)
