@@ -259,6 +259,7 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
     ds = os.path.join(REPO, "ds_configs")
     spec = {"ddp": {"engine": "ddp"}, "fsdp": {"engine": "fsdp"},
             "ddp_process_writer": {"engine": "ddp", "checkpoint_async": "process"},
+            "fsdp_process_writer": {"engine": "fsdp", "checkpoint_async": "process"},
             "zero2": {"ds_config": os.path.join(ds, "zero2.json")},
             "zero3": {"ds_config": os.path.join(ds, "zero3.json")}}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
@@ -275,7 +276,8 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
         manifest = json.loads((tmp_path / name / "step_2" / "manifest.json").read_text())
         assert manifest["world_size"] == 2 and manifest["engine"] == ("deepspeed" if "zero" in name else spec[name]["engine"])
         assert {"rng/rank_00000.pt", "rng/rank_00001.pt"} <= set(manifest["files"])
-    assert results["ddp_process_writer"]["writer"] == "process" and results["ddp"]["writer"] == "thread"
+    assert results["ddp_process_writer"]["writer"] == results["fsdp_process_writer"]["writer"] == "process"
+    assert results["ddp"]["writer"] == results["fsdp"]["writer"] == "thread"
     assert results["zero2"]["staging"] == {"written_early": [], "saved_equals_staged": True, "masters_moved": True}
     ddp_files = json.loads((tmp_path / "ddp" / "step_2" / "manifest.json").read_text())["files"]
     assert any(f.startswith("__0_") for f in ddp_files) and any(f.startswith("__1_") for f in ddp_files)
