@@ -211,6 +211,7 @@ from bigclip.engine import build_engine, build_model
 from bigclip.model import create_model
 from bigclip.train import build_loss_fn, forward_backward
 from bigclip.ckpt import CheckpointManager
+from bigclip.errors import UserError
 
 def batch(step, rank):  # the 2-rank run's batches
     g = torch.Generator().manual_seed(1000 * step + rank)
@@ -234,6 +235,8 @@ spec, out_path, root = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
 world = init_distributed("cpu", "gloo")
 results = {}
 for name, config in spec.items():
+    config = dict(config)
+    source = config.pop("checkpoint", name)  # whose step_2 to load (default: this entry's own)
     cfg = resolve({"dataset_type": "synthetic", "precision": "fp32", "model": "test-tiny",
                    "batch_size": 8 // world.world_size, "lr": 1e-3, "wd": 0.1, "seed": 0, "workers": 0,
                    "local_loss": True, "gather_with_grad": True, **config})
@@ -241,7 +244,11 @@ for name, config in spec.items():
     engine = build_engine(cfg, build_model(cfg, world, functools.partial(create_model, cfg.model)), world)
     loss_fn = build_loss_fn(cfg, world)
     manager = CheckpointManager(os.path.join(root, f"ws{world.world_size}", name), engine, world)
-    state = manager.load(os.path.join(root, name, "step_2"))
+    try:
+        state = manager.load(os.path.join(root, source, "step_2"))
+    except UserError as e:
+        results[name] = {"error": str(e)}
+        continue
     losses = []
     for step in (2, 3):
         engine.set_lr(1e-3)
@@ -284,16 +291,21 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
 
     # Resharding: every engine's 2-rank checkpoint resumes at world size 1 and 4 (DCP reshards on load;
     # DeepSpeed's ZeRO files go through its universal checkpoint) and continues exactly like the 2-rank run.
+    # A checkpoint of another ZeRO stage is refused with one line before DeepSpeed touches it.
     (tmp_path / "reshard.py").write_text(textwrap.dedent(RESHARD_WORKER))
+    mismatch = {"ds_config": os.path.join(ds, "zero3.json"), "checkpoint": "zero2"}
+    (tmp_path / "reshard_spec.json").write_text(json.dumps({**spec, "zero2_into_zero3": mismatch}))
     for nproc in (1, 4):
         out = tmp_path / f"reshard{nproc}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", str(tmp_path / "reshard.py"), str(tmp_path / "spec.json"), str(out),
-               str(tmp_path)]
+               f"--master_port={free_port()}", str(tmp_path / "reshard.py"), str(tmp_path / "reshard_spec.json"),
+               str(out), str(tmp_path)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                               env=subprocess_env(DS_ACCELERATOR="cpu"))
         assert proc.returncode == 0, (nproc, (proc.stdout + proc.stderr)[-4000:])
-        for name, r in json.loads(out.read_text()).items():
+        resharded = json.loads(out.read_text())
+        assert "saved with DeepSpeed ZeRO stage 2, this run uses stage 3" in resharded.pop("zero2_into_zero3")["error"]
+        for name, r in resharded.items():
             assert r["step"] == 2, (nproc, name)
             assert r["losses"] == pytest.approx(results[name]["a"], rel=1e-5), (nproc, name)
 

@@ -235,7 +235,10 @@ class DCPLayout:
             pass
 
     # -- loading
-    def load(self, directory: str, saved_world_size: int | None = None) -> None:
+    def describe(self) -> dict:
+        return {}  # DCP state loads into DDP and FSDP alike
+
+    def load(self, directory: str, saved_world_size: int | None = None, saved: dict | None = None) -> None:
         model, optimizer, scaler = engine_parts(self.engine)
         state = engine_state(self.engine)  # the structure to fill (optimizer state is initialised for it)
         try:

@@ -76,11 +76,27 @@ class DeepSpeedLayout:
                 if os.path.isfile(os.path.join(directory, name)):
                     sink.submit(os.path.join(directory, name))
 
-    def load(self, directory: str, saved_world_size: int | None = None) -> None:
-        if saved_world_size is not None and saved_world_size != self.world.world_size:
-            self._load_universal(directory, saved_world_size)
-            return
-        self.engine.load_checkpoint(directory, ENGINE_DIR)
+    def describe(self) -> dict:
+        """What a resuming run must match, recorded in the manifest."""
+        return {"zero_stage": int(self.engine.ds.zero_optimization_stage())}
+
+    def load(self, directory: str, saved_world_size: int | None = None, saved: dict | None = None) -> None:
+        stage, saved_stage = self.describe()["zero_stage"], (saved or {}).get("zero_stage")
+        if saved_stage is not None and saved_stage != stage:
+            raise UserError(f"checkpoint {directory}: saved with DeepSpeed ZeRO stage {saved_stage}, this run uses "
+                            f"stage {stage}; resume with a --ds_config of stage {saved_stage}, or `bigclip export` "
+                            f"it and start from the weights with --pretrained")
+        try:
+            if saved_world_size is not None and saved_world_size != self.world.world_size:
+                self._load_universal(directory, saved_world_size)
+            else:
+                self.engine.load_checkpoint(directory, ENGINE_DIR)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 — DeepSpeed's loaders fail with bare asserts and KeyErrors
+            raise UserError(f"checkpoint {directory}: DeepSpeed could not load it into this run "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}); resume "
+                            f"with the DeepSpeed config (ZeRO stage, precision) it was saved with") from None
 
     def _load_universal(self, directory: str, saved_world_size: int) -> None:
         """ZeRO files are partitioned for the world size that wrote them: convert to DeepSpeed's universal

@@ -290,7 +290,7 @@ class CheckpointManager:
         for part in gathered:
             files.update(part)
         manifest = Manifest(tag=tag, step=step, epoch=epoch, engine=self.engine.name, layout=self.layout.layout,
-                            world_size=self.world.world_size, files=files)
+                            world_size=self.world.world_size, files=files, extra=self.layout.describe())
         try:
             location = self._publish(tag, manifest)
             for alias in aliases:
@@ -491,7 +491,7 @@ class CheckpointManager:
             raise UserError(f"checkpoint {directory}: written by engine {manifest.engine} ({manifest.layout} "
                             f"layout); resume it with --engine {manifest.engine}, or export it with "
                             f"`bigclip export` and start from the weights with --pretrained")
-        self.layout.load(directory, manifest.world_size)
+        self.layout.load(directory, manifest.world_size, manifest.extra)
         own_rng = os.path.join(directory, rng_file(self.world.rank))
         if os.path.exists(own_rng):
             load_rng_file(own_rng)
