@@ -61,11 +61,17 @@ def _losses_by_occurrence(run_dir):
     return first, second
 
 
-def test_sigkill_one_rank_then_resume_latest_gives_the_same_losses(tmp_path):
+ENGINE_FLAGS = {"ddp": [], "fsdp": ["--engine", "fsdp"],
+                "zero2": ["--ds_config", os.path.join(REPO, "ds_configs", "zero2.json")]}
+
+
+@pytest.mark.parametrize("engine", list(ENGINE_FLAGS))
+def test_sigkill_one_rank_then_resume_latest_gives_the_same_losses(tmp_path, engine):
     """Rank 1 is SIGKILLed mid-run (a checkpoint may be half written). The restarted run resumes from the
     last committed checkpoint and recomputes the steps after it with exactly the losses the killed run had."""
     # 160 samples / (8 x 2 ranks) = 10 steps per epoch, 20 in all; a checkpoint every 4 steps.
-    flags = [*TINY_SYNTHETIC, "--train-num-samples", "160", "--save-every-n-steps", "4", "--name", "killed"]
+    flags = [*TINY_SYNTHETIC, "--train-num-samples", "160", "--save-every-n-steps", "4", "--name", "killed",
+             *ENGINE_FLAGS[engine]]
     run_dir = os.path.join(tmp_path, "logs", "killed")
     proc = _torchrun(flags, tmp_path)
     wait_for_step(run_dir, 10, proc, timeout=300)
