@@ -156,9 +156,7 @@ def bigclip_save(engine, world, step, mode: str, local: str, remote: str | None,
     idle = manager.results[-1]
     server = _cpu_seconds(S3_SERVER_PID)
     manager.save("measured", record)
-    during = []  # the steps that start while the save is still in flight (at least the first)
-    while not during or (not manager._pending.done() and len(during) < 6 * steps_during):
-        during.append(step(manager.wait_staged))
+    during = steps_while(lambda: not manager._pending.done(), lambda: step(manager.wait_staged), steps_during)
     manager.wait()
     result = manager.results[-1]  # blocked_s = time in save() + the wait before the next optimizer step
     server = _cpu_seconds(S3_SERVER_PID) - server
@@ -173,11 +171,22 @@ def os_copy_control(step, src: str, dst: str, steps_during: int) -> list[float]:
     """Training steps while the OS itself copies the same files (cp + sync, no Python, no hashing): how much
     moving that many bytes costs a step on this machine, whatever does it."""
     proc = subprocess.Popen(["sh", "-c", f'cp -r "{src}" "{dst}" && sync'])
-    during = []
-    while not during or (proc.poll() is None and len(during) < 6 * steps_during):
-        during.append(step())
+    during = steps_while(lambda: proc.poll() is None, step, steps_during)
     proc.wait()
     return during
+
+
+def steps_while(busy, step, steps_during: int) -> list[float]:
+    """Times of the steps that start while busy() (at least one, at most 6 x steps_during)."""
+    during = [step()]
+    while busy() and len(during) < 6 * steps_during:
+        during.append(step())
+    return during
+
+
+def slowdown(during: list[float], baseline: float) -> str:
+    median = statistics.median(during)
+    return f"{median:.2f} s ({100 * (median / baseline - 1):+.0f}%)"
 
 
 def upload_floor(local_ckpt: str, remote_dir: str) -> float:
@@ -278,8 +287,7 @@ def deepspeed_rows(args, world, work) -> None:
         f"| committed in S3 while training goes on | not uploaded | {r['commit']:.1f} s "
         f"({r['commit'] / floor:.2f}x floor {floor:.1f} s) |",
         f"| CPU time the S3 server used during the save | – | {r['server_cpu']:.1f} s |",
-        f"| step time during the background save | – | {statistics.median(r['during']):.2f} s "
-        f"({100 * (statistics.median(r['during']) / baseline - 1):+.0f}%) |",
+        f"| step time during the background save | – | {slowdown(r['during'], baseline)} |",
         "",
     ]
     text = "\n".join(lines)
@@ -326,12 +334,10 @@ def write_table(args, nbytes, baseline, sync_s, rows, floor, control=None) -> No
         "| CPU time the S3 server used during the save | – | " + " | ".join(
             "–" if m.endswith("-local") else f"{r['server_cpu']:.1f} s" for m, r in rows.items()) + " |",
         "| step time during the background save | – | " + " | ".join(
-            f"{statistics.median(r['during']):.2f} s ({100 * (statistics.median(r['during']) / baseline - 1):+.0f}%)"
-            for r in rows.values()) + " |",
+            slowdown(r["during"], baseline) for r in rows.values()) + " |",
         "",
         *([f"Control: training steps while the OS copies the same files (`cp -r` + `sync`, no Python): "
-           f"{statistics.median(control):.2f} s ({100 * (statistics.median(control) / baseline - 1):+.0f}%)."]
-          if control else []),
+           f"{slowdown(control, baseline)}."] if control else []),
         "",
         "Targets: blocked <= 5% of the synchronous save; commit <= 1.5x the upload floor; steps during a "
         "background save within 10% of normal.",

@@ -21,6 +21,7 @@ import torch
 from . import config as config_mod
 from .ckpt.preemption import Preempted
 from .ckpt.session import CheckpointSession, local_logs_dir, preflight
+from .data import DataInfo
 from .dist import World, all_reduce_min, all_reduce_sum, broadcast_object, init_distributed, shutdown
 from .engine import build_engine
 from .errors import UserError
@@ -314,8 +315,8 @@ def _run(cfg, world: World) -> int:
     finally:
         ckpt.close()
         for info in data.values():
-            if hasattr(info, "close"):
-                info.close()
+            if isinstance(info, DataInfo):
+                info.close()  # loader workers ignore SIGTERM: stop them here, not at interpreter exit
 
 
 def _train(cfg, world, engine, loss_fn, data, tokenizer, state, ckpt, paths, active, config_dict) -> int:
@@ -346,7 +347,7 @@ def _train(cfg, world, engine, loss_fn, data, tokenizer, state, ckpt, paths, act
                 last_metrics.update(metrics)
                 ckpt.after_epoch(state, completed)
         except Preempted as stop:  # SIGTERM: the final checkpoint is on its way; wait for it below
-            preempted = stop.with_traceback(None)  # no frames (and data loaders) kept alive by it
+            preempted = stop
         ckpt.finish(preempted)
         if state["nonfinite_steps"]:
             logger.warning(f"{state['nonfinite_steps']} step(s) were skipped for a non-finite loss")

@@ -8,8 +8,8 @@ next forward/backward runs (the loop waits for it before the optimizer step), an
 hashing, fsync, upload and the commit run on the save thread like every other engine's (a thread:
 torch.save's tensor writes release the GIL, and a process would need another copy).
 
-Which rank wrote which file follows DeepSpeed's names: `zero_pp_rank_{r}_…` files belong to data-parallel
-rank r, everything else (mp_rank_00_model_states.pt, zero_to_fp32.py) to rank 0.
+Each rank submits exactly the files DeepSpeed handed its checkpoint engine (`zero_pp_rank_{r}_…` on rank r,
+mp_rank_00_model_states.pt on rank 0), and rank 0 DeepSpeed's companion zero_to_fp32.py beside them.
 
 Loading at another world size goes through DeepSpeed's universal checkpoint: the ZeRO files are converted
 (deepspeed.checkpoint.ds_to_universal) and loaded with `load_universal`.
@@ -18,7 +18,6 @@ Loading at another world size goes through DeepSpeed's universal checkpoint: the
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import socket
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +28,6 @@ from ..errors import UserError
 from .upload import FileSink
 
 ENGINE_DIR = "engine_state"
-_RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_")
 _DS_TOP_LEVEL = ("latest", "zero_to_fp32.py")
 
 
@@ -62,15 +60,8 @@ class DeepSpeedLayout:
             torch.save(state, tmp)
             os.replace(tmp, path)  # FileSink fsyncs it before it counts as durable
             sink.submit(path)
-        # Only DeepSpeed's own folder: the RNG files and train_state.json beside it are written (through
-        # temporary names) by each rank's save thread and submitted by their writers; listing the whole
-        # directory here once raced with another rank's RNG file being renamed into place.
-        for dirpath, _, names in os.walk(os.path.join(directory, ENGINE_DIR)):
-            for name in sorted(names):
-                m = _RANK_FILE.search(name)
-                owner = int(m.group(1)) if m else 0
-                if owner == self.world.rank and ".tmp" not in name:
-                    sink.submit(os.path.join(dirpath, name))
+        # Never a directory listing: other ranks' files (RNG files included) are renamed into place while
+        # this runs, and a listing once picked one up half-written.
         if self.world.is_main:  # DeepSpeed's own companions of the tag folder
             for name in _DS_TOP_LEVEL:
                 if os.path.isfile(os.path.join(directory, name)):

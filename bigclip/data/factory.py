@@ -73,19 +73,20 @@ def ignore_sigterm(worker_id: int) -> None:
 _LIVE_LOADERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
 
 
+def shut_down_workers(loader) -> None:
+    """Stop a loader's persistent worker processes now (DataLoader's own shutdown: tell, then join)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        iterator._shutdown_workers()
+        loader._iterator = None
+
+
+@atexit.register  # after multiprocessing's exit handler (torch imported it first), so it runs before it
 def _shut_down_at_exit() -> None:
-    # Registered after multiprocessing's own exit handler, so it runs first: that handler would SIGTERM the
-    # (persistent, SIGTERM-ignoring) workers of a loader still alive at exit and then wait for them forever.
+    # multiprocessing's handler would SIGTERM the SIGTERM-ignoring workers of a loader still alive at exit,
+    # then wait for them forever.
     for loader in list(_LIVE_LOADERS):
         shut_down_workers(loader)
-
-
-def shut_down_workers(loader) -> None:
-    iterator = getattr(loader, "_iterator", None)
-    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()  # tells each worker to stop, then joins it
-    if iterator is not None:
-        loader._iterator = None
 
 
 def _worker_loader(dataset, workers: int, **kwargs) -> DataLoader:
@@ -93,8 +94,6 @@ def _worker_loader(dataset, workers: int, **kwargs) -> DataLoader:
                         worker_init_fn=ignore_sigterm if workers > 0 else None,
                         pin_memory=torch.cuda.is_available(), **kwargs)
     if workers > 0:
-        if not _LIVE_LOADERS:
-            atexit.register(_shut_down_at_exit)
         _LIVE_LOADERS.add(loader)
     return loader
 
