@@ -51,8 +51,9 @@ def start_s3() -> tuple[subprocess.Popen, str]:
     # The server stands in for a remote store, but here it shares the training host's CPU: its own work
     # (request parsing, MD5 ETags) slows training steps too. Not niced: a niced server starves whenever other
     # jobs load the machine, which makes the commit times meaningless.
-    proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [moto, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     endpoint = f"http://127.0.0.1:{port}"
     for _ in range(100):
         try:
@@ -60,8 +61,14 @@ def start_s3() -> tuple[subprocess.Popen, str]:
             break
         except OSError:
             time.sleep(0.1)
-    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                       "AWS_DEFAULT_REGION": "us-east-1"})
+    os.environ.update(
+        {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+    )
     import boto3
 
     boto3.client("s3").create_bucket(Bucket="bench")
@@ -81,8 +88,17 @@ def build(model_name: str, batch_size: int, ds_config: str | None = None):
     world = World()
     ensure_process_group(world)  # a 1-rank group: what the process writer needs, as in any torchrun job
     extra = {"ds_config": ds_config} if ds_config else {}
-    cfg = resolve(dict(model=model_name, dataset_type="synthetic", precision="fp32", batch_size=batch_size,
-                       lr=1e-4, workers=0, **extra))
+    cfg = resolve(
+        dict(
+            model=model_name,
+            dataset_type="synthetic",
+            precision="fp32",
+            batch_size=batch_size,
+            lr=1e-4,
+            workers=0,
+            **extra,
+        )
+    )
     torch.manual_seed(0)
     engine = build_engine(cfg, create_model(model_name), world)
     loss_fn = build_loss_fn(cfg, world)
@@ -162,9 +178,16 @@ def bigclip_save(engine, world, step, mode: str, local: str, remote: str | None,
     server = _cpu_seconds(S3_SERVER_PID) - server
     assert result.error is None, result.error
     manager.close()
-    return {"first_blocked": first.blocked_s, "blocked": result.blocked_s, "commit": result.commit_s,
-            "server_cpu": server,
-            "idle_commit": idle.commit_s, "bytes": result.bytes, "files": result.files, "during": during}
+    return {
+        "first_blocked": first.blocked_s,
+        "blocked": result.blocked_s,
+        "commit": result.commit_s,
+        "server_cpu": server,
+        "idle_commit": idle.commit_s,
+        "bytes": result.bytes,
+        "files": result.files,
+        "during": during,
+    }
 
 
 def os_copy_control(step, src: str, dst: str, steps_during: int) -> list[float]:
@@ -208,9 +231,13 @@ def main() -> None:
     p.add_argument("--modes", default="thread,process,thread-local")
     p.add_argument("--deepspeed", action="store_true", help="also measure a DeepSpeed ZeRO-2 engine")
     p.add_argument("--out", default="/tmp/ckpt_bench.md")
-    p.add_argument("--threads", type=int, default=1,
-                   help="training threads (default 1: one core trains, as a GPU job's loop thread does; the "
-                        "other core is what background work and the local S3 server share)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="training threads (default 1: one core trains, as a GPU job's loop thread does; the "
+        "other core is what background work and the local S3 server share)",
+    )
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     moto, endpoint = start_s3()
@@ -238,14 +265,17 @@ def main() -> None:
             r = bigclip_save(engine, world, step, writer, os.path.join(work, mode), remote, steps_during=args.steps)
             rows[mode] = r
             after += [step() for _ in range(args.steps)]  # no save in flight: more baseline samples
-            print(f"bigclip {mode}: blocked {r['blocked']:.3f} s (first save {r['first_blocked']:.3f} s), "
-                  f"commit {r['commit']:.1f} s (idle {r['idle_commit']:.1f} s), {r['files']} files, steps during save "
-                  f"{statistics.median(r['during']):.2f} s")
+            print(
+                f"bigclip {mode}: blocked {r['blocked']:.3f} s (first save {r['first_blocked']:.3f} s), "
+                f"commit {r['commit']:.1f} s (idle {r['idle_commit']:.1f} s), {r['files']} files, steps during save "
+                f"{statistics.median(r['during']):.2f} s"
+            )
         control = None
         local_mode = next((m for m in rows if m.endswith("-local")), None)
         if local_mode:
-            control = os_copy_control(step, os.path.join(work, local_mode, "measured"),
-                                      os.path.join(work, "os_copy"), args.steps)
+            control = os_copy_control(
+                step, os.path.join(work, local_mode, "measured"), os.path.join(work, "os_copy"), args.steps
+            )
             after += [step() for _ in range(args.steps)]
             print(f"control, cp + sync of the same files: steps {statistics.median(control):.2f} s")
         baseline = statistics.median(base + after)  # steps without a save, before and between the modes
@@ -270,8 +300,9 @@ def deepspeed_rows(args, world, work) -> None:
     base = [step() for _ in range(args.steps)]
     sync_s = statistics.median(deepspeed_sync_save(engine, os.path.join(work, f"ds_sync_{i}")) for i in range(2))
     print(f"DeepSpeed ZeRO-2: state {nbytes / 1e9:.2f} GB; its own save_checkpoint blocks {sync_s:.2f} s")
-    r = bigclip_save(engine, world, step, "thread", os.path.join(work, "ds"), "s3://bench/ds/checkpoints",
-                     steps_during=args.steps)
+    r = bigclip_save(
+        engine, world, step, "thread", os.path.join(work, "ds"), "s3://bench/ds/checkpoints", steps_during=args.steps
+    )
     base += [step() for _ in range(args.steps)]
     baseline = statistics.median(base)
     floor = upload_floor(os.path.join(work, "ds", "measured"), "bench/dsfloor/measured")
@@ -317,27 +348,41 @@ def write_table(args, nbytes, baseline, sync_s, rows, floor, control=None) -> No
         f"Python {platform.python_version()}), S3 = moto server on 127.0.0.1 (same CPU). Training step without a save: "
         f"{baseline:.2f} s.",
         "",
-        "| | OpenCLIP: torch.save from rank 0 | " + " | ".join(
-            f"bigclip, {m.split('-')[0]} writer" + (", local disk only" if m.endswith("-local") else "")
-            for m in rows) + " |",
+        "| | OpenCLIP: torch.save from rank 0 | "
+        + " | ".join(
+            f"bigclip, {m.split('-')[0]} writer" + (", local disk only" if m.endswith("-local") else "") for m in rows
+        )
+        + " |",
         "|---|---|" + "---|" * len(rows),
-        f"| loop blocked per save | {sync_s:.2f} s | " + " | ".join(
-            f"{r['blocked']:.3f} s ({100 * r['blocked'] / sync_s:.1f}%)" for r in rows.values()) + " |",
-        "| first save (allocates staging buffers) | – | " + " | ".join(
-            f"{r['first_blocked']:.3f} s" for r in rows.values()) + " |",
+        f"| loop blocked per save | {sync_s:.2f} s | "
+        + " | ".join(f"{r['blocked']:.3f} s ({100 * r['blocked'] / sync_s:.1f}%)" for r in rows.values())
+        + " |",
+        "| first save (allocates staging buffers) | – | "
+        + " | ".join(f"{r['first_blocked']:.3f} s" for r in rows.values())
+        + " |",
         "| committed (S3; local: renamed into place) while training goes on | not tracked (`aws s3 sync` every "
         "5 min) | " + " | ".join(_commit(r, m, "commit", floor) for m, r in rows.items()) + " |",
-        "| committed, no training alongside | | " + " | ".join(
-            _commit(r, m, "idle_commit", floor) for m, r in rows.items()) + " |",
-        "| raw upload of the same bytes (s3fs put), the floor | | " + " | ".join(
-            "–" if m.endswith("-local") else f"{floor:.1f} s" for m in rows) + " |",
-        "| CPU time the S3 server used during the save | – | " + " | ".join(
-            "–" if m.endswith("-local") else f"{r['server_cpu']:.1f} s" for m, r in rows.items()) + " |",
-        "| step time during the background save | – | " + " | ".join(
-            slowdown(r["during"], baseline) for r in rows.values()) + " |",
+        "| committed, no training alongside | | "
+        + " | ".join(_commit(r, m, "idle_commit", floor) for m, r in rows.items())
+        + " |",
+        "| raw upload of the same bytes (s3fs put), the floor | | "
+        + " | ".join("–" if m.endswith("-local") else f"{floor:.1f} s" for m in rows)
+        + " |",
+        "| CPU time the S3 server used during the save | – | "
+        + " | ".join("–" if m.endswith("-local") else f"{r['server_cpu']:.1f} s" for m, r in rows.items())
+        + " |",
+        "| step time during the background save | – | "
+        + " | ".join(slowdown(r["during"], baseline) for r in rows.values())
+        + " |",
         "",
-        *([f"Control: training steps while the OS copies the same files (`cp -r` + `sync`, no Python): "
-           f"{slowdown(control, baseline)}."] if control else []),
+        *(
+            [
+                f"Control: training steps while the OS copies the same files (`cp -r` + `sync`, no Python): "
+                f"{slowdown(control, baseline)}."
+            ]
+            if control
+            else []
+        ),
         "",
         "Targets: blocked <= 5% of the synchronous save; commit <= 1.5x the upload floor; steps during a "
         "background save within 10% of normal.",

@@ -44,9 +44,19 @@ def worker(args) -> None:
     from bigclip.train import build_loss_fn, forward_backward
 
     world = init_distributed("cpu")
-    cfg = resolve({"model": args.model, "dataset_type": "synthetic", "precision": args.precision,
-                   "batch_size": args.batch_size, "lr": 1e-4, "warmup": 1, "workers": 0,
-                   "grad_checkpointing": args.grad_checkpointing, **ENGINES[args.engine]})
+    cfg = resolve(
+        {
+            "model": args.model,
+            "dataset_type": "synthetic",
+            "precision": args.precision,
+            "batch_size": args.batch_size,
+            "lr": 1e-4,
+            "warmup": 1,
+            "workers": 0,
+            "grad_checkpointing": args.grad_checkpointing,
+            **ENGINES[args.engine],
+        }
+    )
     arch = get_model_config(cfg.model)
     size, context = arch["vision_cfg"]["image_size"], arch["text_cfg"]["context_length"]
     torch.manual_seed(0)
@@ -68,8 +78,7 @@ def worker(args) -> None:
         engine.step()
         if step >= 2:  # the first steps build optimizer state and warm caches
             times.append((mid - start) + (time.perf_counter() - resume))
-    out = {"rank": world.rank, "state": state, "peak_rss": peak_rss_bytes(),
-           "step_s": sorted(times)[len(times) // 2]}
+    out = {"rank": world.rank, "state": state, "peak_rss": peak_rss_bytes(), "step_s": sorted(times)[len(times) // 2]}
     import torch.distributed as dist
 
     gathered = [None] * world.world_size
@@ -91,14 +100,35 @@ def _free_port() -> int:
 def launch(engine: str, world_size: int, args) -> list[dict] | str:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
-               f"--master_port={_free_port()}", os.path.abspath(__file__), "--worker", "--engine", engine,
-               "--model", args.model, "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-               "--precision", args.precision, "--out", out] + (["--grad-checkpointing"]
-                                                               if args.grad_checkpointing else [])
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": REPO,
-               # tensors of 4 MB+ are mmap'ed: freed memory leaves the process, RSS means live bytes
-               "MALLOC_MMAP_THRESHOLD_": str(4 << 20)}
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={world_size}",
+            f"--master_port={_free_port()}",
+            os.path.abspath(__file__),
+            "--worker",
+            "--engine",
+            engine,
+            "--model",
+            args.model,
+            "--batch-size",
+            str(args.batch_size),
+            "--steps",
+            str(args.steps),
+            "--precision",
+            args.precision,
+            "--out",
+            out,
+        ] + (["--grad-checkpointing"] if args.grad_checkpointing else [])
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "DS_ACCELERATOR": "cpu",
+            "PYTHONPATH": REPO,
+            # tensors of 4 MB+ are mmap'ed: freed memory leaves the process, RSS means live bytes
+            "MALLOC_MMAP_THRESHOLD_": str(4 << 20),
+        }
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
         if proc.returncode != 0:
             errors = [line for line in proc.stderr.splitlines() if "Error" in line] or ["?"]
@@ -131,10 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     facts = model_facts(args.model)
     plan_precision = "fp32" if args.precision == "fp32" else "amp"
     MiB = 2**20
-    print(f"# {args.model} ({facts.params / 1e6:.1f}M parameters), precision {args.precision}, "
-          f"batch {args.batch_size} per rank, CPU + gloo\n")
-    print("| engine | world | params MiB | grads MiB | optimizer MiB | state MiB/rank | vs DDP | plan MiB | "
-          "measured/plan | peak RSS MiB/rank | samples/s |")
+    print(
+        f"# {args.model} ({facts.params / 1e6:.1f}M parameters), precision {args.precision}, "
+        f"batch {args.batch_size} per rank, CPU + gloo\n"
+    )
+    print(
+        "| engine | world | params MiB | grads MiB | optimizer MiB | state MiB/rank | vs DDP | plan MiB | "
+        "measured/plan | peak RSS MiB/rank | samples/s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.world_sizes:
         ddp_state = None
@@ -147,15 +181,16 @@ def main(argv: list[str] | None = None) -> int:
             s = r0["state"]
             if engine == "ddp":
                 ddp_state = s["total"]
-            plan = state_bytes(engine, facts.params, n, plan_precision,
-                               facts if plan_precision == "amp" else None)
+            plan = state_bytes(engine, facts.params, n, plan_precision, facts if plan_precision == "amp" else None)
             peak = max(r["peak_rss"] for r in result)
             step_s = max(r["step_s"] for r in result)
             ratio = f"{s['total'] / ddp_state:.2f}" if ddp_state else "-"
-            print(f"| {engine} | {n} | {s['params'] / MiB:.0f} | {s['grads'] / MiB:.0f} | "
-                  f"{s['optimizer'] / MiB:.0f} | {s['total'] / MiB:.0f} | {ratio} | {plan / MiB:.0f} | "
-                  f"{s['total'] / plan:.2f} | {peak / MiB:.0f} | {args.batch_size * n / step_s:.1f} |",
-                  flush=True)
+            print(
+                f"| {engine} | {n} | {s['params'] / MiB:.0f} | {s['grads'] / MiB:.0f} | "
+                f"{s['optimizer'] / MiB:.0f} | {s['total'] / MiB:.0f} | {ratio} | {plan / MiB:.0f} | "
+                f"{s['total'] / plan:.2f} | {peak / MiB:.0f} | {args.batch_size * n / step_s:.1f} |",
+                flush=True,
+            )
     return 0
 
 

@@ -61,8 +61,19 @@ def _cpu_seconds() -> float:
 
 
 def run_child(n: int, dim: int, impl: str, seed: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--sizes", str(n), "--dim", str(dim),
-           "--impl", impl, "--seed", str(seed)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--sizes",
+        str(n),
+        "--dim",
+        str(dim),
+        "--impl",
+        impl,
+        "--seed",
+        str(seed),
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     # glibc keeps freed blocks below its (self-raising) mmap threshold resident, so RSS would
     # depend on allocation history; a fixed 1 MiB threshold returns every large buffer to the OS
@@ -95,10 +106,12 @@ def main() -> None:
         return
 
     print(f"CLIP loss forward+backward, d={args.dim}, fp32, CPU ({os.cpu_count()} cores)")
-    header = ("| N | naive loss memory | chunked loss memory | memory ratio "
-              "| naive time | chunked time | time ratio "
-              "| naive CPU time | chunked CPU time | CPU time ratio "
-              "| naive peak RSS | chunked peak RSS | loss rel. diff |")
+    header = (
+        "| N | naive loss memory | chunked loss memory | memory ratio "
+        "| naive time | chunked time | time ratio "
+        "| naive CPU time | chunked CPU time | CPU time ratio "
+        "| naive peak RSS | chunked peak RSS | loss rel. diff |"
+    )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     results = {}
@@ -112,8 +125,10 @@ def main() -> None:
             continue
         if naive is None or "error" in naive:
             why = f"n/a (needs {need / 2**30:.0f} GB)" if naive is None else f"failed: {naive['error']}"
-            print(f"| {n} | {why} | {_gb(chunked['extra'])} | | | {chunked['seconds']:.1f} s | | | "
-                  f"{chunked['cpu']:.1f} s | | | {_gb(chunked['peak'])} | |")
+            print(
+                f"| {n} | {why} | {_gb(chunked['extra'])} | | | {chunked['seconds']:.1f} s | | | "
+                f"{chunked['cpu']:.1f} s | | | {_gb(chunked['peak'])} | |"
+            )
             continue
         rel = abs(naive["loss"] - chunked["loss"]) / abs(naive["loss"])
         print(
@@ -137,13 +152,17 @@ def report_targets(results: dict) -> None:
             memory = naive["extra"] / chunked["extra"]
             wall = chunked["seconds"] / naive["seconds"]
             cpu = chunked["cpu"] / naive["cpu"]
-            print(f"N=16384: chunked loss memory 1/{memory:.0f} of naive (target <= 1/20): "
-                  f"{'met' if memory >= 20 else 'MISSED'}; time {wall:.2f}x wall, {cpu:.2f}x CPU "
-                  f"(target <= 1.5x): {'met' if max(wall, cpu) <= 1.5 else 'MISSED'}")
+            print(
+                f"N=16384: chunked loss memory 1/{memory:.0f} of naive (target <= 1/20): "
+                f"{'met' if memory >= 20 else 'MISSED'}; time {wall:.2f}x wall, {cpu:.2f}x CPU "
+                f"(target <= 1.5x): {'met' if max(wall, cpu) <= 1.5 else 'MISSED'}"
+            )
     if 65536 in results and "error" not in results[65536][1]:
         peak = results[65536][1]["peak"]
-        print(f"N=65536: chunked peak RSS of the whole process {_gb(peak)} (target < 2 GB): "
-              f"{'met' if peak < 2 * 2**30 else 'MISSED'}")
+        print(
+            f"N=65536: chunked peak RSS of the whole process {_gb(peak)} (target < 2 GB): "
+            f"{'met' if peak < 2 * 2**30 else 'MISSED'}"
+        )
 
 
 if __name__ == "__main__":

@@ -30,23 +30,57 @@ def _free_port() -> int:
 
 def measure(nproc: int, args, logs: str) -> dict:
     name = f"ranks{nproc}"
-    flags = ["--model", "test-tiny", "--dataset-type", "synthetic", "--train-num-samples", str(args.samples),
-             "--batch-size", str(args.batch_size), "--epochs", "1", "--precision", "fp32", "--workers", "0",
-             "--log-every-n-steps", "1", "--warmup", "10", "--save-frequency", "0", "--logs", logs,
-             "--name", name]
+    flags = [
+        "--model",
+        "test-tiny",
+        "--dataset-type",
+        "synthetic",
+        "--train-num-samples",
+        str(args.samples),
+        "--batch-size",
+        str(args.batch_size),
+        "--epochs",
+        "1",
+        "--precision",
+        "fp32",
+        "--workers",
+        "0",
+        "--log-every-n-steps",
+        "1",
+        "--warmup",
+        "10",
+        "--save-frequency",
+        "0",
+        "--logs",
+        logs,
+        "--name",
+        name,
+    ]
     if nproc == 1:
         cmd = [sys.executable, SCRIPT, *flags]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={_free_port()}", SCRIPT, "--", *flags]  # "--": see README (torchrun vs --logs)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            f"--master_port={_free_port()}",
+            SCRIPT,
+            "--",
+            *flags,
+        ]  # "--": see README (torchrun vs --logs)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads_per_rank), "PYTHONPATH": REPO}
     subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
     with open(os.path.join(logs, name, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if '"samples_per_s"' in line]
-    steady = records[args.skip_steps:] or records
-    return {"ranks": nproc, "steps": len(records), "global_batch": args.batch_size * nproc,
-            "samples_per_s": statistics.median(r["samples_per_s"] for r in steady),
-            "per_rank": statistics.median(r["samples_per_s_per_gpu"] for r in steady)}
+    steady = records[args.skip_steps :] or records
+    return {
+        "ranks": nproc,
+        "steps": len(records),
+        "global_batch": args.batch_size * nproc,
+        "samples_per_s": statistics.median(r["samples_per_s"] for r in steady),
+        "per_rank": statistics.median(r["samples_per_s_per_gpu"] for r in steady),
+    }
 
 
 def main() -> None:
@@ -59,15 +93,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as logs:
         rows = [measure(1, args, logs), measure(2, args, logs)]
     base = rows[0]["samples_per_s"]
-    print(f"test-tiny, fp32, CPU, batch {args.batch_size} per process, {args.threads_per_rank} thread(s) per "
-          f"process, median over steps after the first {args.skip_steps}")
+    print(
+        f"test-tiny, fp32, CPU, batch {args.batch_size} per process, {args.threads_per_rank} thread(s) per "
+        f"process, median over steps after the first {args.skip_steps}"
+    )
     print()
     print("| setup | global batch | samples/s | samples/s per rank | vs 1 process |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
         label = "1 process" if r["ranks"] == 1 else f"DDP, {r['ranks']} ranks (gloo)"
-        print(f"| {label} | {r['global_batch']} | {r['samples_per_s']:.0f} | {r['per_rank']:.0f} | "
-              f"{r['samples_per_s'] / base:.2f}x |")
+        print(
+            f"| {label} | {r['global_batch']} | {r['samples_per_s']:.0f} | {r['per_rank']:.0f} | "
+            f"{r['samples_per_s'] / base:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

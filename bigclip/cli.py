@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from . import config as config_mod
-from .errors import UserError
+from bigclip import config as config_mod
+from bigclip.errors import UserError
 
 SUBCOMMANDS_HELP = """subcommands:
   bigclip [train] FLAGS     train (the default; `python launch/train.py FLAGS` is the same)
@@ -51,7 +52,7 @@ def build_train_parser(prog: str = "bigclip") -> argparse.ArgumentParser:
     parser = _OneLineErrorParser(
         prog=prog,
         description="Train CLIP-style image-text models. Flags keep OpenCLIP's names and defaults; with no "
-                    "data flags the embedded digits demo runs.",
+        "data flags the embedded digits demo runs.",
         epilog=SUBCOMMANDS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -64,8 +65,9 @@ def build_train_parser(prog: str = "bigclip") -> argparse.ArgumentParser:
         groups[group_name].add_argument(*names, dest=f.name, **_argparse_kwargs(f))
     # Launchers add these: the DeepSpeed launcher passes --local_rank; torchrun may pass --local-rank.
     launcher = parser.add_argument_group("launcher (set by torchrun / deepspeed; not needed by hand)")
-    launcher.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
-                          default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    launcher.add_argument(
+        "--local_rank", "--local-rank", dest="local_rank", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     return parser
 
 
@@ -77,7 +79,7 @@ def parse_train_args(argv: list[str]) -> tuple[config_mod.TrainConfig, dict[str,
 
 
 def _cmd_models(argv: list[str]) -> int:
-    from .model import get_model_config, list_models
+    from bigclip.model import get_model_config, list_models
 
     for name in list_models():
         cfg = get_model_config(name)
@@ -86,26 +88,30 @@ def _cmd_models(argv: list[str]) -> int:
 
 
 def _cmd_train(argv: list[str]) -> int:
-    from .train import run
+    from bigclip.train import run
 
     cfg, launcher = parse_train_args(argv)
     return run(cfg, local_rank=launcher.get("local_rank"))
 
 
 def _cmd_export(argv: list[str]) -> int:
-    from .export import main as export_main
+    from bigclip.export import main as export_main
 
     return export_main(argv)
 
 
 def _cmd_plan(argv: list[str]) -> int:
-    from .plan import main as plan_main
+    from bigclip.plan import main as plan_main
 
     return plan_main(argv)
 
 
-SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _cmd_train, "models": _cmd_models,
-                                                       "export": _cmd_export, "plan": _cmd_plan}
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "train": _cmd_train,
+    "models": _cmd_models,
+    "export": _cmd_export,
+    "plan": _cmd_plan,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

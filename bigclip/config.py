@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import UserError
+from bigclip.errors import UserError
 
 PRECISIONS = ("amp", "amp_bf16", "amp_bfloat16", "bf16", "fp16", "pure_bf16", "pure_fp16", "fp32")
 LR_SCHEDULERS = ("cosine", "const", "const-cooldown")
@@ -42,49 +42,63 @@ def _unsupported(default: Any, help: str, group: str, why: str, **argparse_kwarg
 
 
 DATA, MODEL, TRAIN, PREC, CKPT, LOG, EVAL, DIST, LOSS, MISC = (
-    "data", "model", "training", "precision and memory", "checkpoints", "logging",
-    "evaluation", "distributed", "loss", "other",
+    "data",
+    "model",
+    "training",
+    "precision and memory",
+    "checkpoints",
+    "logging",
+    "evaluation",
+    "distributed",
+    "loss",
+    "other",
 )
 
 
 @dataclass
 class TrainConfig:
     # ---- data
-    train_data: str | None = _flag(None, "Training data: a CSV file, WebDataset shards with brace expansion "
-                                         "(a::b for several sources), or nothing for the embedded demo.", DATA)
+    train_data: str | None = _flag(
+        None,
+        "Training data: a CSV file, WebDataset shards with brace expansion "
+        "(a::b for several sources), or nothing for the embedded demo.",
+        DATA,
+    )
     val_data: str | None = _flag(None, "Validation data, same formats as --train-data.", DATA)
     train_num_samples: int | None = _flag(None, "Samples per epoch; required for WebDataset.", DATA)
     val_num_samples: int | None = _flag(None, "Samples in the validation set (WebDataset).", DATA)
     dataset_type: str = _flag("auto", f"One of {', '.join(DATASET_TYPES)}.", DATA)
-    dataset_resampled: bool = _unsupported(False, "Sample shards with replacement.", DATA,
-                                           "the data-at-scale work adds it")
+    dataset_resampled: bool = _unsupported(
+        False, "Sample shards with replacement.", DATA, "the data-at-scale work adds it"
+    )
     csv_separator: str = _flag("\t", "Column separator of CSV data.", DATA)
     csv_img_key: str = _flag("filepath", "CSV column holding image paths.", DATA)
     csv_caption_key: str = _flag("title", "CSV column holding captions.", DATA)
     train_data_upsampling_factors: str | None = _unsupported(
-        None, "Per-source sampling weights, a::b.", DATA, "the data-at-scale work adds it")
+        None, "Per-source sampling weights, a::b.", DATA, "the data-at-scale work adds it"
+    )
     workers: int = _flag(4, "Data loader workers per process.", DATA)
-    image_mean: list[float] | None = _flag(None, "Override the image normalisation mean.", DATA,
-                                           nargs="+", type=float)
-    image_std: list[float] | None = _flag(None, "Override the image normalisation std.", DATA,
-                                          nargs="+", type=float)
+    image_mean: list[float] | None = _flag(None, "Override the image normalisation mean.", DATA, nargs="+", type=float)
+    image_std: list[float] | None = _flag(None, "Override the image normalisation std.", DATA, nargs="+", type=float)
     image_interpolation: str | None = _flag(None, "bicubic, bilinear or random.", DATA)
     image_resize_mode: str | None = _flag(None, "shortest, longest or squash.", DATA)
     aug_cfg: list[str] = _flag([], "Augmentation key=value pairs, e.g. scale=0.9::1.0.", DATA, nargs="*")
 
     # ---- model
     model: str = _flag("RN50", "Architecture name (see `bigclip models`); the demo uses test-tiny.", MODEL)
-    pretrained: str | None = _flag(None, "Local path of a bigclip or OpenCLIP state dict (.pt/.safetensors).",
-                                   MODEL)
-    pretrained_image: bool = _unsupported(False, "ImageNet weights for the image tower.", MODEL,
-                                          "no weights are downloaded; pass --pretrained PATH")
-    force_image_size: list[int] | None = _flag(None, "Override the image size (one or two ints).", MODEL,
-                                               nargs="+", type=int)
+    pretrained: str | None = _flag(None, "Local path of a bigclip or OpenCLIP state dict (.pt/.safetensors).", MODEL)
+    pretrained_image: bool = _unsupported(
+        False, "ImageNet weights for the image tower.", MODEL, "no weights are downloaded; pass --pretrained PATH"
+    )
+    force_image_size: list[int] | None = _flag(
+        None, "Override the image size (one or two ints).", MODEL, nargs="+", type=int
+    )
     force_context_length: int | None = _flag(None, "Override the text context length.", MODEL)
     force_patch_dropout: float | None = _flag(None, "Override patch dropout (0 disables it).", MODEL)
     force_quick_gelu: bool = _flag(False, "Use QuickGELU (for weights trained with it).", MODEL)
-    force_custom_text: bool = _flag(False, "Separate text tower; bigclip's text tower is always separate, "
-                                           "so this changes nothing.", MODEL)
+    force_custom_text: bool = _flag(
+        False, "Separate text tower; bigclip's text tower is always separate, so this changes nothing.", MODEL
+    )
     lock_image: bool = _flag(False, "Freeze the image tower.", MODEL)
     lock_image_unlocked_groups: int = _flag(0, "Leave the last N image layer groups trainable.", MODEL)
     lock_image_freeze_bn_stats: bool = _flag(False, "Freeze BatchNorm statistics of locked layers.", MODEL)
@@ -96,8 +110,7 @@ class TrainConfig:
     batch_size: int = _flag(64, "Batch size per process (global = this x world size x accum-freq).", TRAIN)
     epochs: int = _flag(32, "Number of epochs.", TRAIN)
     epochs_cooldown: int | None = _flag(None, "Epochs of cooldown at the end (const-cooldown).", TRAIN)
-    accum_freq: int = _flag(1, "Accumulate this many micro-batches per step; negatives span all of them.",
-                            TRAIN)
+    accum_freq: int = _flag(1, "Accumulate this many micro-batches per step; negatives span all of them.", TRAIN)
     lr: float | None = _flag(None, "Learning rate (default 5e-4).", TRAIN)
     warmup: int = _flag(10000, "Linear warmup steps.", TRAIN)
     lr_scheduler: str = _flag("cosine", f"One of {', '.join(LR_SCHEDULERS)}.", TRAIN)
@@ -114,19 +127,18 @@ class TrainConfig:
     torchcompile: bool = _flag(False, "torch.compile each transformer block.", TRAIN)
     torchscript: bool = _unsupported(False, "TorchScript the model.", TRAIN, "use --torchcompile")
     trace: bool = _unsupported(False, "Trace the model (inference).", TRAIN, "use --torchcompile")
-    use_bnb_linear: str | None = _unsupported(None, "bitsandbytes int8 linear layers.", TRAIN,
-                                              "the int8 work adds it")
-    distill_model: str | None = _unsupported(None, "Teacher architecture for distillation.", TRAIN,
-                                             "distillation is planned")
-    distill_pretrained: str | None = _unsupported(None, "Teacher weights for distillation.", TRAIN,
-                                                  "distillation is planned")
+    use_bnb_linear: str | None = _unsupported(None, "bitsandbytes int8 linear layers.", TRAIN, "the int8 work adds it")
+    distill_model: str | None = _unsupported(
+        None, "Teacher architecture for distillation.", TRAIN, "distillation is planned"
+    )
+    distill_pretrained: str | None = _unsupported(
+        None, "Teacher weights for distillation.", TRAIN, "distillation is planned"
+    )
 
     # ---- precision and memory
-    precision: str = _flag("amp", f"One of {', '.join(PRECISIONS)}. On CPU, amp means bfloat16 autocast.",
-                           PREC)
+    precision: str = _flag("amp", f"One of {', '.join(PRECISIONS)}. On CPU, amp means bfloat16 autocast.", PREC)
     grad_checkpointing: bool = _flag(False, "Recompute every transformer block in backward.", PREC)
-    grad_checkpointing_every: int = _flag(1, "With --grad-checkpointing, recompute every k-th block only.",
-                                          PREC)
+    grad_checkpointing_every: int = _flag(1, "With --grad-checkpointing, recompute every k-th block only.", PREC)
 
     # ---- loss
     local_loss: bool = _flag(False, "Local features against gathered ones (O(n) logits per rank).", LOSS)
@@ -134,42 +146,62 @@ class TrainConfig:
     siglip: bool = _flag(False, "Sigmoid loss (logit scale init log 10, bias -10).", LOSS)
     loss_dist_impl: str | None = _flag(None, "Distributed loss implementation (see docs).", LOSS)
     loss_impl: str = _flag("auto", "naive, chunked, triton or auto (new in bigclip).", LOSS)
-    coca_contrastive_loss_weight: float = _unsupported(1.0, "CoCa contrastive weight.", LOSS,
-                                                       "CoCa models are planned")
+    coca_contrastive_loss_weight: float = _unsupported(1.0, "CoCa contrastive weight.", LOSS, "CoCa models are planned")
     coca_caption_loss_weight: float = _unsupported(2.0, "CoCa caption weight.", LOSS, "CoCa models are planned")
 
     # ---- checkpoints
     save_frequency: int = _flag(1, "Save a checkpoint every N epochs (0: never).", CKPT)
-    save_every_n_steps: int = _flag(0, "Also save every N optimizer steps, mid-epoch (0: never; new in bigclip).",
-                                    CKPT)
-    save_every_minutes: float = _flag(0.0, "Also save every N minutes of training (0: never; new in bigclip).",
-                                      CKPT)
+    save_every_n_steps: int = _flag(0, "Also save every N optimizer steps, mid-epoch (0: never; new in bigclip).", CKPT)
+    save_every_minutes: float = _flag(0.0, "Also save every N minutes of training (0: never; new in bigclip).", CKPT)
     save_most_recent: bool = _flag(False, "Also keep the newest state as epoch_latest.", CKPT)
-    delete_previous_checkpoint: bool = _flag(False, "Delete the previous local checkpoint after a save "
-                                                    "(remote copies are kept; see --keep-last-k).", CKPT)
-    keep_last_k: int = _flag(0, "Keep only the K newest numbered checkpoints in the remote store (locally when "
-                                "there is no --remote-sync); 0 keeps all (new in bigclip).", CKPT)
-    resume: str | None = _flag(None, "Checkpoint to resume from: a directory, a URL (s3://, gs://, az://, "
-                                     "https://) of one, or 'latest' (local and --remote-sync).", CKPT)
-    remote_sync: str | None = _flag(None, "Remote run root (s3://bucket/runs, gs://, az://, or a directory): "
-                                          "checkpoints are uploaded as they are written and committed by a "
-                                          "manifest; logs are copied every --remote-sync-frequency seconds.",
-                                    CKPT)
-    remote_sync_frequency: int = _flag(300, "Seconds between copies of logs and metrics (with --remote-sync).",
-                                       CKPT)
-    remote_sync_protocol: str = _flag("s3", "s3 (needs an s3:// URL) or fsspec (any fsspec URL); both use the "
-                                            "same parallel, retried uploads.", CKPT)
-    storage_options: str | None = _flag(None, "JSON of fsspec options for remote paths, e.g. "
-                                              "'{\"client_kwargs\": {\"endpoint_url\": \"http://host:9000\"}}'; "
-                                              "credentials may go here or in AWS_* variables (never logged).",
-                                        CKPT)
-    checkpoint_async: str = _flag("auto", "Where checkpoint files are written and uploaded: auto (thread), thread, "
-                                          "process (DCP's daemon process; DDP/FSDP only) or off (the loop waits; "
-                                          "new in bigclip).", CKPT)
+    delete_previous_checkpoint: bool = _flag(
+        False, "Delete the previous local checkpoint after a save (remote copies are kept; see --keep-last-k).", CKPT
+    )
+    keep_last_k: int = _flag(
+        0,
+        "Keep only the K newest numbered checkpoints in the remote store (locally when "
+        "there is no --remote-sync); 0 keeps all (new in bigclip).",
+        CKPT,
+    )
+    resume: str | None = _flag(
+        None,
+        "Checkpoint to resume from: a directory, a URL (s3://, gs://, az://, "
+        "https://) of one, or 'latest' (local and --remote-sync).",
+        CKPT,
+    )
+    remote_sync: str | None = _flag(
+        None,
+        "Remote run root (s3://bucket/runs, gs://, az://, or a directory): "
+        "checkpoints are uploaded as they are written and committed by a "
+        "manifest; logs are copied every --remote-sync-frequency seconds.",
+        CKPT,
+    )
+    remote_sync_frequency: int = _flag(300, "Seconds between copies of logs and metrics (with --remote-sync).", CKPT)
+    remote_sync_protocol: str = _flag(
+        "s3", "s3 (needs an s3:// URL) or fsspec (any fsspec URL); both use the same parallel, retried uploads.", CKPT
+    )
+    storage_options: str | None = _flag(
+        None,
+        "JSON of fsspec options for remote paths, e.g. "
+        '\'{"client_kwargs": {"endpoint_url": "http://host:9000"}}\'; '
+        "credentials may go here or in AWS_* variables (never logged).",
+        CKPT,
+    )
+    checkpoint_async: str = _flag(
+        "auto",
+        "Where checkpoint files are written and uploaded: auto (thread), thread, "
+        "process (DCP's daemon process; DDP/FSDP only) or off (the loop waits; "
+        "new in bigclip).",
+        CKPT,
+    )
 
     # ---- logging
-    logs: str = _flag("./logs/", "Where logs, metrics and checkpoints go: a directory, or a URL (s3://, gs://, "
-                                 "az://) written through a local staging folder as with --remote-sync.", LOG)
+    logs: str = _flag(
+        "./logs/",
+        "Where logs, metrics and checkpoints go: a directory, or a URL (s3://, gs://, "
+        "az://) written through a local staging folder as with --remote-sync.",
+        LOG,
+    )
     name: str | None = _flag(None, "Run name (default: date, model, lr, batch size, precision).", LOG)
     log_every_n_steps: int = _flag(100, "Print and record metrics every N steps.", LOG)
     report_to: str = _flag("", "tensorboard, wandb or tensorboard,wandb.", LOG)
@@ -182,31 +214,48 @@ class TrainConfig:
     # ---- evaluation
     val_frequency: int = _flag(1, "Validate every N epochs.", EVAL)
     zeroshot_frequency: int = _flag(2, "Zero-shot evaluation every N epochs.", EVAL)
-    imagenet_val: str | None = _unsupported(None, "ImageNet validation folder for zero-shot.", EVAL,
-                                            "zero-shot runs on the embedded demo's classes for now")
-    imagenet_v2: str | None = _unsupported(None, "ImageNet-v2 folder for zero-shot.", EVAL,
-                                           "zero-shot runs on the embedded demo's classes for now")
+    imagenet_val: str | None = _unsupported(
+        None, "ImageNet validation folder for zero-shot.", EVAL, "zero-shot runs on the embedded demo's classes for now"
+    )
+    imagenet_v2: str | None = _unsupported(
+        None, "ImageNet-v2 folder for zero-shot.", EVAL, "zero-shot runs on the embedded demo's classes for now"
+    )
 
     # ---- distributed
-    engine: str = _flag("ddp", f"One of {', '.join(ENGINES)} (new in bigclip). --ds_config FILE or --deepspeed "
-                               "selects deepspeed.", DIST)
-    ds_config: str | None = _flag(None, "DeepSpeed JSON config (ds_configs/zero{1,2,3}.json, zero3_offload.json); "
-                                        "\"auto\" values are filled from bigclip's flags. Selects --engine "
-                                        "deepspeed.", DIST,
-                                  aliases=["--ds_config", "--deepspeed_config", "--deepspeed-config"],
-                                  metavar="FILE")
-    deepspeed: bool = _flag(False, "Use the DeepSpeed engine (DeepSpeed's own flag; ZeRO-2 unless --ds_config "
-                                   "says otherwise).", DIST)
-    sharded_init: str = _flag("auto", "auto, always or never: build the model on the meta device and initialise it "
-                                      "shard by shard (fsdp, deepspeed ZeRO-3); auto does so from 500M parameters.",
-                              DIST)
-    fsdp_offload_cpu: bool = _flag(False, "FSDP: keep parameter, gradient and optimizer shards in host memory.",
-                                   DIST)
-    fsdp_no_reshard_after_forward: bool = _flag(False, "FSDP: keep each block's gathered parameters from forward "
-                                                       "to backward (more memory, one all-gather less).", DIST)
+    engine: str = _flag(
+        "ddp", f"One of {', '.join(ENGINES)} (new in bigclip). --ds_config FILE or --deepspeed selects deepspeed.", DIST
+    )
+    ds_config: str | None = _flag(
+        None,
+        "DeepSpeed JSON config (ds_configs/zero{1,2,3}.json, zero3_offload.json); "
+        '"auto" values are filled from bigclip\'s flags. Selects --engine '
+        "deepspeed.",
+        DIST,
+        aliases=["--ds_config", "--deepspeed_config", "--deepspeed-config"],
+        metavar="FILE",
+    )
+    deepspeed: bool = _flag(
+        False, "Use the DeepSpeed engine (DeepSpeed's own flag; ZeRO-2 unless --ds_config says otherwise).", DIST
+    )
+    sharded_init: str = _flag(
+        "auto",
+        "auto, always or never: build the model on the meta device and initialise it "
+        "shard by shard (fsdp, deepspeed ZeRO-3); auto does so from 500M parameters.",
+        DIST,
+    )
+    fsdp_offload_cpu: bool = _flag(False, "FSDP: keep parameter, gradient and optimizer shards in host memory.", DIST)
+    fsdp_no_reshard_after_forward: bool = _flag(
+        False,
+        "FSDP: keep each block's gathered parameters from forward to backward (more memory, one all-gather less).",
+        DIST,
+    )
     fsdp_hybrid: bool = _flag(False, "FSDP: shard within each node and replicate across nodes (HSDP).", DIST)
-    fsdp_replicate_degree: int = _flag(1, "FSDP: replicate across this many groups, sharding within each "
-                                          "(HSDP; --fsdp-hybrid sets it to the number of nodes).", DIST)
+    fsdp_replicate_degree: int = _flag(
+        1,
+        "FSDP: replicate across this many groups, sharding within each "
+        "(HSDP; --fsdp-hybrid sets it to the number of nodes).",
+        DIST,
+    )
     dist_url: str | None = _flag(None, "Rendezvous URL (default: env:// from the launcher).", DIST)
     dist_backend: str | None = _flag(None, "nccl on GPU, gloo on CPU (default: picked by device).", DIST)
     ddp_static_graph: bool = _flag(False, "DDP static graph.", DIST)
@@ -217,8 +266,7 @@ class TrainConfig:
 
     # ---- other
     config: str | None = _flag(None, "YAML file of option values (flags given on the command line win).", MISC)
-    cache_dir: str | None = _flag(None, "Cache directory; bigclip downloads nothing, so nothing is cached.",
-                                  MISC)
+    cache_dir: str | None = _flag(None, "Cache directory; bigclip downloads nothing, so nothing is cached.", MISC)
 
     # Set by resolution, not by users.
     demo: bool = field(default=False, metadata={"internal": True})
@@ -279,8 +327,7 @@ def resolve(cli_values: dict[str, Any]) -> TrainConfig:
     """Apply the precedence chain to the flags the user actually typed and return a validated config."""
     yaml_values = load_yaml(cli_values["config"]) if cli_values.get("config") else {}
     explicit = {**yaml_values, **cli_values}
-    values = {f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default)
-              for f in config_fields()}
+    values = {f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default) for f in config_fields()}
     demo = explicit.get("train_data") is None and explicit.get("dataset_type", "auto") != "synthetic"
     if demo:
         values.update(DEMO_PRESET)
@@ -299,8 +346,7 @@ def _select_deepspeed(values: dict[str, Any], explicit: dict[str, Any]) -> None:
         return
     if explicit.get("engine", "deepspeed") != "deepspeed":
         which = "--ds_config" if values.get("ds_config") else "--deepspeed"
-        raise UserError(f"{which} selects the deepspeed engine but --engine is {explicit['engine']}; "
-                        f"drop one of them")
+        raise UserError(f"{which} selects the deepspeed engine but --engine is {explicit['engine']}; drop one of them")
     values["engine"] = "deepspeed"
 
 
@@ -317,11 +363,13 @@ def _fail(name: str, value: Any, accepted: str) -> None:
 
 def validate(cfg: TrainConfig) -> None:
     """Check every user-controlled value before any work starts; the first problem stops the run."""
-    from .model import list_models
+    from bigclip.model import list_models
 
     if cfg.model not in list_models() and cfg.model.startswith(("RN", "convnext", "coca", "EVA", "mt5", "xlm")):
-        raise UserError(f"--model {cfg.model}: not supported yet (bigclip has ViT towers only); "
-                        f"choose one of {', '.join(list_models())}")
+        raise UserError(
+            f"--model {cfg.model}: not supported yet (bigclip has ViT towers only); "
+            f"choose one of {', '.join(list_models())}"
+        )
     if cfg.model not in list_models():
         _fail("model", cfg.model, f"unknown architecture; choose one of {', '.join(list_models())}")
     if cfg.precision not in PRECISIONS:
@@ -343,20 +391,35 @@ def validate(cfg: TrainConfig) -> None:
         if cfg.fsdp_replicate_degree != 1:
             raise UserError(f"--fsdp-replicate-degree: only applies to --engine fsdp (the engine is {cfg.engine})")
     if cfg.engine == "ddp" and cfg.sharded_init == "always":
-        raise UserError("--sharded-init always: needs an engine that shards parameters (--engine fsdp, or "
-                        "deepspeed with ZeRO stage 3)")
+        raise UserError(
+            "--sharded-init always: needs an engine that shards parameters (--engine fsdp, or "
+            "deepspeed with ZeRO stage 3)"
+        )
     if cfg.engine == "deepspeed":
-        from .engine.ds_config import resolve as resolve_ds_config
+        from bigclip.engine.ds_config import resolve as resolve_ds_config
 
         device = "cuda" if cfg.device.startswith("cuda") and _cuda_available() else "cpu"
         resolve_ds_config(cfg, None, device)  # contradictions and bad JSON stop the run before any work
 
-    for name in ("batch_size", "epochs", "accum_freq", "log_every_n_steps", "val_frequency",
-                 "zeroshot_frequency", "grad_checkpointing_every"):
+    for name in (
+        "batch_size",
+        "epochs",
+        "accum_freq",
+        "log_every_n_steps",
+        "val_frequency",
+        "zeroshot_frequency",
+        "grad_checkpointing_every",
+    ):
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
             _fail(name, getattr(cfg, name), "must be a positive integer")
-    for name in ("workers", "warmup", "save_frequency", "lock_image_unlocked_groups",
-                 "lock_text_unlocked_layers", "seed"):
+    for name in (
+        "workers",
+        "warmup",
+        "save_frequency",
+        "lock_image_unlocked_groups",
+        "lock_text_unlocked_layers",
+        "seed",
+    ):
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
             _fail(name, getattr(cfg, name), "must be a non-negative integer")
     for name in ("train_num_samples", "val_num_samples", "force_context_length"):
@@ -373,8 +436,7 @@ def validate(cfg: TrainConfig) -> None:
             _fail(name, v, "must be in [0, 1)")
     if cfg.force_patch_dropout is not None and not (0 <= cfg.force_patch_dropout < 1):
         _fail("force_patch_dropout", cfg.force_patch_dropout, "must be in [0, 1)")
-    if cfg.force_image_size is not None and (len(cfg.force_image_size) not in (1, 2)
-                                             or min(cfg.force_image_size) < 1):
+    if cfg.force_image_size is not None and (len(cfg.force_image_size) not in (1, 2) or min(cfg.force_image_size) < 1):
         _fail("force_image_size", cfg.force_image_size, "give one or two positive integers")
     if cfg.lr_scheduler == "const-cooldown" and cfg.epochs_cooldown is None:
         raise UserError("--lr-scheduler const-cooldown needs --epochs-cooldown N")
@@ -400,16 +462,19 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.device not in ("cuda", "cpu") and not cfg.device.startswith("cuda:"):
         _fail("device", cfg.device, "choose cuda or cpu")
 
-    from .loss import CLIP_DIST_IMPLS, LOSS_IMPLS, SIGLIP_DIST_IMPLS
+    from bigclip.loss import CLIP_DIST_IMPLS, LOSS_IMPLS, SIGLIP_DIST_IMPLS
 
     if cfg.loss_impl not in LOSS_IMPLS:
         _fail("loss_impl", cfg.loss_impl, f"choose one of {', '.join(LOSS_IMPLS)}")
     dist_impls = SIGLIP_DIST_IMPLS if cfg.siglip else CLIP_DIST_IMPLS
     if cfg.loss_dist_impl is not None and cfg.loss_dist_impl not in dist_impls:
-        _fail("loss_dist_impl", cfg.loss_dist_impl,
-              f"choose one of {', '.join(dist_impls)} for the {'SigLIP' if cfg.siglip else 'CLIP'} loss")
+        _fail(
+            "loss_dist_impl",
+            cfg.loss_dist_impl,
+            f"choose one of {', '.join(dist_impls)} for the {'SigLIP' if cfg.siglip else 'CLIP'} loss",
+        )
 
-    from .data import validate_aug_cfg
+    from bigclip.data import validate_aug_cfg
 
     validate_aug_cfg(cfg.aug_cfg)
     _validate_paths(cfg)
@@ -449,8 +514,8 @@ def _validate_paths(cfg: TrainConfig) -> None:
 
 
 def _validate_checkpoint_flags(cfg: TrainConfig) -> None:
-    from .ckpt.manager import ASYNC_MODES
-    from .ckpt.storage import parse_storage_options
+    from bigclip.ckpt.manager import ASYNC_MODES
+    from bigclip.ckpt.storage import parse_storage_options
 
     for name in ("save_every_n_steps", "keep_last_k", "remote_sync_frequency"):
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
@@ -461,8 +526,10 @@ def _validate_checkpoint_flags(cfg: TrainConfig) -> None:
         _fail("checkpoint_async", cfg.checkpoint_async, f"choose one of {', '.join(ASYNC_MODES)}")
     parse_storage_options(cfg.storage_options)
     if cfg.remote_sync and cfg.remote_sync_protocol == "s3" and not cfg.remote_sync.startswith("s3://"):
-        raise UserError(f"--remote-sync {cfg.remote_sync}: --remote-sync-protocol s3 (the default) needs an "
-                        f"s3:// URL; add --remote-sync-protocol fsspec for other stores and directories")
+        raise UserError(
+            f"--remote-sync {cfg.remote_sync}: --remote-sync-protocol s3 (the default) needs an "
+            f"s3:// URL; add --remote-sync-protocol fsspec for other stores and directories"
+        )
     for name in ("remote_sync", "logs"):
         value = getattr(cfg, name)
         if value and str(value).startswith(("http://", "https://")):
@@ -471,7 +538,7 @@ def _validate_checkpoint_flags(cfg: TrainConfig) -> None:
 
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:
     """The config as a plain dict for params.yaml, checkpoints and trackers: secrets redacted."""
-    from .ckpt.storage import redact_options, redact_url
+    from bigclip.ckpt.storage import redact_options, redact_url
 
     values = dataclasses.asdict(cfg)
     if values.get("storage_options"):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import UserError
+from bigclip.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -69,14 +69,21 @@ def detect_launch(env: dict[str, str] | None = None, local_rank_arg: int | None 
     env = dict(os.environ if env is None else env)
     if "RANK" in env and "WORLD_SIZE" in env:
         local_rank = int(env.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0))
-        return LaunchEnv(int(env["RANK"]), local_rank, int(env["WORLD_SIZE"]), "torchrun",
-                         env.get("MASTER_ADDR"), env.get("MASTER_PORT"))
+        return LaunchEnv(
+            int(env["RANK"]),
+            local_rank,
+            int(env["WORLD_SIZE"]),
+            "torchrun",
+            env.get("MASTER_ADDR"),
+            env.get("MASTER_PORT"),
+        )
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")))
         # A port derived from the job id lets several jobs share a node without colliding.
         port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
-        return LaunchEnv(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")),
-                         int(env["SLURM_NTASKS"]), "slurm", addr, port)
+        return LaunchEnv(
+            int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")), int(env["SLURM_NTASKS"]), "slurm", addr, port
+        )
     return LaunchEnv(0, local_rank_arg or 0, 1, "single")
 
 
@@ -90,8 +97,13 @@ def pick_device(requested: str, local_rank: int, pin_to_local_rank: bool = True)
     return torch.device("cpu")
 
 
-def init_distributed(device: str = "cuda", backend: str | None = None, dist_url: str | None = None,
-                     local_rank_arg: int | None = None, pin_to_local_rank: bool = True) -> World:
+def init_distributed(
+    device: str = "cuda",
+    backend: str | None = None,
+    dist_url: str | None = None,
+    local_rank_arg: int | None = None,
+    pin_to_local_rank: bool = True,
+) -> World:
     launch = detect_launch(local_rank_arg=local_rank_arg)
     dev = pick_device(device, launch.local_rank, pin_to_local_rank)
     world = World(launch.rank, launch.local_rank, launch.world_size, dev, None, launch.source)

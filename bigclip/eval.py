@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .dist import World, all_reduce_sum
+from bigclip.dist import World, all_reduce_sum
 
 
 def _gather_rows(x: torch.Tensor, world: World) -> torch.Tensor:
@@ -30,8 +30,9 @@ def _gather_rows(x: torch.Tensor, world: World) -> torch.Tensor:
     return torch.cat([o[: int(s.item())] for o, s in zip(out, sizes)]).cpu()
 
 
-def retrieval_metrics(image_features: torch.Tensor, text_features: torch.Tensor,
-                      logit_scale: float) -> dict[str, float]:
+def retrieval_metrics(
+    image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: float
+) -> dict[str, float]:
     """OpenCLIP's retrieval metrics: mean/median rank and R@1/5/10, both directions. Pair i is (i, i)."""
     metrics = {}
     logits = {"image_to_text": logit_scale * image_features @ text_features.t()}
@@ -123,8 +124,9 @@ def validate(engine, loader, world: World) -> dict[str, float]:
 
 
 @torch.no_grad()
-def zero_shot_classifier(engine, tokenizer, classnames: list[str], templates: list[str],
-                         device: torch.device) -> torch.Tensor:
+def zero_shot_classifier(
+    engine, tokenizer, classnames: list[str], templates: list[str], device: torch.device
+) -> torch.Tensor:
     """(embed_dim, num_classes): the normalised mean text embedding of every class's prompts."""
     prompts = [t.format(c) for c in classnames for t in templates]
     tokens = tokenizer(prompts).to(device)
@@ -135,8 +137,7 @@ def zero_shot_classifier(engine, tokenizer, classnames: list[str], templates: li
 
 
 @torch.no_grad()
-def zero_shot(engine, loader, tokenizer, classnames: list[str], templates: list[str],
-              world: World) -> dict[str, float]:
+def zero_shot(engine, loader, tokenizer, classnames: list[str], templates: list[str], world: World) -> dict[str, float]:
     classifier = zero_shot_classifier(engine, tokenizer, classnames, templates, world.device)
     counts = torch.zeros(3, dtype=torch.float64)  # top-1 hits, top-5 hits, samples
     for (images, labels), real in lockstep(loader, world):
@@ -148,12 +149,15 @@ def zero_shot(engine, loader, tokenizer, classnames: list[str], templates: list[
         logits = feats @ classifier
         topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
         hits = topk == labels.view(-1, 1)
-        counts += torch.tensor([hits[:, :1].sum().item(), hits.sum().item(), labels.numel()],
-                               dtype=torch.float64)
+        counts += torch.tensor([hits[:, :1].sum().item(), hits.sum().item(), labels.numel()], dtype=torch.float64)
     counts = all_reduce_sum(counts, world)
     n = max(1.0, float(counts[2]))
-    return {"zeroshot_top1": float(counts[0]) / n, "zeroshot_top5": float(counts[1]) / n,
-            "zeroshot_samples": int(counts[2]), "zeroshot_chance": 1.0 / len(classnames)}
+    return {
+        "zeroshot_top1": float(counts[0]) / n,
+        "zeroshot_top5": float(counts[1]) / n,
+        "zeroshot_samples": int(counts[2]),
+        "zeroshot_chance": 1.0 / len(classnames),
+    }
 
 
 def evaluate(engine, data: dict, tokenizer, cfg, completed_epoch: int, world: World) -> dict[str, float]:
@@ -162,8 +166,9 @@ def evaluate(engine, data: dict, tokenizer, cfg, completed_epoch: int, world: Wo
     last = completed_epoch == cfg.epochs
     engine.eval()
     if "zeroshot" in data and (completed_epoch % cfg.zeroshot_frequency == 0 or last):
-        metrics.update(zero_shot(engine, data["zeroshot"].dataloader, tokenizer, data["classnames"],
-                                 data["templates"], world))
+        metrics.update(
+            zero_shot(engine, data["zeroshot"].dataloader, tokenizer, data["classnames"], data["templates"], world)
+        )
     if "val" in data and (completed_epoch % cfg.val_frequency == 0 or last):
         metrics.update(validate(engine, data["val"].dataloader, world))
     engine.train()

@@ -16,28 +16,32 @@ import tempfile
 
 import torch
 
-from .ckpt.storage import is_url, parse_storage_options, redact_url
-from .ckpt.verify import fetch_verified, verify_local
-from .errors import UserError
+from bigclip.ckpt.storage import is_url, parse_storage_options, redact_url
+from bigclip.ckpt.verify import fetch_verified, verify_local
+from bigclip.errors import UserError
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .cli import _OneLineErrorParser
+    from bigclip.cli import _OneLineErrorParser
 
     p = _OneLineErrorParser(prog="bigclip export", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="checkpoint directory or URL (s3://, gs://, az://, https://)")
     p.add_argument("output", help="OUT.pt (torch.save) or OUT.safetensors")
-    p.add_argument("--names", choices=("openclip", "bigclip"), default="openclip",
-                   help="parameter names of the output (default: openclip)")
+    p.add_argument(
+        "--names",
+        choices=("openclip", "bigclip"),
+        default="openclip",
+        help="parameter names of the output (default: openclip)",
+    )
     p.add_argument("--storage-options", default=None, help="JSON of fsspec options for a URL checkpoint")
     return p
 
 
 def model_state(directory: str, layout: str) -> dict[str, torch.Tensor]:
     if layout == "deepspeed":
-        from .ckpt.deepspeed_layout import read_model_state
+        from bigclip.ckpt.deepspeed_layout import read_model_state
     else:
-        from .ckpt.dcp_layout import read_model_state
+        from bigclip.ckpt.dcp_layout import read_model_state
     return read_model_state(directory)
 
 
@@ -58,7 +62,7 @@ def export(checkpoint: str, output: str, names: str = "openclip", storage_option
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     if names == "openclip":
-        from .model.convert import bigclip_to_openclip
+        from bigclip.model.convert import bigclip_to_openclip
 
         state = bigclip_to_openclip(state)
     state = {k: v.detach().contiguous() for k, v in state.items()}
@@ -66,13 +70,16 @@ def export(checkpoint: str, output: str, names: str = "openclip", storage_option
     if output.endswith(".safetensors"):
         from safetensors.torch import save_file
 
-        save_file(state, output, metadata={"format": "pt", "source": redact_url(checkpoint) or "",
-                                           "step": str(manifest.step)})
+        save_file(
+            state, output, metadata={"format": "pt", "source": redact_url(checkpoint) or "", "step": str(manifest.step)}
+        )
     else:
         torch.save(state, output)
     params = sum(v.numel() for v in state.values())
-    print(f"exported {len(state)} tensors ({params / 1e6:.1f}M parameters, step {manifest.step}, "
-          f"{names} names) from {redact_url(checkpoint)} to {output}")
+    print(
+        f"exported {len(state)} tensors ({params / 1e6:.1f}M parameters, step {manifest.step}, "
+        f"{names} names) from {redact_url(checkpoint)} to {output}"
+    )
     return 0
 
 

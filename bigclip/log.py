@@ -17,40 +17,55 @@ from typing import Any
 
 import torch
 
-from .errors import UserError
+from bigclip.errors import UserError
 
 logger = logging.getLogger("bigclip")
 
 
 @dataclass
 class RunPaths:
-    root: str          # logs/<name>
-    checkpoints: str   # logs/<name>/checkpoints
-    metrics: str       # logs/<name>/metrics.jsonl
-    params: str        # logs/<name>/params.yaml
-    out_log: str       # logs/<name>/out.log
-    tensorboard: str   # logs/<name>/tensorboard
+    root: str  # logs/<name>
+    checkpoints: str  # logs/<name>/checkpoints
+    metrics: str  # logs/<name>/metrics.jsonl
+    params: str  # logs/<name>/params.yaml
+    out_log: str  # logs/<name>/out.log
+    tensorboard: str  # logs/<name>/tensorboard
 
 
 def default_run_name(cfg, date: str) -> str:
     """OpenCLIP's automatic name: date, model, lr, batch size, workers and precision."""
     lr = cfg.lr if cfg.lr is not None else 5e-4
-    return "-".join([date, f"model_{cfg.model.replace('/', '-')}", f"lr_{lr}", f"b_{cfg.batch_size}",
-                     f"j_{cfg.workers}", f"p_{cfg.precision}"])
+    return "-".join(
+        [
+            date,
+            f"model_{cfg.model.replace('/', '-')}",
+            f"lr_{lr}",
+            f"b_{cfg.batch_size}",
+            f"j_{cfg.workers}",
+            f"p_{cfg.precision}",
+        ]
+    )
 
 
 def run_paths(logs: str, name: str) -> RunPaths:
     root = os.path.join(logs, name)
-    return RunPaths(root, os.path.join(root, "checkpoints"), os.path.join(root, "metrics.jsonl"),
-                    os.path.join(root, "params.yaml"), os.path.join(root, "out.log"),
-                    os.path.join(root, "tensorboard"))
+    return RunPaths(
+        root,
+        os.path.join(root, "checkpoints"),
+        os.path.join(root, "metrics.jsonl"),
+        os.path.join(root, "params.yaml"),
+        os.path.join(root, "out.log"),
+        os.path.join(root, "tensorboard"),
+    )
 
 
 def check_new_run(paths: RunPaths, resuming: bool) -> None:
     # Never write into another run's directory by accident: its checkpoints and metrics would mix.
     if os.path.exists(paths.root) and not resuming:
-        raise UserError(f"--name: run directory {paths.root} already exists; pass a new --name, "
-                        f"or --resume latest to continue that run")
+        raise UserError(
+            f"--name: run directory {paths.root} already exists; pass a new --name, "
+            f"or --resume latest to continue that run"
+        )
 
 
 def setup_console_logging(out_log: str | None, active: bool, debug: bool) -> None:
@@ -112,8 +127,13 @@ class MetricSinks:
         if "wandb" in targets:
             import wandb
 
-            self._wandb = wandb.init(project=cfg.wandb_project_name, name=os.path.basename(paths.root),
-                                     notes=cfg.wandb_notes, dir=paths.root, config=config_dict)
+            self._wandb = wandb.init(
+                project=cfg.wandb_project_name,
+                name=os.path.basename(paths.root),
+                notes=cfg.wandb_notes,
+                dir=paths.root,
+                config=config_dict,
+            )
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:
@@ -137,10 +157,23 @@ class MetricSinks:
             self._wandb.finish()
 
 
-def train_line(epoch: int, seen: int, total: int, data_time: float, batch_time: float, samples_per_s: float,
-               per_gpu: float, lr: float, logit_scale: float, loss_val: float, loss_avg: float) -> str:
+def train_line(
+    epoch: int,
+    seen: int,
+    total: int,
+    data_time: float,
+    batch_time: float,
+    samples_per_s: float,
+    per_gpu: float,
+    lr: float,
+    logit_scale: float,
+    loss_val: float,
+    loss_avg: float,
+) -> str:
     digits = len(str(total))
     pct = 100.0 * seen / max(1, total)
-    return (f"Train Epoch: {epoch} [{seen:>{digits}}/{total} ({pct:.0f}%)] "
-            f"Data (t): {data_time:.3f} Batch (t): {batch_time:.3f}, {samples_per_s:#g}/s, {per_gpu:#g}/s/gpu "
-            f"LR: {lr:.6f} Logit Scale: {logit_scale:.3f} Loss: {loss_val:#.5g} ({loss_avg:#.5g})")
+    return (
+        f"Train Epoch: {epoch} [{seen:>{digits}}/{total} ({pct:.0f}%)] "
+        f"Data (t): {data_time:.3f} Batch (t): {batch_time:.3f}, {samples_per_s:#g}/s, {per_gpu:#g}/s/gpu "
+        f"LR: {lr:.6f} Logit Scale: {logit_scale:.3f} Loss: {loss_val:#.5g} ({loss_avg:#.5g})"
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import UserError
+from bigclip.errors import UserError
 
 ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.98, "eps": 1e-6}
 

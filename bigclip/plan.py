@@ -42,7 +42,7 @@ class ModelFacts:
 
 
 def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
-    from .model import create_model, get_model_config
+    from bigclip.model import create_model, get_model_config
 
     model = create_model(name, device="meta", image_size=image_size)
     cfg = get_model_config(name)
@@ -52,20 +52,37 @@ def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
     v, t = cfg["vision_cfg"], cfg["text_cfg"]
     h, w = model.visual.image_size
     vision_tokens = (h // v["patch_size"]) * (w // v["patch_size"]) + 1
-    return ModelFacts(name, params, max(block_sizes), params - sum(block_sizes), [
-        (v["layers"], vision_tokens, v["width"], float(v.get("mlp_ratio", 4.0))),
-        (t["layers"], t["context_length"], t["width"], float(t.get("mlp_ratio", 4.0))),
-    ])
+    return ModelFacts(
+        name,
+        params,
+        max(block_sizes),
+        params - sum(block_sizes),
+        [
+            (v["layers"], vision_tokens, v["width"], float(v.get("mlp_ratio", 4.0))),
+            (t["layers"], t["context_length"], t["width"], float(t.get("mlp_ratio", 4.0))),
+        ],
+    )
 
 
-def state_bytes(engine: str, psi: int, n: int, precision: str = "amp",
-                facts: ModelFacts | None = None) -> float:
+def state_bytes(engine: str, psi: int, n: int, precision: str = "amp", facts: ModelFacts | None = None) -> float:
     """Parameters + gradients + optimizer state per GPU (bytes)."""
     if precision == "fp32":
-        return {"ddp": 16 * psi, "zero1": 8 * psi + 12 * psi / n, "zero2": 4 * psi + 16 * psi / n,
-                "zero3": 20 * psi / n, "zero3_offload": 0.0, "fsdp": 16 * psi / n}[engine]
-    table = {"ddp": 16 * psi, "zero1": 4 * psi + 12 * psi / n, "zero2": 2 * psi + 14 * psi / n,
-             "zero3": 16 * psi / n, "zero3_offload": 0.0, "fsdp": 16 * psi / n}
+        return {
+            "ddp": 16 * psi,
+            "zero1": 8 * psi + 12 * psi / n,
+            "zero2": 4 * psi + 16 * psi / n,
+            "zero3": 20 * psi / n,
+            "zero3_offload": 0.0,
+            "fsdp": 16 * psi / n,
+        }[engine]
+    table = {
+        "ddp": 16 * psi,
+        "zero1": 4 * psi + 12 * psi / n,
+        "zero2": 2 * psi + 14 * psi / n,
+        "zero3": 16 * psi / n,
+        "zero3_offload": 0.0,
+        "fsdp": 16 * psi / n,
+    }
     value = table[engine]
     if engine == "fsdp" and facts is not None:
         value += 2 * (2 * facts.block_params + facts.root_params)  # bf16 gathered: 2 blocks + the root
@@ -81,8 +98,9 @@ def activation_bytes(facts: ModelFacts, batch: int, checkpointing: bool) -> floa
     return batch * (kept + max(full_per_block))
 
 
-def max_batch(facts: ModelFacts, engine: str, n: int, gpu_bytes: float, checkpointing: bool,
-              precision: str = "amp") -> int:
+def max_batch(
+    facts: ModelFacts, engine: str, n: int, gpu_bytes: float, checkpointing: bool, precision: str = "amp"
+) -> int:
     free = gpu_bytes - OVERHEAD_BYTES - state_bytes(engine, facts.params, n, precision, facts)
     per_sample = activation_bytes(facts, 1, checkpointing)
     return max(0, math.floor(free / per_sample))
@@ -92,23 +110,33 @@ def _gb(x: float) -> str:
     return f"{x / GiB:.1f}"
 
 
-def render(models: list[str], gpus: list[int], gpu_mem: list[float], batch: int, precision: str,
-           image_size: int | None = None) -> str:
+def render(
+    models: list[str], gpus: list[int], gpu_mem: list[float], batch: int, precision: str, image_size: int | None = None
+) -> str:
     lines = []
     for name in models:
         facts = model_facts(name, image_size)
         act = activation_bytes(facts, batch, False)
         act_ckpt = activation_bytes(facts, batch, True)
-        lines += [f"## {name}: {facts.params / 1e9:.2f}B parameters (largest block "
-                  f"{facts.block_params / 1e6:.0f}M, outside blocks {facts.root_params / 1e6:.0f}M), "
-                  f"precision {precision}", "",
-                  f"Activations for {batch} samples per GPU: {_gb(act)} GiB, with --grad-checkpointing "
-                  f"{_gb(act_ckpt)} GiB.", "",
-                  "State per GPU (GiB) = parameters + gradients + optimizer state; then the largest "
-                  f"micro-batch per GPU that fits ({_gb(OVERHEAD_BYTES)} GiB reserved), without / with "
-                  "checkpointing.", ""]
-        header = "| engine | " + " | ".join(f"{n} GPUs" for n in gpus) + " | " + " | ".join(
-            f"max batch @ {m:g} GB, {gpus[0]} GPUs" for m in gpu_mem) + " |"
+        lines += [
+            f"## {name}: {facts.params / 1e9:.2f}B parameters (largest block "
+            f"{facts.block_params / 1e6:.0f}M, outside blocks {facts.root_params / 1e6:.0f}M), "
+            f"precision {precision}",
+            "",
+            f"Activations for {batch} samples per GPU: {_gb(act)} GiB, with --grad-checkpointing {_gb(act_ckpt)} GiB.",
+            "",
+            "State per GPU (GiB) = parameters + gradients + optimizer state; then the largest "
+            f"micro-batch per GPU that fits ({_gb(OVERHEAD_BYTES)} GiB reserved), without / with "
+            "checkpointing.",
+            "",
+        ]
+        header = (
+            "| engine | "
+            + " | ".join(f"{n} GPUs" for n in gpus)
+            + " | "
+            + " | ".join(f"max batch @ {m:g} GB, {gpus[0]} GPUs" for m in gpu_mem)
+            + " |"
+        )
         lines += [header, "|" + "---|" * (1 + len(gpus) + len(gpu_mem))]
         for engine in ENGINES:
             states = [_gb(state_bytes(engine, facts.params, n, precision, facts)) for n in gpus]
@@ -120,12 +148,16 @@ def render(models: list[str], gpus: list[int], gpu_mem: list[float], batch: int,
                 fits.append(f"{a} / {b}")
             lines.append(f"| {engine} | " + " | ".join(states) + " | " + " | ".join(fits) + " |")
         lines.append("")
-    lines.append("zero3_offload keeps weights, gradients and Adam state in host memory (16Ψ/N bytes per "
-                 "rank there); its GPU column is working buffers only.")
+    lines.append(
+        "zero3_offload keeps weights, gradients and Adam state in host memory (16Ψ/N bytes per "
+        "rank there); its GPU column is working buffers only."
+    )
     lines.append("")
-    lines.append("zero1 is the ZeRO paper's stage 1 (full gradients), which DeepSpeed holds while it "
-                 "accumulates over --accum-freq micro-batches; with --accum-freq 1 it reduces gradients into "
-                 "partitions during backward and measures like zero2.")
+    lines.append(
+        "zero1 is the ZeRO paper's stage 1 (full gradients), which DeepSpeed holds while it "
+        "accumulates over --accum-freq micro-batches; with --accum-freq 1 it reduces gradients into "
+        "partitions during backward and measures like zero2."
+    )
     return "\n".join(lines)
 
 

@@ -1,10 +1,10 @@
 """What each --precision value means: autocast dtype, weight dtype, and whether a loss scaler is needed.
 
-  amp            fp16 autocast + dynamic loss scaling on GPU; on CPU bfloat16 autocast (CPUs have no fast
-                 fp16 matmul and bfloat16 needs no loss scaling)
-  amp_bf16       bfloat16 autocast (amp_bfloat16 is the same)
-  bf16 / fp16    weights and activations in that dtype, no autocast (pure_bf16 / pure_fp16 are the same)
-  fp32           everything in float32
+amp            fp16 autocast + dynamic loss scaling on GPU; on CPU bfloat16 autocast (CPUs have no fast
+               fp16 matmul and bfloat16 needs no loss scaling)
+amp_bf16       bfloat16 autocast (amp_bfloat16 is the same)
+bf16 / fp16    weights and activations in that dtype, no autocast (pure_bf16 / pure_fp16 are the same)
+fp32           everything in float32
 """
 
 from __future__ import annotations

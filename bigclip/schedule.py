@@ -7,7 +7,7 @@ owns (torch, timm or DeepSpeed's) and a resumed run recomputes it from the step 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 Schedule = Callable[[int], float]
 
@@ -33,8 +33,9 @@ def constant(base_lr: float, warmup: int) -> Schedule:
     return lr
 
 
-def constant_cooldown(base_lr: float, warmup: int, total_steps: int, cooldown_steps: int,
-                      power: float = 1.0, end_lr: float = 0.0) -> Schedule:
+def constant_cooldown(
+    base_lr: float, warmup: int, total_steps: int, cooldown_steps: int, power: float = 1.0, end_lr: float = 0.0
+) -> Schedule:
     start_cooldown = total_steps - cooldown_steps
 
     def lr(step: int) -> float:
@@ -56,5 +57,6 @@ def build_schedule(cfg, steps_per_epoch: int) -> Schedule:
         return cosine(base_lr, cfg.warmup, total)
     if cfg.lr_scheduler == "const":
         return constant(base_lr, cfg.warmup)
-    return constant_cooldown(base_lr, cfg.warmup, total, steps_per_epoch * cfg.epochs_cooldown,
-                             cfg.lr_cooldown_power, cfg.lr_cooldown_end)
+    return constant_cooldown(
+        base_lr, cfg.warmup, total, steps_per_epoch * cfg.epochs_cooldown, cfg.lr_cooldown_power, cfg.lr_cooldown_end
+    )

@@ -18,16 +18,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import config as config_mod
-from .ckpt.preemption import Preempted
-from .ckpt.session import CheckpointSession, local_logs_dir, preflight
-from .data import DataInfo
-from .dist import World, all_reduce_min, all_reduce_sum, broadcast_object, init_distributed, shutdown
-from .engine import build_engine
-from .errors import UserError
-from .eval import evaluate
-from .log import (AverageMeter, MetricSinks, check_new_run, default_run_name, logger, peak_memory_bytes,
-                  run_paths, setup_console_logging, train_line)
+from bigclip import config as config_mod
+from bigclip.ckpt.preemption import Preempted
+from bigclip.ckpt.session import CheckpointSession, local_logs_dir, preflight
+from bigclip.data import DataInfo
+from bigclip.dist import World, all_reduce_min, all_reduce_sum, broadcast_object, init_distributed, shutdown
+from bigclip.engine import build_engine
+from bigclip.errors import UserError
+from bigclip.eval import evaluate
+from bigclip.log import (
+    AverageMeter,
+    MetricSinks,
+    check_new_run,
+    default_run_name,
+    logger,
+    peak_memory_bytes,
+    run_paths,
+    setup_console_logging,
+    train_line,
+)
 
 MAX_CONSECUTIVE_NONFINITE = 10
 
@@ -42,12 +51,19 @@ def seed_everything(seed: int) -> None:
 def build_model(cfg, world: World):
     import functools
 
-    from .engine import build_model as build_for_engine
-    from .model import create_model
+    from bigclip.engine import build_model as build_for_engine
+    from bigclip.model import create_model
 
-    factory = functools.partial(create_model, cfg.model, image_size=_image_size_override(cfg),
-                                context_length=cfg.force_context_length, patch_dropout=cfg.force_patch_dropout,
-                                quick_gelu=cfg.force_quick_gelu, siglip=cfg.siglip, pretrained=cfg.pretrained)
+    factory = functools.partial(
+        create_model,
+        cfg.model,
+        image_size=_image_size_override(cfg),
+        context_length=cfg.force_context_length,
+        patch_dropout=cfg.force_patch_dropout,
+        quick_gelu=cfg.force_quick_gelu,
+        siglip=cfg.siglip,
+        pretrained=cfg.pretrained,
+    )
     # The engine picks where it is built: whole, or on meta for sharding engines to initialise shard by shard.
     return build_for_engine(cfg, world, factory)
 
@@ -58,9 +74,9 @@ def _image_size_override(cfg):
 
 
 def build_data(cfg, world: World, epoch: int):
-    from .data import get_data
-    from .data.transforms import image_transform
-    from .model import get_tokenizer, preprocess_cfg
+    from bigclip.data import get_data
+    from bigclip.data.transforms import image_transform
+    from bigclip.model import get_tokenizer, preprocess_cfg
 
     pp = preprocess_cfg(cfg.model, _image_size_override(cfg))
     mean = tuple(cfg.image_mean) if cfg.image_mean else pp["mean"]
@@ -71,18 +87,31 @@ def build_data(cfg, world: World, epoch: int):
     tokenizer = get_tokenizer(cfg.model, context_length=cfg.force_context_length)
     preprocess_train = image_transform(pp["size"], True, mean, std, interpolation, resize_mode, cfg.aug_cfg)
     preprocess_val = image_transform(pp["size"], False, mean, std, interpolation, resize_mode, None)
-    data = get_data(cfg, preprocess_train, preprocess_val, tokenizer, rank=world.rank,
-                    world_size=world.world_size, epoch=epoch,
-                    preprocess_cfg={"size": pp["size"], "mean": mean, "std": std})
+    data = get_data(
+        cfg,
+        preprocess_train,
+        preprocess_val,
+        tokenizer,
+        rank=world.rank,
+        world_size=world.world_size,
+        epoch=epoch,
+        preprocess_cfg={"size": pp["size"], "mean": mean, "std": std},
+    )
     return data, tokenizer
 
 
 def build_loss_fn(cfg, world: World):
-    from .loss import build_loss
+    from bigclip.loss import build_loss
 
-    return build_loss(siglip=cfg.siglip, local_loss=cfg.local_loss, gather_with_grad=cfg.gather_with_grad,
-                      impl=cfg.loss_impl, dist_impl=cfg.loss_dist_impl, rank=world.rank,
-                      world_size=world.world_size)
+    return build_loss(
+        siglip=cfg.siglip,
+        local_loss=cfg.local_loss,
+        gather_with_grad=cfg.gather_with_grad,
+        impl=cfg.loss_impl,
+        dist_impl=cfg.loss_dist_impl,
+        rank=world.rank,
+        world_size=world.world_size,
+    )
 
 
 # ------------------------------------------------------------------------------------------ one step
@@ -94,8 +123,9 @@ def _loss(loss_fn, image_features, text_features, out: dict[str, torch.Tensor], 
     return loss_fn(image_features, text_features, scale, bias)
 
 
-def forward_backward(engine, loss_fn, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                     world: World) -> tuple[float, dict[str, torch.Tensor]]:
+def forward_backward(
+    engine, loss_fn, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], world: World
+) -> tuple[float, dict[str, torch.Tensor]]:
     """Gradients for one optimizer step; returns (loss value, last forward outputs).
 
     With several micro-batches this is OpenCLIP's --accum-freq: features of every micro-batch are first
@@ -123,11 +153,11 @@ def forward_backward(engine, loss_fn, micro_batches: list[tuple[torch.Tensor, to
 
     for j, (images, texts) in enumerate(micro_batches):
         last = j == len(micro_batches) - 1
-        with (contextlib.nullcontext() if last else engine.no_sync()):
+        with contextlib.nullcontext() if last else engine.no_sync():
             with engine.autocast():
                 out = engine.module(images=images, texts=texts)
-                image_features = torch.cat(cached_images[:j] + [out["image_features"]] + cached_images[j + 1:])
-                text_features = torch.cat(cached_texts[:j] + [out["text_features"]] + cached_texts[j + 1:])
+                image_features = torch.cat(cached_images[:j] + [out["image_features"]] + cached_images[j + 1 :])
+                text_features = torch.cat(cached_texts[:j] + [out["text_features"]] + cached_texts[j + 1 :])
                 loss = _loss(loss_fn, image_features, text_features, out, keep_scale_grad=last)
             if j == 0:
                 _stop_if_nonfinite(loss, world)
@@ -147,9 +177,20 @@ def _stop_if_nonfinite(loss: torch.Tensor, world: World) -> None:
 
 
 # ----------------------------------------------------------------------------------------- one epoch
-def train_one_epoch(cfg, engine, loss_fn, data: dict, epoch: int, state: dict[str, Any], schedule,
-                    sinks: MetricSinks, world: World, skip_batches: int = 0, on_step=None,
-                    before_update=None) -> None:
+def train_one_epoch(
+    cfg,
+    engine,
+    loss_fn,
+    data: dict,
+    epoch: int,
+    state: dict[str, Any],
+    schedule,
+    sinks: MetricSinks,
+    world: World,
+    skip_batches: int = 0,
+    on_step=None,
+    before_update=None,
+) -> None:
     """One epoch. on_step(state, epoch, last_in_epoch), if given, runs after every optimizer step (the
     checkpoint cadence; it may raise Preempted); before_update(), right before every optimizer step (an
     asynchronous checkpoint finishes copying the state it is about to change)."""
@@ -188,9 +229,11 @@ def train_one_epoch(cfg, engine, loss_fn, data: dict, epoch: int, state: dict[st
             logger.warning(f"step {step}: non-finite loss; step skipped, weights unchanged")
             sinks.write({"step": step, "epoch": epoch, "nonfinite_loss": 1})
             if state["nonfinite_streak"] >= MAX_CONSECUTIVE_NONFINITE:
-                raise UserError(f"the loss was non-finite for {MAX_CONSECUTIVE_NONFINITE} steps in a row "
-                                f"(last at step {step}); lower --lr, add --grad-clip-norm or use "
-                                f"--precision amp_bf16/fp32") from None
+                raise UserError(
+                    f"the loss was non-finite for {MAX_CONSECUTIVE_NONFINITE} steps in a row "
+                    f"(last at step {step}); lower --lr, add --grad-clip-norm or use "
+                    f"--precision amp_bf16/fp32"
+                ) from None
             loss_value, grad_norm = float("nan"), float("nan")
         micro = []
         state["step"] += 1
@@ -210,17 +253,36 @@ def train_one_epoch(cfg, engine, loss_fn, data: dict, epoch: int, state: dict[st
             samples_per_s = samples_per_step / max(batch_time.avg, 1e-9)
             logit_scale = float(engine.model.logit_scale.detach().float().exp().mean())
             seen_in_epoch = min(step_in_epoch * samples_per_step, samples_per_epoch)
-            line = train_line(epoch, seen_in_epoch, samples_per_epoch, data_time.avg, batch_time.avg,
-                              samples_per_s, samples_per_s / world.world_size, engine.get_lr(), logit_scale,
-                              loss_value, loss_meter.avg)
+            line = train_line(
+                epoch,
+                seen_in_epoch,
+                samples_per_epoch,
+                data_time.avg,
+                batch_time.avg,
+                samples_per_s,
+                samples_per_s / world.world_size,
+                engine.get_lr(),
+                logit_scale,
+                loss_value,
+                loss_meter.avg,
+            )
             (progress.write(line) if progress is not None else logger.info(line))
-            sinks.write({
-                "step": state["step"], "epoch": epoch, "samples_seen": state["samples_seen"],
-                "loss": loss_value, "lr": engine.get_lr(), "logit_scale": logit_scale, "grad_norm": grad_norm,
-                "samples_per_s": samples_per_s, "samples_per_s_per_gpu": samples_per_s / world.world_size,
-                "batch_time": batch_time.avg, "data_time": data_time.avg,
-                "peak_memory_bytes": peak_memory_bytes(world.device),
-            })
+            sinks.write(
+                {
+                    "step": state["step"],
+                    "epoch": epoch,
+                    "samples_seen": state["samples_seen"],
+                    "loss": loss_value,
+                    "lr": engine.get_lr(),
+                    "logit_scale": logit_scale,
+                    "grad_norm": grad_norm,
+                    "samples_per_s": samples_per_s,
+                    "samples_per_s_per_gpu": samples_per_s / world.world_size,
+                    "batch_time": batch_time.avg,
+                    "data_time": data_time.avg,
+                    "peak_memory_bytes": peak_memory_bytes(world.device),
+                }
+            )
             batch_time.reset()
             data_time.reset()
         if on_step is not None:
@@ -269,8 +331,9 @@ def _resolve_run_name(cfg, world: World) -> str:
 
 
 def run(cfg, local_rank: int | None = None) -> int:
-    world = init_distributed(cfg.device, cfg.dist_backend, cfg.dist_url, local_rank,
-                             pin_to_local_rank=not cfg.no_set_device_rank)
+    world = init_distributed(
+        cfg.device, cfg.dist_backend, cfg.dist_url, local_rank, pin_to_local_rank=not cfg.no_set_device_rank
+    )
     try:
         return _run(cfg, world)
     finally:
@@ -306,8 +369,14 @@ def _run(cfg, world: World) -> int:
     data, tokenizer = build_data(cfg, world, epoch=0)
     seed_everything(cfg.seed + world.rank)  # different augmentation / dropout per rank
 
-    state: dict[str, Any] = {"step": 0, "epoch": 0, "samples_seen": 0, "batches_in_epoch": 0,
-                             "nonfinite_streak": 0, "nonfinite_steps": 0}
+    state: dict[str, Any] = {
+        "step": 0,
+        "epoch": 0,
+        "samples_seen": 0,
+        "batches_in_epoch": 0,
+        "nonfinite_streak": 0,
+        "nonfinite_steps": 0,
+    }
     ckpt = CheckpointSession(cfg, paths, name, engine, world, config_dict)
     try:
         ckpt.resume(state)
@@ -327,20 +396,35 @@ def _train(cfg, world, engine, loss_fn, data, tokenizer, state, ckpt, paths, act
             raise UserError("no training data: pass --train-data, or --dataset-type synthetic")
         steps_per_epoch = data["train"].num_batches // cfg.accum_freq
         if steps_per_epoch == 0:
-            raise UserError(f"--batch-size {cfg.batch_size}: larger than one epoch of data per process "
-                            f"({data['train'].num_samples} samples over {world.world_size} processes "
-                            f"x --accum-freq {cfg.accum_freq}); lower it")
-        from .schedule import build_schedule
+            raise UserError(
+                f"--batch-size {cfg.batch_size}: larger than one epoch of data per process "
+                f"({data['train'].num_samples} samples over {world.world_size} processes "
+                f"x --accum-freq {cfg.accum_freq}); lower it"
+            )
+        from bigclip.schedule import build_schedule
 
         schedule = build_schedule(cfg, steps_per_epoch)
-        logger.info(f"training {cfg.epochs} epochs x {steps_per_epoch} steps on {world.world_size} "
-                    f"process(es), engine {engine.name}, device {world.device}, precision {cfg.precision}")
+        logger.info(
+            f"training {cfg.epochs} epochs x {steps_per_epoch} steps on {world.world_size} "
+            f"process(es), engine {engine.name}, device {world.device}, precision {cfg.precision}"
+        )
         preempted = None
         try:
             for epoch in range(state["epoch"], cfg.epochs):
-                train_one_epoch(cfg, engine, loss_fn, data, epoch, state, schedule, sinks, world,
-                                skip_batches=state.pop("batches_in_epoch", 0) if epoch == state["epoch"] else 0,
-                                on_step=ckpt.after_step, before_update=ckpt.before_update)
+                train_one_epoch(
+                    cfg,
+                    engine,
+                    loss_fn,
+                    data,
+                    epoch,
+                    state,
+                    schedule,
+                    sinks,
+                    world,
+                    skip_batches=state.pop("batches_in_epoch", 0) if epoch == state["epoch"] else 0,
+                    on_step=ckpt.after_step,
+                    before_update=ckpt.before_update,
+                )
                 state["epoch"] = completed = epoch + 1
                 metrics = evaluate(engine, data, tokenizer, cfg, completed, world)
                 _report_eval(metrics, state, completed, sinks)
@@ -369,14 +453,20 @@ def _announce_config(cfg, config_dict: dict, paths, world: World) -> None:
         import shutil
 
         package = os.path.dirname(os.path.abspath(__file__))
-        shutil.copytree(package, os.path.join(paths.root, "code", "bigclip"),
-                        ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+        shutil.copytree(
+            package,
+            os.path.join(paths.root, "code", "bigclip"),
+            ignore=shutil.ignore_patterns("__pycache__"),
+            dirs_exist_ok=True,
+        )
 
 
 def _summarise(cfg, paths, data: dict, metrics: dict[str, float]) -> None:
     if "zeroshot_top1" in metrics:
-        logger.info(f"zero-shot top-1 accuracy on {metrics['zeroshot_samples']} held-out images: "
-                    f"{metrics['zeroshot_top1']:.3f} (chance {metrics['zeroshot_chance']:.3f})")
+        logger.info(
+            f"zero-shot top-1 accuracy on {metrics['zeroshot_samples']} held-out images: "
+            f"{metrics['zeroshot_top1']:.3f} (chance {metrics['zeroshot_chance']:.3f})"
+        )
     logger.info(f"logs:        {os.path.abspath(paths.out_log)}")
     logger.info(f"metrics:     {os.path.abspath(paths.metrics)}")
     logger.info(f"checkpoints: {os.path.abspath(paths.checkpoints)}")

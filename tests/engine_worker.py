@@ -54,6 +54,7 @@ def _use_compile_backend(backend: str) -> None:
     (dynamo tracing, FSDP/ZeRO hooks) without paying minutes of inductor C++ builds on a CPU."""
     plain = torch.compile
     if getattr(plain, "_bigclip_test_backend", None) != backend:
+
         def compile_fn(*args, **kwargs):
             kwargs.setdefault("backend", backend)
             return plain(*args, **kwargs)
@@ -79,8 +80,17 @@ def run_one(spec: dict, world) -> dict:
         from bigclip.model.factory import _load_configs
 
         _load_configs()[spec["config"]["model"]] = spec["arch"]
-    values = {"dataset_type": "synthetic", "precision": "fp32", "lr": 1e-3, "warmup": 2, "wd": 0.1,
-              "gather_with_grad": True, "seed": 0, "workers": 0, **spec["config"]}
+    values = {
+        "dataset_type": "synthetic",
+        "precision": "fp32",
+        "lr": 1e-3,
+        "warmup": 2,
+        "wd": 0.1,
+        "gather_with_grad": True,
+        "seed": 0,
+        "workers": 0,
+        **spec["config"],
+    }
     cfg = resolve(values)
     arch = get_model_config(cfg.model)
     image_size = arch["vision_cfg"]["image_size"]
@@ -99,17 +109,21 @@ def run_one(spec: dict, world) -> dict:
     # one schedule for every run, however many steps it takes, so shorter runs follow the longer ones
     schedule = build_schedule(cfg, spec.get("schedule_steps", 20))
 
-    out = {"losses": [], "norms": [], "build_s": build_s, "build_rss_bytes": build_rss,
-           "build_state_bytes": build_state,
-           "num_params": sum(p.numel() for p in engine.model.parameters()) if engine.name == "ddp" else None}
+    out = {
+        "losses": [],
+        "norms": [],
+        "build_s": build_s,
+        "build_rss_bytes": build_rss,
+        "build_state_bytes": build_state,
+        "num_params": sum(p.numel() for p in engine.model.parameters()) if engine.name == "ddp" else None,
+    }
     if spec.get("clamp_check"):
         out["logit_scale_after"] = []
     engine.train()
     t0 = time.perf_counter()
     for step in range(spec["steps"]):
         engine.set_lr(schedule(step))
-        micro = [batch(step, world.rank, j, cfg.batch_size, image_size, context)
-                 for j in range(cfg.accum_freq)]
+        micro = [batch(step, world.rank, j, cfg.batch_size, image_size, context) for j in range(cfg.accum_freq)]
         if spec.get("clamp_check") and step == 0:
             _set_logit_scale_master(engine, 10.0)
         loss, _ = forward_backward(engine, loss_fn, micro, world)

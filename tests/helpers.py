@@ -13,9 +13,30 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_SCRIPT = os.path.join(REPO, "launch", "train.py")
 
 # A small, fast synthetic run of the tiny model; tests add or override flags.
-TINY_SYNTHETIC = ["--model", "test-tiny", "--dataset-type", "synthetic", "--train-num-samples", "64",
-                  "--batch-size", "8", "--epochs", "2", "--precision", "fp32", "--workers", "0",
-                  "--warmup", "2", "--lr", "1e-3", "--log-every-n-steps", "1", "--seed", "0"]
+TINY_SYNTHETIC = [
+    "--model",
+    "test-tiny",
+    "--dataset-type",
+    "synthetic",
+    "--train-num-samples",
+    "64",
+    "--batch-size",
+    "8",
+    "--epochs",
+    "2",
+    "--precision",
+    "fp32",
+    "--workers",
+    "0",
+    "--warmup",
+    "2",
+    "--lr",
+    "1e-3",
+    "--log-every-n-steps",
+    "1",
+    "--seed",
+    "0",
+]
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -27,8 +48,9 @@ def wait_for_step(run_dir: str, step: int, proc=None, timeout: float = 240) -> b
     """Poll the run's metrics.jsonl until it shows `step`; False if proc exits or time runs out first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and (proc is None or proc.poll() is None):
-        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and \
-                any(r.get("step", 0) >= step for r in read_metrics(run_dir)):
+        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and any(
+            r.get("step", 0) >= step for r in read_metrics(run_dir)
+        ):
             return True
         time.sleep(0.02)
     return False
@@ -53,12 +75,19 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 def torchrun(nproc: int, args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
     # "--" keeps torchrun's own parser off bigclip's flags: it would reject --logs as an ambiguous
     # abbreviation of its --logs-specs.
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", TRAIN_SCRIPT, "--", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        TRAIN_SCRIPT,
+        "--",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(**env))
 
 
 def python_train(args: list[str], timeout: int = 300, cwd: str | None = None, **env: str):
     cmd = [sys.executable, TRAIN_SCRIPT, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env=subprocess_env(**env))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=subprocess_env(**env))

@@ -58,15 +58,25 @@ class S3Server:
     def client(self):
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
-                            aws_secret_access_key="testing", region_name="us-east-1")
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
 
     def fs(self):
         """A fresh s3fs filesystem on this server (no instance cache, no listing cache)."""
         import s3fs
 
-        return s3fs.S3FileSystem(key="testing", secret="testing", skip_instance_cache=True,
-                                 use_listings_cache=False, client_kwargs={"endpoint_url": self.endpoint})
+        return s3fs.S3FileSystem(
+            key="testing",
+            secret="testing",
+            skip_instance_cache=True,
+            use_listings_cache=False,
+            client_kwargs={"endpoint_url": self.endpoint},
+        )
 
     def create_bucket(self, name: str) -> str:
         self.client().create_bucket(Bucket=name)

@@ -13,6 +13,8 @@ import time
 
 import pytest
 import torch
+from helpers import TINY_SYNTHETIC, TRAIN_SCRIPT, read_metrics, step_losses, subprocess_env, wait_for_step
+from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
 from bigclip import cli
 from bigclip.ckpt import CheckpointManager
@@ -23,8 +25,6 @@ from bigclip.dist import World
 from bigclip.engine import build_engine
 from bigclip.errors import UserError
 from bigclip.model import create_model
-from helpers import TINY_SYNTHETIC, TRAIN_SCRIPT, read_metrics, step_losses, subprocess_env, wait_for_step
-from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
 # 96 samples / batch 8 = 12 steps per epoch, 24 in all; a checkpoint every 4 steps (mid-epoch ones included).
 # A constant LR schedule, so that a run told --epochs 1 takes the same first 12 steps as the reference.
@@ -92,6 +92,7 @@ def test_cadence_and_exact_mid_epoch_resume(reference, tmp_path):
 
 def _when_step(run_dir, step, action, timeout=240):
     """Run action() in a thread as soon as metrics.jsonl shows `step` (the run goes on in this thread)."""
+
     def watch():
         if wait_for_step(run_dir, step, timeout=timeout):
             action()
@@ -125,10 +126,22 @@ def test_sigterm_to_the_whole_job_with_loader_workers(tmp_path):
     """SLURM's --signal and a spot reclaim signal every process of the job, data-loader workers included:
     the workers must outlive the signal until the main process has written its final checkpoint."""
     run_dir = os.path.join(tmp_path, "job")
-    cmd = [sys.executable, TRAIN_SCRIPT, *FLAGS, "--save-every-n-steps", "0", "--workers", "2",
-           "--logs", str(tmp_path), "--name", "job"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=subprocess_env(), start_new_session=True)
+    cmd = [
+        sys.executable,
+        TRAIN_SCRIPT,
+        *FLAGS,
+        "--save-every-n-steps",
+        "0",
+        "--workers",
+        "2",
+        "--logs",
+        str(tmp_path),
+        "--name",
+        "job",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env(), start_new_session=True
+    )
     wait_for_step(run_dir, 3, proc)
     os.killpg(proc.pid, signal.SIGTERM)  # the main process and both workers
     out, _ = proc.communicate(timeout=120)
@@ -178,11 +191,23 @@ def test_latest_skips_partial_and_corrupt_checkpoints(reference, tmp_path, bigcl
 def test_remote_sync_retention_and_resume_from_s3(reference, s3, s3_bucket, tmp_path):
     _, full = reference
     remote = f"s3://{s3_bucket}/runs"
-    secret_options = json.dumps({"client_kwargs": {"endpoint_url": s3.endpoint}, "key": "testing",
-                                 "secret": "testing"})
-    run_dir = run(tmp_path, "r", "--epochs", "1", "--remote-sync", remote, "--remote-sync-protocol", "s3",
-                  "--delete-previous-checkpoint", "--keep-last-k", "2", "--save-most-recent",
-                  "--storage-options", secret_options)
+    secret_options = json.dumps({"client_kwargs": {"endpoint_url": s3.endpoint}, "key": "testing", "secret": "testing"})
+    run_dir = run(
+        tmp_path,
+        "r",
+        "--epochs",
+        "1",
+        "--remote-sync",
+        remote,
+        "--remote-sync-protocol",
+        "s3",
+        "--delete-previous-checkpoint",
+        "--keep-last-k",
+        "2",
+        "--save-most-recent",
+        "--storage-options",
+        secret_options,
+    )
     fs = s3.fs()
     prefix = f"{s3_bucket}/runs/r"
     committed = sorted(p.split("/")[-2] for p in fs.glob(f"{prefix}/checkpoints/*/{MANIFEST}"))
@@ -209,8 +234,9 @@ def test_remote_sync_retention_and_resume_from_s3(reference, s3, s3_bucket, tmp_
 
     # A new machine: no local copies. --resume latest looks at the remote store, verifies while downloading.
     shutil.rmtree(os.path.join(run_dir, "checkpoints"))
-    resumed = step_losses(run(tmp_path / "elsewhere", "r", "--remote-sync", remote, "--remote-sync-protocol", "s3",
-                              "--resume", "latest"))
+    resumed = step_losses(
+        run(tmp_path / "elsewhere", "r", "--remote-sync", remote, "--remote-sync-protocol", "s3", "--resume", "latest")
+    )
     log = open(tmp_path / "elsewhere" / "r" / "out.log").read()
     assert "step_44: __0_0.distcp is missing; skipped" in log
     assert "epoch_1: __0_0.distcp: checksum does not match" in log
@@ -225,8 +251,15 @@ def test_fsspec_protocol_resume_latest_with_save_most_recent(reference, s3, s3_b
     a machine with no local copies resumes --resume latest from the remote epoch_latest."""
     _, full = reference
     remote = f"s3://{s3_bucket}/fsspec-runs" if where == "s3" else str(tmp_path / "shared-fs")
-    flags = ["--remote-sync", remote, "--remote-sync-protocol", "fsspec", "--save-most-recent",
-             "--save-every-n-steps", "0"]
+    flags = [
+        "--remote-sync",
+        remote,
+        "--remote-sync-protocol",
+        "fsspec",
+        "--save-most-recent",
+        "--save-every-n-steps",
+        "0",
+    ]
     run_dir = run(tmp_path / "first", "f", "--epochs", "1", *flags)
     shutil.rmtree(os.path.join(run_dir, "checkpoints"))
     # Only the most-recent copy is left to find (epoch_1, same step, would otherwise be preferred).
@@ -257,8 +290,23 @@ def test_s3_outage_never_blocks_training(s3, s3_bucket, tmp_path, monkeypatch, c
         s3.start()
 
     watcher = _when_step(run_dir, 5, outage)
-    code = cli.main([*TINY_SYNTHETIC, "--train-num-samples", "240", "--epochs", "1", "--save-every-n-steps", "6",
-                     "--remote-sync", f"s3://{s3_bucket}/runs", "--logs", str(tmp_path), "--name", "outage"])
+    code = cli.main(
+        [
+            *TINY_SYNTHETIC,
+            "--train-num-samples",
+            "240",
+            "--epochs",
+            "1",
+            "--save-every-n-steps",
+            "6",
+            "--remote-sync",
+            f"s3://{s3_bucket}/runs",
+            "--logs",
+            str(tmp_path),
+            "--name",
+            "outage",
+        ]
+    )
     watcher.join()
     out = capfd.readouterr().out
     assert code == 0
@@ -268,14 +316,16 @@ def test_s3_outage_never_blocks_training(s3, s3_bucket, tmp_path, monkeypatch, c
     assert "retrying" in out
     committed = sorted(p.split("/")[-2] for p in s3.fs().glob(f"{s3_bucket}/runs/outage/checkpoints/*/{MANIFEST}"))
     assert "step_6" in committed and "epoch_1" in committed, out[-3000:]
-    started = {line.split("checkpoint ")[1].split(":")[0] for line in out.splitlines()
-               if "saving in the background" in line}
+    started = {
+        line.split("checkpoint ")[1].split(":")[0] for line in out.splitlines() if "saving in the background" in line
+    }
     assert started <= set(committed)
 
 
 def test_bad_credentials_and_missing_bucket_stop_with_one_line(s3, s3_bucket, tmp_path, monkeypatch, capfd):
-    code = cli.main([*FLAGS, "--logs", str(tmp_path), "--name", "nobucket", "--remote-sync",
-                     "s3://missing-bucket-xyz/runs"])
+    code = cli.main(
+        [*FLAGS, "--logs", str(tmp_path), "--name", "nobucket", "--remote-sync", "s3://missing-bucket-xyz/runs"]
+    )
     err = capfd.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and "Traceback" not in err
     assert "missing-bucket-xyz" in err and "exists" in err
@@ -283,8 +333,9 @@ def test_bad_credentials_and_missing_bucket_stop_with_one_line(s3, s3_bucket, tm
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLEWRONG")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     with s3.enforce_auth():
-        code = cli.main([*FLAGS, "--logs", str(tmp_path), "--name", "badkeys", "--remote-sync",
-                         f"s3://{s3_bucket}/runs"])
+        code = cli.main(
+            [*FLAGS, "--logs", str(tmp_path), "--name", "badkeys", "--remote-sync", f"s3://{s3_bucket}/runs"]
+        )
     err = capfd.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and "Traceback" not in err
     assert "access denied" in err and "not-the-secret" not in err
@@ -313,15 +364,25 @@ def test_export_to_safetensors_and_pt(reference, tmp_path):
 def test_logs_url_and_http_checkpoints(reference, s3, s3_bucket, tmp_path, monkeypatch):
     """--logs s3://… runs through a local staging folder; a checkpoint served over http(s) can be exported."""
     monkeypatch.setenv("BIGCLIP_LOCAL_LOGS", str(tmp_path / "staging"))
-    code = cli.main([*TINY_SYNTHETIC, "--train-num-samples", "32", "--epochs", "1", "--logs",
-                     f"s3://{s3_bucket}/runs", "--name", "direct"])
+    code = cli.main(
+        [
+            *TINY_SYNTHETIC,
+            "--train-num-samples",
+            "32",
+            "--epochs",
+            "1",
+            "--logs",
+            f"s3://{s3_bucket}/runs",
+            "--name",
+            "direct",
+        ]
+    )
     assert code == 0
     fs = s3.fs()
     assert fs.exists(f"{s3_bucket}/runs/direct/checkpoints/epoch_1/{MANIFEST}")
     assert fs.exists(f"{s3_bucket}/runs/direct/metrics.jsonl") and fs.exists(f"{s3_bucket}/runs/direct/out.log")
     # The same name again is refused: the remote already holds that run.
-    assert cli.main([*TINY_SYNTHETIC, "--logs", f"s3://{s3_bucket}/runs", "--name", "direct",
-                     "--epochs", "1"]) == 2
+    assert cli.main([*TINY_SYNTHETIC, "--logs", f"s3://{s3_bucket}/runs", "--name", "direct", "--epochs", "1"]) == 2
 
     import functools
     import http.server

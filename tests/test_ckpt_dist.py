@@ -11,13 +11,13 @@ import textwrap
 
 import pytest
 import torch
+from helpers import REPO, TINY_SYNTHETIC, TRAIN_SCRIPT, free_port, read_metrics, subprocess_env, wait_for_step
 
 from bigclip.ckpt import CheckpointManager
 from bigclip.config import resolve
 from bigclip.dist import World
 from bigclip.engine import build_engine
 from bigclip.model import create_model
-from helpers import REPO, TINY_SYNTHETIC, TRAIN_SCRIPT, free_port, read_metrics, subprocess_env, wait_for_step
 
 pytestmark = pytest.mark.slow
 
@@ -47,10 +47,24 @@ def _rank_of(pid: int) -> int | None:
 def _torchrun(args, cwd):
     # No --logs flag: torch 2.14's torchrun rejects any "--logs" after the script as an abbreviation of its
     # own --logs-specs, so the run writes to the default ./logs/ under cwd.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           TRAIN_SCRIPT, *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
-                            env=subprocess_env(), start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        TRAIN_SCRIPT,
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=cwd,
+        env=subprocess_env(),
+        start_new_session=True,
+    )
 
 
 def _losses_by_occurrence(run_dir):
@@ -61,8 +75,11 @@ def _losses_by_occurrence(run_dir):
     return first, second
 
 
-ENGINE_FLAGS = {"ddp": [], "fsdp": ["--engine", "fsdp"],
-                "zero2": ["--ds_config", os.path.join(REPO, "ds_configs", "zero2.json")]}
+ENGINE_FLAGS = {
+    "ddp": [],
+    "fsdp": ["--engine", "fsdp"],
+    "zero2": ["--ds_config", os.path.join(REPO, "ds_configs", "zero2.json")],
+}
 
 
 @pytest.mark.parametrize("engine", list(ENGINE_FLAGS))
@@ -70,8 +87,16 @@ def test_sigkill_one_rank_then_resume_latest_gives_the_same_losses(tmp_path, eng
     """Rank 1 is SIGKILLed mid-run (a checkpoint may be half written). The restarted run resumes from the
     last committed checkpoint and recomputes the steps after it with exactly the losses the killed run had."""
     # 160 samples / (8 x 2 ranks) = 10 steps per epoch, 20 in all; a checkpoint every 4 steps.
-    flags = [*TINY_SYNTHETIC, "--train-num-samples", "160", "--save-every-n-steps", "4", "--name", "killed",
-             *ENGINE_FLAGS[engine]]
+    flags = [
+        *TINY_SYNTHETIC,
+        "--train-num-samples",
+        "160",
+        "--save-every-n-steps",
+        "4",
+        "--name",
+        "killed",
+        *ENGINE_FLAGS[engine],
+    ]
     run_dir = os.path.join(tmp_path, "logs", "killed")
     proc = _torchrun(flags, tmp_path)
     wait_for_step(run_dir, 10, proc, timeout=300)
@@ -192,8 +217,9 @@ def main():  # the process writer's daemon re-imports __main__: nothing may run 
             saved = torch.load(path, weights_only=False)["optimizer_state_dict"]["single_partition_of_fp32_groups"]
             results[name]["staging"] = {"written_early": written_early,
                                         "saved_equals_staged": all(torch.equal(x, y) for x, y in zip(saved, masters)),
-                                        "masters_moved": not all(torch.equal(x, y) for x, y in
-                                                                 zip(b.ds.optimizer.single_partition_of_fp32_groups, masters))}
+                                        "masters_moved": not all(
+                                            torch.equal(x, y)
+                                            for x, y in zip(b.ds.optimizer.single_partition_of_fp32_groups, masters))}
         if world.rank == 0:
             torch.save(snapshot, os.path.join(root, name + "_step2_model.pt"))
         manager.close()
@@ -270,24 +296,37 @@ if world.rank == 0:
 
 def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
     ds = os.path.join(REPO, "ds_configs")
-    spec = {"ddp": {"engine": "ddp"}, "fsdp": {"engine": "fsdp"},
-            "ddp_process_writer": {"engine": "ddp", "checkpoint_async": "process"},
-            "fsdp_process_writer": {"engine": "fsdp", "checkpoint_async": "process"},
-            "zero2": {"ds_config": os.path.join(ds, "zero2.json")},
-            "zero3": {"ds_config": os.path.join(ds, "zero3.json")}}
+    spec = {
+        "ddp": {"engine": "ddp"},
+        "fsdp": {"engine": "fsdp"},
+        "ddp_process_writer": {"engine": "ddp", "checkpoint_async": "process"},
+        "fsdp_process_writer": {"engine": "fsdp", "checkpoint_async": "process"},
+        "zero2": {"ds_config": os.path.join(ds, "zero2.json")},
+        "zero3": {"ds_config": os.path.join(ds, "zero3.json")},
+    }
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           str(tmp_path / "worker.py"), str(tmp_path / "spec.json"), str(tmp_path / "out.json"), str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420,
-                          env=subprocess_env(DS_ACCELERATOR="cpu"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        str(tmp_path / "worker.py"),
+        str(tmp_path / "spec.json"),
+        str(tmp_path / "out.json"),
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=subprocess_env(DS_ACCELERATOR="cpu"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     results = json.loads((tmp_path / "out.json").read_text())
     for name, r in results.items():
         assert r["step"] == 2 and r["location"].endswith("step_2"), name
         assert r["b"] == pytest.approx(r["a"], rel=1e-6, abs=1e-7), name  # resumed == uninterrupted
         manifest = json.loads((tmp_path / name / "step_2" / "manifest.json").read_text())
-        assert manifest["world_size"] == 2 and manifest["engine"] == ("deepspeed" if "zero" in name else spec[name]["engine"])
+        assert manifest["world_size"] == 2 and manifest["engine"] == (
+            "deepspeed" if "zero" in name else spec[name]["engine"]
+        )
         assert {"rng/rank_00000.pt", "rng/rank_00001.pt"} <= set(manifest["files"])
     assert results["ddp_process_writer"]["writer"] == results["fsdp_process_writer"]["writer"] == "process"
     assert results["ddp"]["writer"] == results["fsdp"]["writer"] == "thread"
@@ -303,11 +342,20 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
     (tmp_path / "reshard_spec.json").write_text(json.dumps({**spec, "zero2_into_zero3": mismatch}))
     for nproc in (1, 4):
         out = tmp_path / f"reshard{nproc}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", str(tmp_path / "reshard.py"), str(tmp_path / "reshard_spec.json"),
-               str(out), str(tmp_path)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                              env=subprocess_env(DS_ACCELERATOR="cpu"))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}",
+            str(tmp_path / "reshard.py"),
+            str(tmp_path / "reshard_spec.json"),
+            str(out),
+            str(tmp_path),
+        ]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(DS_ACCELERATOR="cpu")
+        )
         assert proc.returncode == 0, (nproc, (proc.stdout + proc.stderr)[-4000:])
         resharded = json.loads(out.read_text())
         assert "saved with DeepSpeed ZeRO stage 2, this run uses stage 3" in resharded.pop("zero2_into_zero3")["error"]

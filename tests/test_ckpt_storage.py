@@ -4,10 +4,10 @@ import os
 import time
 
 import pytest
+from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
 from bigclip.ckpt import storage as storage_mod
 from bigclip.ckpt.storage import Storage, StorageError, redact_options, redact_url
-from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
 
 def test_multipart_upload_listing_and_download(s3, s3_bucket, tmp_path, monkeypatch):
@@ -23,7 +23,9 @@ def test_multipart_upload_listing_and_download(s3, s3_bucket, tmp_path, monkeypa
     store.get_file("step_1/shard.bin", str(tmp_path / "back.bin"))
     assert (tmp_path / "back.bin").read_bytes() == src.read_bytes()
     assert store.read_many(["step_1/manifest.json", "step_2/manifest.json"]) == {
-        "step_1/manifest.json": b"{}", "step_2/manifest.json": None}
+        "step_1/manifest.json": b"{}",
+        "step_2/manifest.json": None,
+    }
 
 
 def test_missing_bucket_fails_fast_with_one_line(s3):
@@ -38,17 +40,22 @@ def test_missing_bucket_fails_fast_with_one_line(s3):
 def test_bad_credentials_fail_fast_without_leaking_them(s3, s3_bucket):
     with s3.enforce_auth():
         with pytest.raises(StorageError) as err:
-            Storage(f"s3://{s3_bucket}/runs",
-                    {"key": "AKIAWRONGKEY", "secret": "wrong-secret-value"}).check_writable()
+            Storage(f"s3://{s3_bucket}/runs", {"key": "AKIAWRONGKEY", "secret": "wrong-secret-value"}).check_writable()
     message = str(err.value)
     assert "access denied" in message and "credentials" in message and "\n" not in message
     assert "wrong-secret-value" not in message
 
 
 def test_secrets_are_redacted():
-    options = {"key": "AKIA", "secret": "s3cr3t", "client_kwargs": {"endpoint_url": "http://u:p@host:9000",
-                                                                       "aws_session_token": "tok"}}
-    assert redact_options(options) == {"key": "***", "secret": "***", "client_kwargs": {
-        "endpoint_url": "http://***@host:9000", "aws_session_token": "***"}}
+    options = {
+        "key": "AKIA",
+        "secret": "s3cr3t",
+        "client_kwargs": {"endpoint_url": "http://u:p@host:9000", "aws_session_token": "tok"},
+    }
+    assert redact_options(options) == {
+        "key": "***",
+        "secret": "***",
+        "client_kwargs": {"endpoint_url": "http://***@host:9000", "aws_session_token": "***"},
+    }
     assert redact_url("s3://user:pass@bucket/x") == "s3://***@bucket/x"
     assert redact_url("/local/path") == "/local/path"

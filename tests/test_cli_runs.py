@@ -4,14 +4,19 @@ import os
 import subprocess
 import sys
 
-from PIL import Image
-
 from helpers import REPO, python_train, read_metrics, subprocess_env
+from PIL import Image
 
 
 def test_python_m_bigclip_help_is_grouped():
-    out = subprocess.run([sys.executable, "-m", "bigclip", "--help"], capture_output=True, text=True,
-                         env=subprocess_env(), cwd=REPO, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "bigclip", "--help"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=REPO,
+        timeout=120,
+    )
     assert out.returncode == 0
     for group in ("data:", "model:", "training:", "distributed:", "--accum-freq"):
         assert group in out.stdout
@@ -33,9 +38,28 @@ def test_csv_run_skips_and_counts_a_missing_image(tmp_path):
     rows.append(f"{tmp_path / 'gone.png'}\ta picture that is not there")
     csv = tmp_path / "train.csv"
     csv.write_text("\n".join(rows) + "\n")
-    out = python_train(["--train-data", str(csv), "--model", "test-tiny", "--batch-size", "8", "--epochs", "1",
-                        "--precision", "fp32", "--workers", "0", "--warmup", "1", "--logs", str(tmp_path / "logs"),
-                        "--name", "csv"])
+    out = python_train(
+        [
+            "--train-data",
+            str(csv),
+            "--model",
+            "test-tiny",
+            "--batch-size",
+            "8",
+            "--epochs",
+            "1",
+            "--precision",
+            "fp32",
+            "--workers",
+            "0",
+            "--warmup",
+            "1",
+            "--logs",
+            str(tmp_path / "logs"),
+            "--name",
+            "csv",
+        ]
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     records = read_metrics(str(tmp_path / "logs" / "csv"))
     assert any(r.get("data/skipped_missing_image") == 1 for r in records)
@@ -45,8 +69,20 @@ def test_csv_run_skips_and_counts_a_missing_image(tmp_path):
 def test_report_to_tensorboard_and_wandb_offline(tmp_path):
     from helpers import TINY_SYNTHETIC
 
-    out = python_train([*TINY_SYNTHETIC, "--epochs", "1", "--report-to", "tensorboard,wandb",
-                        "--logs", str(tmp_path), "--name", "sinks"], WANDB_MODE="offline")
+    out = python_train(
+        [
+            *TINY_SYNTHETIC,
+            "--epochs",
+            "1",
+            "--report-to",
+            "tensorboard,wandb",
+            "--logs",
+            str(tmp_path),
+            "--name",
+            "sinks",
+        ],
+        WANDB_MODE="offline",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     run_dir = tmp_path / "sinks"
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))

@@ -18,8 +18,20 @@ def test_openclip_defaults_when_data_is_given(tmp_path):
     cfg = parse("--train-data", str(csv), "--model", "test-tiny")
     assert not cfg.demo
     defaults = TrainConfig()
-    for name in ("batch_size", "epochs", "warmup", "wd", "precision", "workers", "lr_scheduler",
-                 "save_frequency", "zeroshot_frequency", "log_every_n_steps", "csv_separator", "logs"):
+    for name in (
+        "batch_size",
+        "epochs",
+        "warmup",
+        "wd",
+        "precision",
+        "workers",
+        "lr_scheduler",
+        "save_frequency",
+        "zeroshot_frequency",
+        "log_every_n_steps",
+        "csv_separator",
+        "logs",
+    ):
         assert getattr(cfg, name) == getattr(defaults, name), name
     assert (defaults.batch_size, defaults.epochs, defaults.warmup, defaults.precision) == (64, 32, 10000, "amp")
     assert defaults.model == "RN50" and defaults.csv_img_key == "filepath" and defaults.csv_caption_key == "title"
@@ -34,37 +46,46 @@ def test_precedence_defaults_yaml_flags(tmp_path):
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text("batch-size: 16\nepochs: 3\nlr: 0.01\nmodel: test-tiny\n")
     cfg = parse("--config", str(yaml_file), "--epochs", "5", "--dataset-type", "synthetic")
-    assert cfg.batch_size == 16      # YAML over default
-    assert cfg.epochs == 5           # flag over YAML
+    assert cfg.batch_size == 16  # YAML over default
+    assert cfg.epochs == 5  # flag over YAML
     assert cfg.lr == 0.01
-    assert cfg.warmup == 10000       # untouched default
+    assert cfg.warmup == 10000  # untouched default
     # The demo preset applies only where neither YAML nor flags spoke.
     cfg = parse("--config", str(yaml_file))
     assert cfg.demo and cfg.batch_size == 16 and cfg.epochs == 3 and cfg.warmup == DEMO_PRESET["warmup"]
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--model", "ViT-Q-99"], "--model 'ViT-Q-99': unknown architecture; choose one of"),
-    (["--batch-size", "-4"], "--batch-size -4: must be a positive integer"),
-    (["--precision", "fp8"], "--precision 'fp8': choose one of amp"),
-    (["--model", "RN50", "--dataset-type", "synthetic"], "--model RN50: not supported yet (bigclip has ViT towers only)"),
-    (["--model", "test-tiny", "--train-data", "/nonexistent/train.csv"], "--train-data '/nonexistent/train.csv': '/nonexistent/train.csv' does not exist"),
-    (["--pretrained", "/nonexistent/w.pt"], "--pretrained '/nonexistent/w.pt': file not found"),
-    (["--resume", "/nonexistent/ckpt"], "--resume '/nonexistent/ckpt': not found"),
-    (["--lr-scheduler", "linear"], "--lr-scheduler 'linear': choose one of cosine"),
-    (["--lr-scheduler", "const-cooldown"], "--lr-scheduler const-cooldown needs --epochs-cooldown"),
-    (["--opt", "sgd"], "--opt 'sgd': choose adamw or timm/<optimizer name>"),
-    (["--report-to", "mlflow"], "--report-to 'mlflow': use tensorboard, wandb"),
-    (["--dataset-resampled"], "--dataset-resampled: not supported yet"),
-    (["--horovod"], "--horovod: not supported yet"),
-    (["--coca-caption-loss-weight", "1.0"], "--coca-caption-loss-weight: not supported yet"),
-    (["--imagenet-val", "/data/imagenet"], "--imagenet-val: not supported yet"),
-    (["--batch-size", "abc"], "argument --batch-size: invalid int value: 'abc'"),
-    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-    (["--force-patch-dropout", "1.5"], "--force-patch-dropout 1.5: must be in [0, 1)"),
-    (["--loss-impl", "magic"], "--loss-impl 'magic': choose one of"),
-    (["--aug-cfg", "scale=0.5::1.0", "sharpness=2"], "--aug-cfg"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--model", "ViT-Q-99"], "--model 'ViT-Q-99': unknown architecture; choose one of"),
+        (["--batch-size", "-4"], "--batch-size -4: must be a positive integer"),
+        (["--precision", "fp8"], "--precision 'fp8': choose one of amp"),
+        (
+            ["--model", "RN50", "--dataset-type", "synthetic"],
+            "--model RN50: not supported yet (bigclip has ViT towers only)",
+        ),
+        (
+            ["--model", "test-tiny", "--train-data", "/nonexistent/train.csv"],
+            "--train-data '/nonexistent/train.csv': '/nonexistent/train.csv' does not exist",
+        ),
+        (["--pretrained", "/nonexistent/w.pt"], "--pretrained '/nonexistent/w.pt': file not found"),
+        (["--resume", "/nonexistent/ckpt"], "--resume '/nonexistent/ckpt': not found"),
+        (["--lr-scheduler", "linear"], "--lr-scheduler 'linear': choose one of cosine"),
+        (["--lr-scheduler", "const-cooldown"], "--lr-scheduler const-cooldown needs --epochs-cooldown"),
+        (["--opt", "sgd"], "--opt 'sgd': choose adamw or timm/<optimizer name>"),
+        (["--report-to", "mlflow"], "--report-to 'mlflow': use tensorboard, wandb"),
+        (["--dataset-resampled"], "--dataset-resampled: not supported yet"),
+        (["--horovod"], "--horovod: not supported yet"),
+        (["--coca-caption-loss-weight", "1.0"], "--coca-caption-loss-weight: not supported yet"),
+        (["--imagenet-val", "/data/imagenet"], "--imagenet-val: not supported yet"),
+        (["--batch-size", "abc"], "argument --batch-size: invalid int value: 'abc'"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--force-patch-dropout", "1.5"], "--force-patch-dropout 1.5: must be in [0, 1)"),
+        (["--loss-impl", "magic"], "--loss-impl 'magic': choose one of"),
+        (["--aug-cfg", "scale=0.5::1.0", "sharpness=2"], "--aug-cfg"),
+    ],
+)
 def test_bad_values_fail_with_one_line(argv, expected, capsys):
     code = cli.main(argv)
     err = capsys.readouterr().err
@@ -97,28 +118,39 @@ def test_help_is_grouped(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     out = capsys.readouterr().out
-    for group in ("data:", "model:", "training:", "precision and memory:", "loss:", "checkpoints:",
-                  "logging:", "evaluation:", "distributed:"):
+    for group in (
+        "data:",
+        "model:",
+        "training:",
+        "precision and memory:",
+        "loss:",
+        "checkpoints:",
+        "logging:",
+        "evaluation:",
+        "distributed:",
+    ):
         assert group in out
     assert "--accum-freq" in out and "--local-loss" in out and "not supported yet" in out
 
 
 def test_every_openclip_flag_of_the_reference_exists():
     # The flag reference users know; each must parse (supported ones) or be rejected by name.
-    names = ("train-data val-data train-num-samples val-num-samples dataset-type dataset-resampled csv-separator "
-             "csv-img-key csv-caption-key train-data-upsampling-factors model pretrained pretrained-image "
-             "force-image-size force-context-length force-patch-dropout force-quick-gelu force-custom-text "
-             "batch-size epochs accum-freq lr warmup lr-scheduler epochs-cooldown lr-cooldown-end "
-             "lr-cooldown-power opt beta1 beta2 eps wd momentum grad-clip-norm precision grad-checkpointing "
-             "local-loss gather-with-grad workers image-mean image-std image-interpolation image-resize-mode "
-             "aug-cfg lock-image lock-image-unlocked-groups lock-image-freeze-bn-stats lock-text "
-             "lock-text-unlocked-layers lock-text-freeze-layer-norm save-frequency save-most-recent "
-             "delete-previous-checkpoint resume logs name report-to log-every-n-steps wandb-project-name "
-             "wandb-notes imagenet-val imagenet-v2 zeroshot-frequency val-frequency "
-             "coca-contrastive-loss-weight coca-caption-loss-weight dist-url dist-backend horovod "
-             "ddp-static-graph use-bn-sync torchcompile torchscript trace distill-model distill-pretrained "
-             "siglip loss-dist-impl remote-sync remote-sync-frequency remote-sync-protocol use-bnb-linear "
-             "seed device cache-dir debug log-local copy-codebase").split()
+    names = (
+        "train-data val-data train-num-samples val-num-samples dataset-type dataset-resampled csv-separator "
+        "csv-img-key csv-caption-key train-data-upsampling-factors model pretrained pretrained-image "
+        "force-image-size force-context-length force-patch-dropout force-quick-gelu force-custom-text "
+        "batch-size epochs accum-freq lr warmup lr-scheduler epochs-cooldown lr-cooldown-end "
+        "lr-cooldown-power opt beta1 beta2 eps wd momentum grad-clip-norm precision grad-checkpointing "
+        "local-loss gather-with-grad workers image-mean image-std image-interpolation image-resize-mode "
+        "aug-cfg lock-image lock-image-unlocked-groups lock-image-freeze-bn-stats lock-text "
+        "lock-text-unlocked-layers lock-text-freeze-layer-norm save-frequency save-most-recent "
+        "delete-previous-checkpoint resume logs name report-to log-every-n-steps wandb-project-name "
+        "wandb-notes imagenet-val imagenet-v2 zeroshot-frequency val-frequency "
+        "coca-contrastive-loss-weight coca-caption-loss-weight dist-url dist-backend horovod "
+        "ddp-static-graph use-bn-sync torchcompile torchscript trace distill-model distill-pretrained "
+        "siglip loss-dist-impl remote-sync remote-sync-frequency remote-sync-protocol use-bnb-linear "
+        "seed device cache-dir debug log-local copy-codebase"
+    ).split()
     parser = cli.build_train_parser()
     known = {opt for action in parser._actions for opt in action.option_strings}
     missing = [n for n in names if f"--{n}" not in known]

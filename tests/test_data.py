@@ -12,8 +12,15 @@ import torch
 from PIL import Image
 
 from bigclip.config import TrainConfig
-from bigclip.data import (DIGIT_CLASSNAMES, DIGIT_TEMPLATES, DataInfo, get_data, image_transform,
-                          parse_aug_cfg, resolve_dataset_type)
+from bigclip.data import (
+    DIGIT_CLASSNAMES,
+    DIGIT_TEMPLATES,
+    DataInfo,
+    get_data,
+    image_transform,
+    parse_aug_cfg,
+    resolve_dataset_type,
+)
 from bigclip.data.digits import digit_caption, load_digit_split
 from bigclip.data.sampler import ShardedBatchSampler
 from bigclip.errors import UserError
@@ -32,8 +39,16 @@ def make_cfg(**overrides) -> TrainConfig:
 
 
 def load(cfg, rank=0, world_size=1, epoch=0) -> dict:
-    return get_data(cfg, PREPROCESS, PREPROCESS, TOKENIZER, rank=rank, world_size=world_size, epoch=epoch,
-                    preprocess_cfg=PREPROCESS_CFG)
+    return get_data(
+        cfg,
+        PREPROCESS,
+        PREPROCESS,
+        TOKENIZER,
+        rank=rank,
+        world_size=world_size,
+        epoch=epoch,
+        preprocess_cfg=PREPROCESS_CFG,
+    )
 
 
 def captions_of(batches) -> list[str]:
@@ -106,7 +121,7 @@ def test_csv_bad_samples_are_replaced_and_counted(tmp_path, workers):
         f.write(b"\x89PNG not really an image")
     rows = [(p, f"caption {i}") for i, p in enumerate(images)]
     rows[2] = (str(tmp_path / "gone.png"), "caption 2")  # image file missing
-    rows[6] = (images[6], "")                              # caption missing
+    rows[6] = (images[6], "")  # caption missing
     path = write_csv(tmp_path, rows)
     info = load(make_cfg(train_data=path, val_data=path, batch_size=4, workers=workers))["val"]
     batches = list(info.dataloader)
@@ -167,8 +182,7 @@ def shards(tmp_path):
         for i in range(5):
             n = shard * 5 + i
             fmt, ext = (("JPEG", "jpg"), ("PNG", "png"))[n % 2]
-            samples.append({"__key__": f"s{n:03d}", ext: png_bytes(n * 20, fmt=fmt),
-                            "txt": f"sample {n}".encode()})
+            samples.append({"__key__": f"s{n:03d}", ext: png_bytes(n * 20, fmt=fmt), "txt": f"sample {n}".encode()})
         samples[1]["png" if samples[1].get("png") else "jpg"] = b"garbage bytes"  # s001 / s006
         if shard == 1:
             del samples[3]["txt"]  # s008
@@ -210,14 +224,16 @@ def test_webdataset_two_ranks_disjoint_equal(shards):
 def test_webdataset_resume_skips_batches(tmp_path):
     # Exact when the skipped part holds no undecodable image (skipping does not decode; see wds_dataset).
     for shard in range(3):
-        write_shard(tmp_path / f"c{shard}.tar", [{"__key__": f"k{shard}{i}", "png": png_bytes(i),
-                                                  "txt": f"clean {shard} {i}".encode()} for i in range(4)])
+        write_shard(
+            tmp_path / f"c{shard}.tar",
+            [{"__key__": f"k{shard}{i}", "png": png_bytes(i), "txt": f"clean {shard} {i}".encode()} for i in range(4)],
+        )
     cfg = make_cfg(train_data=str(tmp_path / "c{0..2}.tar"), train_num_samples=16, batch_size=2, workers=2)
     info = load(cfg, epoch=3)["train"]
     full = captions_of(info.dataloader)
     info.set_epoch(3, skip_batches=3)
     assert len(info.dataloader) == info.num_batches - 3 == 5
-    assert captions_of(info.dataloader) == full[3 * 2:]
+    assert captions_of(info.dataloader) == full[3 * 2 :]
 
 
 def test_webdataset_user_errors(tmp_path, shards):
@@ -232,10 +248,15 @@ def test_webdataset_user_errors(tmp_path, shards):
 
 
 # ------------------------------------------------------------------------------------ type detection
-@pytest.mark.parametrize("path, kind", [
-    ("a/train.csv", "csv"), ("b.TSV", "csv"), ("s/{000..009}.tar", "webdataset"),
-    ("x/{a,b}.tar::y/c.tar", "webdataset"),
-])
+@pytest.mark.parametrize(
+    "path, kind",
+    [
+        ("a/train.csv", "csv"),
+        ("b.TSV", "csv"),
+        ("s/{000..009}.tar", "webdataset"),
+        ("x/{a,b}.tar::y/c.tar", "webdataset"),
+    ],
+)
 def test_auto_dataset_type(path, kind):
     assert resolve_dataset_type(path, "auto", "--train-data") == kind
     assert resolve_dataset_type(path, "synthetic", "--train-data") == "synthetic"
@@ -319,13 +340,25 @@ def test_digits_loaders():
 
 # ----------------------------------------------------------------------------------------- transforms
 def test_parse_aug_cfg_values_and_errors():
-    cfg = parse_aug_cfg(["scale=(0.5,1.0)", "ratio_range=0.75::1.33", "use_timm=True", "re_prob=0.25",
-                         "re_count=2", "color_jitter=0.4"])
-    assert cfg == {"scale": (0.5, 1.0), "ratio": (0.75, 1.33), "use_timm": True, "re_prob": 0.25,
-                   "re_count": 2, "color_jitter": 0.4}
-    for bad, message in [("sharpness=2", "unknown key"), ("scale", "expected key=value"),
-                         ("scale=1.0::0.5", "low <= high"), ("gray_scale_prob=2", "probability"),
-                         ("use_timm=maybe", "true or false"), ("re_count=0", ">= 1")]:
+    cfg = parse_aug_cfg(
+        ["scale=(0.5,1.0)", "ratio_range=0.75::1.33", "use_timm=True", "re_prob=0.25", "re_count=2", "color_jitter=0.4"]
+    )
+    assert cfg == {
+        "scale": (0.5, 1.0),
+        "ratio": (0.75, 1.33),
+        "use_timm": True,
+        "re_prob": 0.25,
+        "re_count": 2,
+        "color_jitter": 0.4,
+    }
+    for bad, message in [
+        ("sharpness=2", "unknown key"),
+        ("scale", "expected key=value"),
+        ("scale=1.0::0.5", "low <= high"),
+        ("gray_scale_prob=2", "probability"),
+        ("use_timm=maybe", "true or false"),
+        ("re_count=0", ">= 1"),
+    ]:
         with pytest.raises(UserError, match=f"--aug-cfg .*{message}"):
             parse_aug_cfg([bad])
 

@@ -3,7 +3,6 @@
 import os
 
 import pytest
-
 from helpers import TINY_SYNTHETIC, python_train, step_losses, torchrun
 
 pytestmark = pytest.mark.slow

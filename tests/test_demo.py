@@ -5,7 +5,6 @@ import os
 import time
 
 import pytest
-
 from helpers import python_train
 
 pytestmark = pytest.mark.slow

@@ -18,8 +18,13 @@ def test_deepspeed_launcher_local_rank_argument():
 
 
 def test_slurm_environment():
-    env = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
-           "SLURM_JOB_NODELIST": "gpu[003-004,9]", "SLURM_JOB_ID": "1234"}
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "8",
+        "SLURM_JOB_NODELIST": "gpu[003-004,9]",
+        "SLURM_JOB_ID": "1234",
+    }
     launch = detect_launch(env)
     assert (launch.rank, launch.local_rank, launch.world_size, launch.source) == (5, 1, 8, "slurm")
     assert launch.master_addr == "gpu003"
@@ -37,8 +42,14 @@ def test_single_process():
     assert (launch.rank, launch.world_size, launch.source) == (0, 1, "single")
 
 
-@pytest.mark.parametrize("nodelist, host", [
-    ("node01", "node01"), ("gpu[003-005]", "gpu003"), ("a[7,9],b1", "a7"), ("x-1,x-2", "x-1"),
-])
+@pytest.mark.parametrize(
+    "nodelist, host",
+    [
+        ("node01", "node01"),
+        ("gpu[003-005]", "gpu003"),
+        ("a[7,9],b1", "a7"),
+        ("x-1,x-2", "x-1"),
+    ],
+)
 def test_first_host(nodelist, host):
     assert first_host(nodelist) == host

@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import REPO, free_port, read_metrics, step_losses, subprocess_env, torchrun
 
 pytestmark = pytest.mark.slow
@@ -28,10 +27,19 @@ FP32_RTOL, BF16_RTOL = 1e-4, 3e-2
 def run_worker(tmp_path, runs, name="runs", timeout=900, **env):
     spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}_out.json"
     spec.write_text(json.dumps(runs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={free_port()}", WORKER, str(spec), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env=subprocess_env(DS_ACCELERATOR="cpu", **env))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        WORKER,
+        str(spec),
+        str(out),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(DS_ACCELERATOR="cpu", **env)
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())
     errors = {k: v["error"] for k, v in results.items() if "error" in v}
@@ -40,8 +48,14 @@ def run_worker(tmp_path, runs, name="runs", timeout=900, **env):
 
 
 def engines(**flags):
-    return {"ddp": {}, "fsdp": {"engine": "fsdp"}, "zero1": {"ds_config": DS[1]},
-            "zero2": {"ds_config": DS[2]}, "zero3": {"ds_config": DS[3]}, **flags}
+    return {
+        "ddp": {},
+        "fsdp": {"engine": "fsdp"},
+        "zero1": {"ds_config": DS[1]},
+        "zero2": {"ds_config": DS[2]},
+        "zero3": {"ds_config": DS[3]},
+        **flags,
+    }
 
 
 def assert_same_run(run, reference, rtol, steps=None, norms=True):
@@ -71,8 +85,14 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
     add("zero3_ckpt", 10, ds_config=DS[3], grad_checkpointing=True)
     add("zero2_ckpt_every2", 10, ds_config=DS[2], grad_checkpointing=True, grad_checkpointing_every=2)
     for name, flags in (("fsdp", {"engine": "fsdp"}), ("zero3", {"ds_config": DS[3]})):
-        runs.append({"name": f"{name}_compile", "steps": 4, "compile_backend": "aot_eager",
-                     "config": {**tiny, **flags, "torchcompile": True, "grad_checkpointing": True}})
+        runs.append(
+            {
+                "name": f"{name}_compile",
+                "steps": 4,
+                "compile_backend": "aot_eager",
+                "config": {**tiny, **flags, "torchcompile": True, "grad_checkpointing": True},
+            }
+        )
     # ds_configs/zero3_offload.json names DeepSpeed's optimizer (CPU Adam: a 1-3 minute JIT build on first
     # use); the same offload of parameters and optimizer state with bigclip's torch AdamW needs no build
     offload = json.loads(open(os.path.join(REPO, "ds_configs", "zero3_offload.json")).read())
@@ -84,14 +104,22 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
         add(f"{name}_locked", 5, **flags, lock_image=True, lock_image_unlocked_groups=1, lock_text=True)
     add("fsdp_hsdp", 5, engine="fsdp", fsdp_replicate_degree=2)
     add("fsdp_offload_noreshard", 5, engine="fsdp", fsdp_offload_cpu=True, fsdp_no_reshard_after_forward=True)
-    for name, flags in (("ddp", {}), ("fsdp", {"engine": "fsdp"}), ("zero2", {"ds_config": DS[2]}),
-                        ("zero3", {"ds_config": DS[3]})):
+    for name, flags in (
+        ("ddp", {}),
+        ("fsdp", {"engine": "fsdp"}),
+        ("zero2", {"ds_config": DS[2]}),
+        ("zero3", {"ds_config": DS[3]}),
+    ):
         add(f"{name}_bf16", 10, **flags, precision="amp_bf16")
     for name, flags in (("ddp", {}), ("fsdp", {"engine": "fsdp"}), ("zero3", {"ds_config": DS[3]})):
         add(f"{name}_bf16_accum", 10, **flags, precision="amp_bf16", accum_freq=2, batch_size=4)
-    for name, flags in (("ddp", {}), ("fsdp", {"engine": "fsdp"}), ("zero1", {"ds_config": DS[1]}),
-                        ("zero3", {"ds_config": DS[3]}), ("zero2_bf16", {"ds_config": DS[2],
-                                                                       "precision": "amp_bf16"})):
+    for name, flags in (
+        ("ddp", {}),
+        ("fsdp", {"engine": "fsdp"}),
+        ("zero1", {"ds_config": DS[1]}),
+        ("zero3", {"ds_config": DS[3]}),
+        ("zero2_bf16", {"ds_config": DS[2], "precision": "amp_bf16"}),
+    ):
         runs.append({"name": f"clamp_{name}", "steps": 2, "clamp_check": True, "config": {**tiny, **flags}})
     r = run_worker(tmp_path, runs)
 
@@ -102,8 +130,16 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
         assert_same_run(r[f"{name}_accum"], ddp_accum, FP32_RTOL)
     # accumulation is a different computation (4 x 2 micro-batches) of the same global batch size
     assert ddp_accum["losses"] != ddp["losses"]
-    for name in ("fsdp_ckpt", "zero3_ckpt", "zero2_ckpt_every2", "fsdp_compile", "zero3_compile", "fsdp_hsdp",
-                 "fsdp_offload_noreshard", "zero3_offload"):
+    for name in (
+        "fsdp_ckpt",
+        "zero3_ckpt",
+        "zero2_ckpt_every2",
+        "fsdp_compile",
+        "zero3_compile",
+        "fsdp_hsdp",
+        "fsdp_offload_noreshard",
+        "zero3_offload",
+    ):
         assert_same_run(r[name], ddp, FP32_RTOL, steps=len(r[name]["losses"]))
     for name in ("fsdp_locked", "zero3_locked"):
         assert_same_run(r[name], r["ddp_locked"], FP32_RTOL)
@@ -136,8 +172,10 @@ def test_wide_model_runs_under_fsdp_and_zero3_with_sharded_init(tmp_path):
     arch["vision_cfg"]["layers"] = arch["text_cfg"]["layers"] = 2
     arch["vision_cfg"]["image_size"] = 112  # fewer patches; the widths are what this test is about
     base = {"model": "bigG-2-blocks", "batch_size": 1, "sharded_init": "always"}
-    runs = [{"name": "fsdp", "steps": 1, "arch": arch, "config": {**base, "engine": "fsdp"}},
-            {"name": "zero3", "steps": 1, "arch": arch, "config": {**base, "ds_config": DS[3]}}]
+    runs = [
+        {"name": "fsdp", "steps": 1, "arch": arch, "config": {**base, "engine": "fsdp"}},
+        {"name": "zero3", "steps": 1, "arch": arch, "config": {**base, "ds_config": DS[3]}},
+    ]
     # tensors of 4 MB and more are mmap'ed and unmapped on free, so RSS follows live memory between runs
     r = run_worker(tmp_path, runs, "wide", MALLOC_MMAP_THRESHOLD_=str(4 << 20))
 
@@ -159,15 +197,50 @@ def test_wide_model_runs_under_fsdp_and_zero3_with_sharded_init(tmp_path):
 def test_mission_deepspeed_launch_line(tmp_path):
     """`deepspeed launch/train.py --ds_config ds_configs/zero2.json [flags]` as written, 2 CPU processes."""
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--master_port", str(free_port()), "launch/train.py",
-           "--ds_config", "ds_configs/zero2.json",
-           "--model", "test-tiny", "--dataset-type", "synthetic", "--train-num-samples", "128",
-           "--val-num-samples", "32", "--batch-size", "8", "--epochs", "1", "--precision", "fp32",
-           "--workers", "0", "--lr", "1e-3", "--warmup", "2", "--log-every-n-steps", "1",
-           "--gather-with-grad", "--logs", str(tmp_path), "--name", "ds"]
+    cmd = [
+        launcher,
+        "--master_port",
+        str(free_port()),
+        "launch/train.py",
+        "--ds_config",
+        "ds_configs/zero2.json",
+        "--model",
+        "test-tiny",
+        "--dataset-type",
+        "synthetic",
+        "--train-num-samples",
+        "128",
+        "--val-num-samples",
+        "32",
+        "--batch-size",
+        "8",
+        "--epochs",
+        "1",
+        "--precision",
+        "fp32",
+        "--workers",
+        "0",
+        "--lr",
+        "1e-3",
+        "--warmup",
+        "2",
+        "--log-every-n-steps",
+        "1",
+        "--gather-with-grad",
+        "--logs",
+        str(tmp_path),
+        "--name",
+        "ds",
+    ]
     # LOCAL_SIZE is how DeepSpeed's CPU accelerator counts its "devices": 2 processes on this node.
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env=subprocess_env(DS_ACCELERATOR="cpu", LOCAL_SIZE="2"))
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env=subprocess_env(DS_ACCELERATOR="cpu", LOCAL_SIZE="2"),
+    )
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     run_dir = os.path.join(tmp_path, "ds")
     losses = step_losses(run_dir)
@@ -181,11 +254,43 @@ def test_mission_deepspeed_launch_line(tmp_path):
 
 def test_torchrun_fsdp_run_with_eval_and_checkpoint(tmp_path):
     """`torchrun --nproc_per_node 2 launch/train.py --engine fsdp ...`: trains, evaluates, saves."""
-    proc = torchrun(2, ["--engine", "fsdp", "--model", "test-tiny", "--dataset-type", "synthetic",
-                        "--train-num-samples", "64", "--val-num-samples", "32", "--batch-size", "8",
-                        "--epochs", "1", "--precision", "amp_bf16", "--workers", "0", "--lr", "1e-3",
-                        "--warmup", "2", "--grad-checkpointing", "--accum-freq", "2", "--log-every-n-steps", "1",
-                        "--logs", str(tmp_path), "--name", "fsdp"], DS_ACCELERATOR="cpu")
+    proc = torchrun(
+        2,
+        [
+            "--engine",
+            "fsdp",
+            "--model",
+            "test-tiny",
+            "--dataset-type",
+            "synthetic",
+            "--train-num-samples",
+            "64",
+            "--val-num-samples",
+            "32",
+            "--batch-size",
+            "8",
+            "--epochs",
+            "1",
+            "--precision",
+            "amp_bf16",
+            "--workers",
+            "0",
+            "--lr",
+            "1e-3",
+            "--warmup",
+            "2",
+            "--grad-checkpointing",
+            "--accum-freq",
+            "2",
+            "--log-every-n-steps",
+            "1",
+            "--logs",
+            str(tmp_path),
+            "--name",
+            "fsdp",
+        ],
+        DS_ACCELERATOR="cpu",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     run_dir = os.path.join(tmp_path, "fsdp")
     assert sorted(step_losses(run_dir)) == [1, 2]

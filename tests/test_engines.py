@@ -8,14 +8,15 @@ import json
 import os
 
 import pytest
+from helpers import REPO, TINY_SYNTHETIC, python_train, step_losses
 
 from bigclip import cli
 from bigclip.engine import ds_config as dsc
 from bigclip.errors import UserError
-from helpers import REPO, TINY_SYNTHETIC, python_train, step_losses
 
-SHIPPED = {name: os.path.join(REPO, "ds_configs", f"{name}.json")
-           for name in ("zero1", "zero2", "zero3", "zero3_offload")}
+SHIPPED = {
+    name: os.path.join(REPO, "ds_configs", f"{name}.json") for name in ("zero1", "zero2", "zero3", "zero3_offload")
+}
 
 
 def parse(*argv):
@@ -41,8 +42,9 @@ def test_a_deepspeed_config_selects_the_deepspeed_engine(flag):
 
 
 def test_deepspeed_flag_and_launcher_local_rank_select_deepspeed():
-    cfg, launcher = cli.parse_train_args(["--model", "test-tiny", "--dataset-type", "synthetic",
-                                          "--deepspeed", "--local_rank=1"])
+    cfg, launcher = cli.parse_train_args(
+        ["--model", "test-tiny", "--dataset-type", "synthetic", "--deepspeed", "--local_rank=1"]
+    )
     assert cfg.engine == "deepspeed" and launcher["local_rank"] == 1
 
 
@@ -60,8 +62,22 @@ def test_fsdp_flags_need_the_fsdp_engine():
 # ---------------------------------------------------------------------------------- DeepSpeed configs
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_configs_fill_every_auto_from_flags(name):
-    cfg = tiny("--ds_config", SHIPPED[name], "--batch-size", "16", "--accum-freq", "2", "--grad-clip-norm",
-               "1.0", "--precision", "amp_bf16", "--lr", "3e-4", "--wd", "0.1")
+    cfg = tiny(
+        "--ds_config",
+        SHIPPED[name],
+        "--batch-size",
+        "16",
+        "--accum-freq",
+        "2",
+        "--grad-clip-norm",
+        "1.0",
+        "--precision",
+        "amp_bf16",
+        "--lr",
+        "3e-4",
+        "--wd",
+        "0.1",
+    )
     ds = dsc.resolve(cfg, world_size=4, device_type="cpu", hidden_size=64)
     assert ds["train_micro_batch_size_per_gpu"] == 16
     assert ds["gradient_accumulation_steps"] == 2
@@ -94,13 +110,16 @@ def test_contradicting_micro_batch_stops_before_work(tmp_path):
     assert "\n" not in msg
 
 
-@pytest.mark.parametrize("section,flags,named", [
-    ({"gradient_accumulation_steps": 4}, ["--accum-freq", "2"], "--accum-freq 2"),
-    ({"gradient_clipping": 1.0}, [], "--grad-clip-norm None"),
-    ({"bf16": {"enabled": True}}, ["--precision", "fp32"], "--precision fp32"),
-    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, ["--lr", "0.001"], "--lr 0.001"),
-    ({"optimizer": {"type": "AdamW"}}, ["--opt", "timm/lamb"], "--opt timm/lamb"),
-])
+@pytest.mark.parametrize(
+    "section,flags,named",
+    [
+        ({"gradient_accumulation_steps": 4}, ["--accum-freq", "2"], "--accum-freq 2"),
+        ({"gradient_clipping": 1.0}, [], "--grad-clip-norm None"),
+        ({"bf16": {"enabled": True}}, ["--precision", "fp32"], "--precision fp32"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, ["--lr", "0.001"], "--lr 0.001"),
+        ({"optimizer": {"type": "AdamW"}}, ["--opt", "timm/lamb"], "--opt timm/lamb"),
+    ],
+)
 def test_each_contradiction_names_the_flag(tmp_path, section, flags, named):
     path = write(tmp_path, section)
     with pytest.raises(UserError, match=named.replace("(", r"\(")):
@@ -112,8 +131,12 @@ def test_explicit_train_batch_size_must_be_micro_x_accum_x_world(tmp_path):
     cfg = tiny("--ds_config", path, "--batch-size", "8")
     with pytest.raises(UserError, match=r"train_batch_size is 100 but --batch-size 8 x --accum-freq 1 x 2"):
         dsc.resolve(cfg, world_size=2, device_type="cpu")
-    assert dsc.resolve(tiny("--ds_config", write(tmp_path, {"train_batch_size": 16}, "ok.json"),
-                            "--batch-size", "8"), 2, "cpu")["train_batch_size"] == 16
+    assert (
+        dsc.resolve(
+            tiny("--ds_config", write(tmp_path, {"train_batch_size": 16}, "ok.json"), "--batch-size", "8"), 2, "cpu"
+        )["train_batch_size"]
+        == 16
+    )
 
 
 def test_invalid_json_names_the_file_and_line(tmp_path):
@@ -126,8 +149,9 @@ def test_invalid_json_names_the_file_and_line(tmp_path):
 
 def test_bad_json_through_the_cli_is_one_line_and_exit_code_2(tmp_path, capsys):
     path = write(tmp_path, '{"zero_optimization": {"stage": 2}')
-    code = cli.main(["--model", "test-tiny", "--dataset-type", "synthetic", "--ds_config", path,
-                     "--logs", str(tmp_path)])
+    code = cli.main(
+        ["--model", "test-tiny", "--dataset-type", "synthetic", "--ds_config", path, "--logs", str(tmp_path)]
+    )
     err = capsys.readouterr().err
     assert code == 2 and f"{path}: not valid JSON at line 1" in err and "Traceback" not in err
     assert not os.listdir(tmp_path / "logs") if (tmp_path / "logs").exists() else True
@@ -205,7 +229,21 @@ def test_fsdp_in_a_single_process(tmp_path):
 @pytest.mark.slow
 def test_deepspeed_in_a_single_process(tmp_path):
     """A DeepSpeed config in a plain `python launch/train.py` run: ZeRO-3 at world size 1."""
-    proc = python_train([*TINY_SYNTHETIC, "--epochs", "1", "--logs", str(tmp_path), "--save-frequency", "0",
-                         "--name", "zero3", "--ds_config", SHIPPED["zero3"]], DS_ACCELERATOR="cpu")
+    proc = python_train(
+        [
+            *TINY_SYNTHETIC,
+            "--epochs",
+            "1",
+            "--logs",
+            str(tmp_path),
+            "--save-frequency",
+            "0",
+            "--name",
+            "zero3",
+            "--ds_config",
+            SHIPPED["zero3"],
+        ],
+        DS_ACCELERATOR="cpu",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(step_losses(os.path.join(tmp_path, "zero3"))) == 8

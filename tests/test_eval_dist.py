@@ -9,17 +9,17 @@ import textwrap
 
 import pytest
 import torch
+from helpers import free_port, subprocess_env
 
 from bigclip.config import resolve
 from bigclip.dist import World
 from bigclip.engine import build_engine
 from bigclip.eval import validate
 from bigclip.model import create_model
-from helpers import free_port, subprocess_env
 
 pytestmark = pytest.mark.slow
 
-WORKER = r'''
+WORKER = r"""
 import functools, json, sys
 import torch
 from bigclip.config import resolve
@@ -44,7 +44,7 @@ shares = {"uneven": {0: [0, 1, 2], 1: [3, 4]}, "one_rank_empty": {0: [0, 1, 2, 3
 results = {name: validate(engine, [batch(i) for i in share[world.rank]], world) for name, share in shares.items()}
 if world.rank == 0:
     json.dump(results, open(sys.argv[1], "w"))
-'''
+"""
 
 
 def _batch(i):
@@ -57,8 +57,15 @@ def _batch(i):
 def test_fsdp_validation_with_unequal_shares_runs_in_lockstep(tmp_path):
     (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
     out = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           str(tmp_path / "worker.py"), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        str(tmp_path / "worker.py"),
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=subprocess_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     results = json.loads(out.read_text())

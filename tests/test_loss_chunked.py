@@ -8,11 +8,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_loss_reference import assert_matches, loss_and_grads, natural_sizes, reference, unit_features
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bigclip.loss.chunked as chunked
 from bigclip.loss import ClipLoss, SigLipLoss
-from test_loss_reference import assert_matches, natural_sizes, loss_and_grads, reference, unit_features
 
 DIMS = st.one_of(st.integers(1, 40), st.sampled_from([512, 768, 1024, 1280, 1023]))
 
@@ -51,8 +51,13 @@ def check_chunked(n, dim, tile, log_scale, bias, siglip, dtype, grad_output, see
     got = loss_and_grads(module, image, text, scale, bias_t, grad_output)
     ref_loss, ref_grads = reference(siglip, image, text, scale, bias_t)
     ref = (ref_loss, [g * grad_output for g in ref_grads])
-    assert_matches(got, ref, dtype, what=f"n={n} dim={dim} tile={tile} scale={scale.item():.3g} {dtype}",
-                   natural=natural_sizes(n, scale.item(), grad_output))
+    assert_matches(
+        got,
+        ref,
+        dtype,
+        what=f"n={n} dim={dim} tile={tile} scale={scale.item():.3g} {dtype}",
+        natural=natural_sizes(n, scale.item(), grad_output),
+    )
 
 
 @pytest.mark.parametrize("siglip", [False, True])

@@ -85,13 +85,17 @@ def _worker(rank: int, world: int, port: int, mode: str) -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton in this process
     # a short collective timeout turns a mismatched exchange into an error instead of a hang
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=90),
     )
     try:
+        from test_loss_reference import unit_features
+
         import bigclip.loss.chunked as chunked
         from bigclip.loss import build_loss
-        from test_loss_reference import unit_features
 
         chunked.TILE = 4
         image_all, text_all = unit_features(world * BATCH, DIM, seed=11, dtype=torch.float64)
@@ -100,8 +104,10 @@ def _worker(rank: int, world: int, port: int, mode: str) -> None:
 
         def run(siglip, local_loss, gather_with_grad, impl, dist_impl, dtype=torch.float32, grad_output=1.0):
             inputs = [image_all[mine], text_all[mine], scale] + ([bias] if siglip else [])
-            inputs = [t.to(dtype if i < 2 else torch.float32 if dtype != torch.float64 else dtype)
-                      .clone().requires_grad_() for i, t in enumerate(inputs)]
+            inputs = [
+                t.to(dtype if i < 2 else torch.float32 if dtype != torch.float64 else dtype).clone().requires_grad_()
+                for i, t in enumerate(inputs)
+            ]
             loss_fn = build_loss(siglip, local_loss, gather_with_grad, impl, dist_impl, rank, world)
             loss = loss_fn(inputs[0], inputs[1], inputs[2], inputs[3] if siglip else None)
             (loss * grad_output).backward()

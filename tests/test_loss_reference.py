@@ -56,9 +56,7 @@ def loss_and_grads(loss_module, image, text, scale, bias=None, grad_output: floa
 def reference(siglip: bool, image, text, scale, bias=None):
     """The naive (OpenCLIP) loss on float64 copies of the inputs."""
     loss = build_loss(siglip, False, False, "naive", None, 0, 1)
-    return loss_and_grads(
-        loss, image.double(), text.double(), scale.double(), None if bias is None else bias.double()
-    )
+    return loss_and_grads(loss, image.double(), text.double(), scale.double(), None if bias is None else bias.double())
 
 
 def natural_sizes(n: int, scale: float, grad_output: float = 1.0):
@@ -71,9 +69,7 @@ def natural_sizes(n: int, scale: float, grad_output: float = 1.0):
     return 1.0, g * max(scale, 1.0) / n, g
 
 
-def assert_matches(
-    got, ref, feature_dtype=torch.float32, rtol: float = RTOL, what: str = "", natural=(0.0, 0.0, 0.0)
-):
+def assert_matches(got, ref, feature_dtype=torch.float32, rtol: float = RTOL, what: str = "", natural=(0.0, 0.0, 0.0)):
     loss, grads = got
     ref_loss, ref_grads = ref
     loss_size, feature_size, scalar_size = natural

@@ -27,7 +27,10 @@ def _run_group(group: str, interpret: bool):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), group],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, f"group {group!r} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert f"ok {group}" in proc.stdout
@@ -48,15 +51,24 @@ def test_kernels_compile_for_cuda():
 # --------------------------------------------------------------- run inside the interpreter
 
 SHAPES = [
-    (1, 1), (5, 3), (63, 17), (64, 64), (65, 33), (130, 100), (70, 512), (40, 768), (33, 1280), (20, 1023),
+    (1, 1),
+    (5, 3),
+    (63, 17),
+    (64, 64),
+    (65, 33),
+    (130, 100),
+    (70, 512),
+    (40, 768),
+    (33, 1280),
+    (20, 1023),
 ]
 
 
 def _check_losses(siglip: bool, dtypes, shapes) -> None:
     import torch
+    from test_loss_reference import assert_matches, loss_and_grads, natural_sizes, reference, unit_features
 
     from bigclip.loss import ClipLoss, SigLipLoss
-    from test_loss_reference import assert_matches, loss_and_grads, natural_sizes, reference, unit_features
 
     for k, (n, dim) in enumerate(shapes):
         for dtype in dtypes:
@@ -68,7 +80,9 @@ def _check_losses(siglip: bool, dtypes, shapes) -> None:
             got = loss_and_grads(module, image, text, scale, bias, grad_output)
             ref_loss, ref_grads = reference(siglip, image, text, scale, bias)
             assert_matches(
-                got, (ref_loss, [g * grad_output for g in ref_grads]), dtype,
+                got,
+                (ref_loss, [g * grad_output for g in ref_grads]),
+                dtype,
                 what=f"triton siglip={siglip} n={n} dim={dim} {dtype}",
                 natural=natural_sizes(n, scale.item(), grad_output),
             )
@@ -77,11 +91,11 @@ def _check_losses(siglip: bool, dtypes, shapes) -> None:
 def _check_primitives() -> None:
     """Block primitives with the distributed options (offset positives, split weights) and memory."""
     import torch
+    from test_loss_chunked import LargestTensor
+    from test_loss_reference import unit_features
 
     import bigclip.loss.chunked as chunked
     import bigclip.loss.triton as fused
-    from test_loss_chunked import LargestTensor
-    from test_loss_reference import unit_features
 
     def close(got, want):
         # fp32 against fp32 computed in another order: within 1e-5 of the largest element
@@ -104,7 +118,9 @@ def _check_primitives() -> None:
         bias, coef = torch.tensor(-3.0), torch.tensor(0.3)
         torch.testing.assert_close(
             fused.siglip_block_sums(image, text, scale, bias, diag),
-            chunked.siglip_block_sums(image, text, scale, bias, diag), rtol=1e-5, atol=1e-5,
+            chunked.siglip_block_sums(image, text, scale, bias, diag),
+            rtol=1e-5,
+            atol=1e-5,
         )
         for got, want in zip(
             fused.siglip_block_grads(image, text, scale, bias, diag, coef),
@@ -142,8 +158,7 @@ def _compile_for_cuda() -> None:
         (clip_kernels._clip_grads_kernel, "bf16", clip_grads),
         (clip_kernels._clip_grads_kernel, "fp16", clip_grads),
         (siglip_kernels._siglip_sums_kernel, "fp16", dict(HAS_BIAS=True, HAS_DIAG=True)),
-        (siglip_kernels._siglip_grads_kernel, "fp32",
-         dict(HAS_BIAS=True, HAS_DIAG=True, NEED_IMG=True, NEED_TXT=True)),
+        (siglip_kernels._siglip_grads_kernel, "fp32", dict(HAS_BIAS=True, HAS_DIAG=True, NEED_IMG=True, NEED_TXT=True)),
     ]
     for kernel, dtype, flags in cases:
         constexprs = dict(blocks, **flags)

@@ -107,6 +107,7 @@ def test_overrides_and_preprocess_cfg():
 
 # --- forward ---------------------------------------------------------------------------------
 
+
 def test_forward_shapes_and_normalisation():
     model = tiny()
     images, tokens = batch(model)
@@ -155,7 +156,7 @@ def test_text_init_follows_openclip_stds():
     text = model.text
     assert text.token_embedding.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert text.positional_embedding.std().item() == pytest.approx(0.01, rel=0.2)
-    assert text.blocks[0].attn.in_proj_weight.std().item() == pytest.approx(64 ** -0.5, rel=0.05)
+    assert text.blocks[0].attn.in_proj_weight.std().item() == pytest.approx(64**-0.5, rel=0.05)
     assert torch.all(text.blocks[0].attn.in_proj_bias == 0)
 
 
@@ -182,6 +183,7 @@ def test_text_pools_at_eot_and_is_causal():
 
 # --- grad checkpointing, locking, activations ------------------------------------------------
 
+
 def grads(model, images, tokens):
     model.zero_grad(set_to_none=True)
     out = model(images, tokens)
@@ -198,8 +200,9 @@ def test_grad_checkpointing_gives_identical_gradients(every):
 
     calls = []
     # Pre-hooks: recomputation stops early, so post-forward hooks would not see it.
-    hooks = [b.register_forward_pre_hook(lambda m, i, k=k: calls.append(k))
-             for k, b in enumerate(model.transformer_blocks())]
+    hooks = [
+        b.register_forward_pre_hook(lambda m, i, k=k: calls.append(k)) for k, b in enumerate(model.transformer_blocks())
+    ]
     model.set_grad_checkpointing(True, every=every)
     calls.clear()
     checkpointed = grads(model, images, tokens)
@@ -250,7 +253,9 @@ def test_lock_image_tower():
     model = tiny()
     model.lock_image_tower(unlocked_groups=2)
     assert trainable(model, "visual.") == {
-        "visual.trunk.norm.weight", "visual.trunk.norm.bias", "visual.proj",
+        "visual.trunk.norm.weight",
+        "visual.trunk.norm.bias",
+        "visual.proj",
         *{f"visual.trunk.blocks.1.{n}" for n, _ in model.visual.blocks[1].named_parameters()},
     }
     model = tiny()
@@ -272,8 +277,9 @@ def test_lock_text_tower():
 
     model = tiny()
     model.lock_text_tower(unlocked_layers=1, freeze_layer_norm=False)
-    first_block_norms = {f"text.transformer.resblocks.0.{ln}.{w}" for ln in ("ln_1", "ln_2")
-                         for w in ("weight", "bias")}
+    first_block_norms = {
+        f"text.transformer.resblocks.0.{ln}.{w}" for ln in ("ln_1", "ln_2") for w in ("weight", "bias")
+    }
     assert trainable(model, "text.transformer.resblocks.0.") == first_block_norms
     assert "text.token_embedding.weight" not in trainable(model, "text.")
     assert head <= trainable(model, "text.")
@@ -311,6 +317,7 @@ def test_patch_dropout_only_in_train_mode():
 
 # --- meta device and init ------------------------------------------------------------------------
 
+
 def test_to_empty_then_init_weights_from_meta():
     model = create_model(TINY, device="meta", siglip=True)
     model.to_empty(device="cpu")
@@ -330,6 +337,7 @@ def test_to_empty_then_init_weights_from_meta():
 
 
 # --- tokenizer -----------------------------------------------------------------------------------
+
 
 def test_tokenizer_layout_and_truncation():
     tok = get_tokenizer(TINY)
@@ -353,11 +361,12 @@ def test_tokenizer_eot_is_argmax_and_decodes(text, context_length):
     expected = clean_text(text).encode("utf-8")[: context_length - 2]
     eot = int(ids.argmax())
     assert ids[0] == SOT_ID and ids[eot] == EOT_ID and eot == len(expected) + 1
-    assert ids[eot + 1:].eq(0).all()
+    assert ids[eot + 1 :].eq(0).all()
     assert ByteTokenizer(context_length).decode(ids) == expected.decode("utf-8", errors="replace")
 
 
 # --- pretrained and OpenCLIP conversion ---------------------------------------------------------
+
 
 def openclip_reference(sd, images, tokens, patch, vision_heads, text_heads):
     """OpenCLIP's CLIP forward written out naively from an OpenCLIP-layout state dict."""

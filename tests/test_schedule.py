@@ -30,9 +30,16 @@ def test_const_cooldown_power_and_end():
 
 
 def test_build_schedule_counts_optimizer_steps():
-    cfg = SimpleNamespace(epochs=4, lr=None, lr_scheduler="const-cooldown", warmup=0, epochs_cooldown=1,
-                          lr_cooldown_power=1.0, lr_cooldown_end=0.0)
+    cfg = SimpleNamespace(
+        epochs=4,
+        lr=None,
+        lr_scheduler="const-cooldown",
+        warmup=0,
+        epochs_cooldown=1,
+        lr_cooldown_power=1.0,
+        lr_cooldown_end=0.0,
+    )
     lr = build_schedule(cfg, steps_per_epoch=10)
-    assert lr(29) == pytest.approx(5e-4)          # default lr, cooldown starts at epoch 3
+    assert lr(29) == pytest.approx(5e-4)  # default lr, cooldown starts at epoch 3
     assert lr(35) == pytest.approx(5e-4 * 0.5)
     assert math.isclose(lr(40), 0.0, abs_tol=1e-12)

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 import yaml
+from helpers import TINY_SYNTHETIC, read_metrics, step_losses
 
 from bigclip import cli, train
 from bigclip.config import resolve
@@ -13,7 +14,6 @@ from bigclip.dist import World
 from bigclip.engine import build_engine
 from bigclip.loss import ClipLoss
 from bigclip.model import create_model
-from helpers import TINY_SYNTHETIC, read_metrics, step_losses
 
 
 def run(tmp_path, name, *extra):
@@ -28,8 +28,17 @@ def test_synthetic_run_writes_config_metrics_and_checkpoints(tmp_path):
     assert params["batch_size"] == 8 and params["model"] == "test-tiny" and params["name"] == "basic"
     records = [r for r in read_metrics(run_dir) if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 17))  # 64 samples / 8 = 8 steps x 2 epochs
-    for key in ("step", "epoch", "samples_seen", "loss", "lr", "logit_scale", "samples_per_s",
-                "samples_per_s_per_gpu", "peak_memory_bytes"):
+    for key in (
+        "step",
+        "epoch",
+        "samples_seen",
+        "loss",
+        "lr",
+        "logit_scale",
+        "samples_per_s",
+        "samples_per_s_per_gpu",
+        "peak_memory_bytes",
+    ):
         assert key in records[0], key
     assert records[-1]["samples_seen"] == 16 * 8
     for epoch in (1, 2):
@@ -65,7 +74,7 @@ def test_accumulation_gives_the_big_batch_gradient():
     loss_fn = ClipLoss()
 
     loss_big, _ = train.forward_backward(big, loss_fn, [(images, texts)], World())
-    micro = [(images[i:i + 8], texts[i:i + 8]) for i in range(0, 32, 8)]
+    micro = [(images[i : i + 8], texts[i : i + 8]) for i in range(0, 32, 8)]
     loss_acc, _ = train.forward_backward(accum, loss_fn, micro, World())
 
     assert loss_acc == pytest.approx(loss_big, rel=1e-6)
@@ -94,8 +103,9 @@ def test_resume_continues_exactly(tmp_path):
     for step in range(9, 17):
         assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
     # An explicit checkpoint path into a new run directory gives the same losses.
-    explicit = step_losses(run(tmp_path, "explicit", *flags, "--resume",
-                               os.path.join(tmp_path, "full", "checkpoints", "epoch_1")))
+    explicit = step_losses(
+        run(tmp_path, "explicit", *flags, "--resume", os.path.join(tmp_path, "full", "checkpoints", "epoch_1"))
+    )
     assert {s: explicit[s] for s in range(9, 17)} == pytest.approx({s: full[s] for s in range(9, 17)}, rel=1e-6)
 
 
@@ -110,6 +120,7 @@ def test_nonfinite_loss_is_reported_and_not_trained_on(tmp_path, monkeypatch, ca
             calls["n"] += 1
             out = loss_fn(*args)
             return out * float("nan") if calls["n"] == 3 else out
+
         return wrapped
 
     monkeypatch.setattr(train, "build_loss_fn", poisoned)
@@ -126,15 +137,28 @@ def test_save_most_recent_and_delete_previous(tmp_path):
     assert names == ["epoch_3", "epoch_latest"]
 
 
-@pytest.mark.parametrize("flags", [
-    ["--siglip", "--lock-image"],
-    ["--opt", "timm/sgd", "--momentum", "0.9", "--grad-clip-norm", "1.0", "--lr-scheduler", "const-cooldown",
-     "--epochs-cooldown", "1"],
-    ["--precision", "amp_bf16", "--grad-checkpointing", "--force-patch-dropout", "0.25"],
-    ["--precision", "bf16", "--lock-text", "--lock-text-unlocked-layers", "1"],
-], ids=["siglip-lock-image", "timm-sgd-cooldown", "amp-bf16-checkpointing", "pure-bf16-lock-text"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--siglip", "--lock-image"],
+        [
+            "--opt",
+            "timm/sgd",
+            "--momentum",
+            "0.9",
+            "--grad-clip-norm",
+            "1.0",
+            "--lr-scheduler",
+            "const-cooldown",
+            "--epochs-cooldown",
+            "1",
+        ],
+        ["--precision", "amp_bf16", "--grad-checkpointing", "--force-patch-dropout", "0.25"],
+        ["--precision", "bf16", "--lock-text", "--lock-text-unlocked-layers", "1"],
+    ],
+    ids=["siglip-lock-image", "timm-sgd-cooldown", "amp-bf16-checkpointing", "pure-bf16-lock-text"],
+)
 def test_flag_combinations_train(tmp_path, flags):
     run_dir = run(tmp_path, "combo", "--epochs", "1", *flags)
     losses = step_losses(run_dir)
     assert len(losses) == 8 and all(v == v for v in losses.values())
-

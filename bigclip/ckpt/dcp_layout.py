@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -33,8 +34,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..errors import UserError
-from .upload import FileSink
+from bigclip.ckpt.upload import FileSink
+from bigclip.errors import UserError
 
 FILE_TARGET_BYTES = 128 * 2**20  # files per rank ~ bytes / this: small enough to pipeline uploads
 MAX_FILES_PER_RANK = 16
@@ -180,9 +181,14 @@ class DCPLayout:
         # forward and backward, which do not change parameters or optimizer state, and waits for the copy
         # only before the next optimizer step (CheckpointManager.wait_staged).
         cuda = torch.cuda.is_available()
-        self._stager = DefaultStager(StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=self.mode == "process", use_async_staging=True,
-            use_non_blocking_copy=cuda))
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=self.mode == "process",
+                use_async_staging=True,
+                use_non_blocking_copy=cuda,
+            )
+        )
         self._reniced = False
 
     # -- saving
@@ -205,9 +211,13 @@ class DCPLayout:
         os.makedirs(directory, exist_ok=True)
         pg = self.group
         if self.mode == "process":
-            response = dcp.async_save(staged, storage_writer=_ChunkedWriter(directory, thread_count=1),
-                                      process_group=pg, async_stager=_AlreadyStaged(),
-                                      async_checkpointer_type=dcp.state_dict_saver.AsyncCheckpointerType.PROCESS)
+            response = dcp.async_save(
+                staged,
+                storage_writer=_ChunkedWriter(directory, thread_count=1),
+                process_group=pg,
+                async_stager=_AlreadyStaged(),
+                async_checkpointer_type=dcp.state_dict_saver.AsyncCheckpointerType.PROCESS,
+            )
             future: Future = response.upload_completion if hasattr(response, "upload_completion") else response
             future.result()
             self._renice_writer_process()
@@ -217,8 +227,9 @@ class DCPLayout:
                     sink.submit(os.path.join(directory, name))
             return
         with _quiet_single_process():
-            dcp.save(staged, storage_writer=_NotifyingWriter(directory, sink.submit), process_group=pg,
-                     no_dist=pg is None)
+            dcp.save(
+                staged, storage_writer=_NotifyingWriter(directory, sink.submit), process_group=pg, no_dist=pg is None
+            )
 
     def _renice_writer_process(self) -> None:
         # DCP's daemon writer process: same reasoning as the checkpoint threads (upload.lower_priority).
@@ -228,7 +239,7 @@ class DCPLayout:
         try:
             from torch.distributed.checkpoint import _async_process_executor as executor
 
-            from .upload import BACKGROUND_NICE
+            from bigclip.ckpt.upload import BACKGROUND_NICE
 
             os.setpriority(os.PRIO_PROCESS, executor._CHECKPOINT_PROCESS._save_process.pid, BACKGROUND_NICE)
         except (ImportError, AttributeError, OSError):
@@ -243,14 +254,20 @@ class DCPLayout:
         state = engine_state(self.engine)  # the structure to fill (optimizer state is initialised for it)
         try:
             with _quiet_single_process():
-                dcp.load(state, storage_reader=FileSystemReader(directory), process_group=self.group,
-                         no_dist=self.group is None)
+                dcp.load(
+                    state,
+                    storage_reader=FileSystemReader(directory),
+                    process_group=self.group,
+                    no_dist=self.group is None,
+                )
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         except Exception as e:  # DCP wraps per-rank failures in CheckpointException
             first = str(e).strip().splitlines()
-            raise UserError(f"checkpoint {directory}: does not fit this model/optimizer "
-                            f"({first[0][:300] if first else type(e).__name__}); resume with the flags "
-                            f"(--model, --engine, optimizer) the run was started with") from None
+            raise UserError(
+                f"checkpoint {directory}: does not fit this model/optimizer "
+                f"({first[0][:300] if first else type(e).__name__}); resume with the flags "
+                f"(--model, --engine, optimizer) the run was started with"
+            ) from None
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
 
@@ -264,12 +281,13 @@ def read_model_state(directory: str) -> dict[str, torch.Tensor]:
 
     reader = FileSystemReader(directory)
     metadata = reader.read_metadata()
-    flat = {key: torch.empty(md.size, dtype=md.properties.dtype)
-            for key, md in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+    flat = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+    }
     if not flat:
         raise UserError(f"checkpoint {directory}: holds no model tensors")
     with _quiet_single_process():
         dcp.load(flat, storage_reader=reader, no_dist=True)
-    return {key[len("model."):]: value for key, value in flat.items()}
-
+    return {key[len("model.") :]: value for key, value in flat.items()}

@@ -24,8 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..errors import UserError
-from .upload import FileSink
+from bigclip.ckpt.upload import FileSink
+from bigclip.errors import UserError
 
 ENGINE_DIR = "engine_state"
 _DS_TOP_LEVEL = ("latest", "zero_to_fp32.py")
@@ -36,7 +36,7 @@ class DeepSpeedLayout:
     writes_while_staging = True
 
     def __init__(self, engine, world, group, mode: str = "thread"):
-        from .deepspeed_staging import StagingCheckpointEngine
+        from bigclip.ckpt.deepspeed_staging import StagingCheckpointEngine
 
         self.engine = engine
         self.world = world
@@ -74,9 +74,11 @@ class DeepSpeedLayout:
     def load(self, directory: str, saved_world_size: int | None = None, saved: dict | None = None) -> None:
         stage, saved_stage = self.describe()["zero_stage"], (saved or {}).get("zero_stage")
         if saved_stage is not None and saved_stage != stage:
-            raise UserError(f"checkpoint {directory}: saved with DeepSpeed ZeRO stage {saved_stage}, this run uses "
-                            f"stage {stage}; resume with a --ds_config of stage {saved_stage}, or `bigclip export` "
-                            f"it and start from the weights with --pretrained")
+            raise UserError(
+                f"checkpoint {directory}: saved with DeepSpeed ZeRO stage {saved_stage}, this run uses "
+                f"stage {stage}; resume with a --ds_config of stage {saved_stage}, or `bigclip export` "
+                f"it and start from the weights with --pretrained"
+            )
         try:
             if saved_world_size is not None and saved_world_size != self.world.world_size:
                 self._load_universal(directory, saved_world_size)
@@ -85,9 +87,11 @@ class DeepSpeedLayout:
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 — DeepSpeed's loaders fail with bare asserts and KeyErrors
-            raise UserError(f"checkpoint {directory}: DeepSpeed could not load it into this run "
-                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}); resume "
-                            f"with the DeepSpeed config (ZeRO stage, precision) it was saved with") from None
+            raise UserError(
+                f"checkpoint {directory}: DeepSpeed could not load it into this run "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}); resume "
+                f"with the DeepSpeed config (ZeRO stage, precision) it was saved with"
+            ) from None
 
     def _load_universal(self, directory: str, saved_world_size: int) -> None:
         """ZeRO files are partitioned for the world size that wrote them: convert to DeepSpeed's universal
@@ -114,9 +118,11 @@ class DeepSpeedLayout:
             dist.all_gather_object(problems, problem)
             problem = next((p for p in problems if p), None)
         if problem:
-            raise UserError(f"checkpoint {directory}: saved by {saved_world_size} DeepSpeed ranks, and converting "
-                            f"it for {self.world.world_size} failed ({problem}); resume with "
-                            f"{saved_world_size} processes")
+            raise UserError(
+                f"checkpoint {directory}: saved by {saved_world_size} DeepSpeed ranks, and converting "
+                f"it for {self.world.world_size} failed ({problem}); resume with "
+                f"{saved_world_size} processes"
+            )
         ds = self.engine.ds
         # Two repairs after DeepSpeed 0.19's ZeRO-3 universal load (found by the resharded-resume test):
         # it copies the first param group's hyperparameters onto every group, so the decay group would resume
@@ -126,8 +132,9 @@ class DeepSpeedLayout:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in _base_optimizer(ds).param_groups]
         ds._config.load_universal_checkpoint = True
         try:
-            path, _ = ds.load_checkpoint(directory, tag=ENGINE_DIR + "_universal", load_optimizer_states=True,
-                                         load_lr_scheduler_states=False)
+            path, _ = ds.load_checkpoint(
+                directory, tag=ENGINE_DIR + "_universal", load_optimizer_states=True, load_lr_scheduler_states=False
+            )
         finally:
             ds._config.load_universal_checkpoint = False
         optimizer = _base_optimizer(ds)
@@ -153,8 +160,17 @@ def _convert_to_universal(src: str, dst: str) -> None:
 
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    ds_to_universal(Namespace(input_folder=src, output_folder=dst, num_extract_workers=1, num_merge_workers=1,
-                              keep_temp_folder=False, strict=True, inject_missing_state=True))
+    ds_to_universal(
+        Namespace(
+            input_folder=src,
+            output_folder=dst,
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,
+        )
+    )
 
 
 def read_model_state(directory: str) -> dict:

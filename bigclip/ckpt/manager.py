@@ -34,13 +34,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..dist import World, barrier, broadcast_object
-from ..errors import UserError
-from .manifest import MANIFEST, TRAIN_STATE, Manifest, check_sizes, rng_file
-from .rng import load_rng_file, rng_bytes
-from .storage import Storage, StorageError, StorageUnavailable, _write_durably, fsync_dir, is_url
-from .upload import FileSink, lower_priority
-from .verify import CorruptCheckpoint, fetch_verified, read_local_manifest, verify_local
+from bigclip.ckpt.manifest import MANIFEST, TRAIN_STATE, Manifest, check_sizes, rng_file
+from bigclip.ckpt.rng import load_rng_file, rng_bytes
+from bigclip.ckpt.storage import Storage, StorageError, StorageUnavailable, _write_durably, fsync_dir, is_url
+from bigclip.ckpt.upload import FileSink, lower_priority
+from bigclip.ckpt.verify import CorruptCheckpoint, fetch_verified, read_local_manifest, verify_local
+from bigclip.dist import World, barrier, broadcast_object
+from bigclip.errors import UserError
 
 logger = logging.getLogger("bigclip")
 
@@ -61,13 +61,13 @@ def _gb(n: int) -> str:
 class SaveResult:
     tag: str
     step: int
-    location: str | None = None     # where it was committed (remote URL when there is one)
+    location: str | None = None  # where it was committed (remote URL when there is one)
     error: str | None = None
-    permanent: bool = False          # an error retrying cannot fix: the run stops
+    permanent: bool = False  # an error retrying cannot fix: the run stops
     files: int = 0
     bytes: int = 0
-    blocked_s: float = 0.0           # time the training loop was blocked by this save
-    commit_s: float = 0.0            # from the save call to the manifest being written
+    blocked_s: float = 0.0  # time the training loop was blocked by this save
+    commit_s: float = 0.0  # from the save call to the manifest being written
     aliases: list[str] = field(default_factory=list)
 
 
@@ -81,9 +81,19 @@ class Candidate:
 
 
 class CheckpointManager:
-    def __init__(self, directory: str, engine, world: World, delete_previous: bool = False, *,
-                 remote: str | None = None, storage_options: dict | None = None, keep_last_k: int = 0,
-                 async_mode: str = "auto", keep_local: bool = True):
+    def __init__(
+        self,
+        directory: str,
+        engine,
+        world: World,
+        delete_previous: bool = False,
+        *,
+        remote: str | None = None,
+        storage_options: dict | None = None,
+        keep_last_k: int = 0,
+        async_mode: str = "auto",
+        keep_local: bool = True,
+    ):
         """directory: local checkpoints folder. remote: URL of the remote checkpoints folder (or None).
         keep_local=False keeps no local copies (the local folder is only a staging area)."""
         if async_mode not in ASYNC_MODES:
@@ -106,8 +116,8 @@ class CheckpointManager:
         self._save_thread = ThreadPoolExecutor(1, thread_name_prefix="bigclip-ckpt", initializer=lower_priority)
         self._io = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="bigclip-upload", initializer=lower_priority)
         self._pending: Future | None = None
-        self._staging: Future | None = None   # the state copy of the save in flight
-        self._staging_wait = 0.0              # time the loop waited for it (wait_staged)
+        self._staging: Future | None = None  # the state copy of the save in flight
+        self._staging_wait = 0.0  # time the loop waited for it (wait_staged)
         self._previous_local: str | None = None
         self.results: list[SaveResult] = []
         self.last_saved_step: int | None = None
@@ -117,8 +127,9 @@ class CheckpointManager:
     def stalled(self) -> bool:
         """The save in flight is stuck behind an unreachable or throttling store (on some rank). Collective,
         so that every rank takes the same decision about the next save."""
-        stalled = (self._pending is not None and not self._pending.done() and self.remote is not None
-                   and self.remote.degraded)
+        stalled = (
+            self._pending is not None and not self._pending.done() and self.remote is not None and self.remote.degraded
+        )
         return stalled if self.group is None else self._any(stalled)
 
     def _any(self, flag: bool) -> bool:
@@ -128,8 +139,9 @@ class CheckpointManager:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control_group)
         return bool(t.item())
 
-    def save(self, tag: str, train_state: dict[str, Any], blocking: bool = False,
-             aliases: tuple[str, ...] | list[str] = ()) -> str:
+    def save(
+        self, tag: str, train_state: dict[str, Any], blocking: bool = False, aliases: tuple[str, ...] | list[str] = ()
+    ) -> str:
         """Start checkpoint `tag` (collective: every rank calls). Returns where it will be committed.
 
         aliases: further tags (e.g. epoch_latest) committed as copies of this one once it is durable —
@@ -139,15 +151,25 @@ class CheckpointManager:
             raise ValueError(f"checkpoint tag {tag!r}: use letters, digits, _ and -")
         self._finish_previous()
         start = time.perf_counter()
-        handle = self.layout.stage(self._partial(tag)) if not self.layout.writes_while_staging \
-            else self._stage_in_place(tag)
+        handle = (
+            self.layout.stage(self._partial(tag)) if not self.layout.writes_while_staging else self._stage_in_place(tag)
+        )
         self._staging = handle if isinstance(handle, Future) else None
         self._staging_wait = 0.0
         rng = rng_bytes()
         record = json.dumps(train_state, indent=1, default=str).encode() if self.world.is_main else None
         blocked = time.perf_counter() - start
-        job = (tag, list(aliases), handle, rng, record, int(train_state["step"]), int(train_state["epoch"]),
-               start, blocked)
+        job = (
+            tag,
+            list(aliases),
+            handle,
+            rng,
+            record,
+            int(train_state["step"]),
+            int(train_state["epoch"]),
+            start,
+            blocked,
+        )
         self.last_saved_step = int(train_state["step"])
         if self.mode == "off" or blocking:
             self._staging = None
@@ -202,8 +224,10 @@ class CheckpointManager:
         if result.permanent and raise_permanent:
             raise UserError(result.error)
         if self.world.is_main:
-            logger.warning(f"checkpoint {result.tag} was NOT committed: {result.error}; training continues "
-                           f"and the next save tries again")
+            logger.warning(
+                f"checkpoint {result.tag} was NOT committed: {result.error}; training continues "
+                f"and the next save tries again"
+            )
 
     def _partial(self, tag: str) -> str:
         return os.path.join(self.directory, f"{tag}.partial")
@@ -284,13 +308,23 @@ class CheckpointManager:
             err = errors[0]
             permanent = isinstance(err, (StorageError, UserError))
             kind = "" if isinstance(err, (StorageError, StorageUnavailable, UserError)) else f"{type(err).__name__}: "
-            return {"error": f"checkpoint {tag}: {kind}{str(err).splitlines()[0] if str(err) else ''}",
-                    "permanent": permanent}
+            return {
+                "error": f"checkpoint {tag}: {kind}{str(err).splitlines()[0] if str(err) else ''}",
+                "permanent": permanent,
+            }
         files: dict[str, dict] = {}
         for part in gathered:
             files.update(part)
-        manifest = Manifest(tag=tag, step=step, epoch=epoch, engine=self.engine.name, layout=self.layout.layout,
-                            world_size=self.world.world_size, files=files, extra=self.layout.describe())
+        manifest = Manifest(
+            tag=tag,
+            step=step,
+            epoch=epoch,
+            engine=self.engine.name,
+            layout=self.layout.layout,
+            world_size=self.world.world_size,
+            files=files,
+            extra=self.layout.describe(),
+        )
         try:
             location = self._publish(tag, manifest)
             for alias in aliases:
@@ -303,10 +337,17 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 — e.g. a full local disk: reported on every rank, never a hang
             return {"error": f"checkpoint {tag}: {type(e).__name__}: {e}", "permanent": isinstance(e, OSError)}
         seconds = time.perf_counter() - start
-        logger.info(f"checkpoint {tag} committed: {location} ({len(files)} files, {_gb(manifest.total_bytes)}, "
-                    f"{seconds:.1f} s after the save started)" + (f"; also as {', '.join(aliases)}" if aliases else ""))
-        return {"location": location, "files": len(files), "bytes": manifest.total_bytes, "commit_s": seconds,
-                "aliases": list(aliases)}
+        logger.info(
+            f"checkpoint {tag} committed: {location} ({len(files)} files, {_gb(manifest.total_bytes)}, "
+            f"{seconds:.1f} s after the save started)" + (f"; also as {', '.join(aliases)}" if aliases else "")
+        )
+        return {
+            "location": location,
+            "files": len(files),
+            "bytes": manifest.total_bytes,
+            "commit_s": seconds,
+            "aliases": list(aliases),
+        }
 
     def _publish(self, tag: str, manifest: Manifest) -> str:
         """Write the manifest: after it, and only after it, the checkpoint exists."""
@@ -357,9 +398,12 @@ class CheckpointManager:
         if self.keep_last_k <= 0:
             return
         local = self.remote is None
-        numbered = sorted((c for c in self._candidates(local=local, remote=not local, check=False)
-                           if c.numbered), key=lambda c: c.step, reverse=True)
-        for old in numbered[self.keep_last_k:]:
+        numbered = sorted(
+            (c for c in self._candidates(local=local, remote=not local, check=False) if c.numbered),
+            key=lambda c: c.step,
+            reverse=True,
+        )
+        for old in numbered[self.keep_last_k :]:
             tag = old.manifest.tag
             if tag == just_saved:
                 continue
@@ -409,7 +453,7 @@ class CheckpointManager:
                 manifest = Manifest.from_bytes(raw.get(f"{tag}/{MANIFEST}"))
                 if manifest is None or not _TAG.fullmatch(tag):
                     continue
-                files = {rel[len(tag) + 1:]: size for rel, size in listing.items() if rel.startswith(tag + "/")}
+                files = {rel[len(tag) + 1 :]: size for rel, size in listing.items() if rel.startswith(tag + "/")}
                 problem = check_sizes(files, manifest) if check else None
                 if problem:
                     logger.warning(f"checkpoint {self.remote.url(tag)}: {problem}; skipped")
@@ -436,8 +480,10 @@ class CheckpointManager:
             return spec, self.load(spec)
         ranked: list[str] = []
         if self.world.is_main:
-            ranked = [c.location for c in sorted(self._candidates(), reverse=True,
-                                                 key=lambda c: (c.step, c.numbered, c.local))]
+            ranked = [
+                c.location
+                for c in sorted(self._candidates(), reverse=True, key=lambda c: (c.step, c.numbered, c.local))
+            ]
         ranked = broadcast_object(ranked, self.world)
         for location in ranked:
             try:
@@ -458,8 +504,11 @@ class CheckpointManager:
         downloader = self.world.local_rank == 0 if remote else self.world.is_main
         if downloader:
             try:
-                manifest = (fetch_verified(location, directory, self.storage_options, self._io) if remote
-                            else verify_local(directory))
+                manifest = (
+                    fetch_verified(location, directory, self.storage_options, self._io)
+                    if remote
+                    else verify_local(directory)
+                )
             except CorruptCheckpoint as e:
                 problem = ("corrupt", str(e))
             except UserError as e:
@@ -488,16 +537,20 @@ class CheckpointManager:
 
     def _restore(self, directory: str, manifest: Manifest) -> dict[str, Any]:
         if manifest.layout != self.layout.layout:
-            raise UserError(f"checkpoint {directory}: written by engine {manifest.engine} ({manifest.layout} "
-                            f"layout); resume it with --engine {manifest.engine}, or export it with "
-                            f"`bigclip export` and start from the weights with --pretrained")
+            raise UserError(
+                f"checkpoint {directory}: written by engine {manifest.engine} ({manifest.layout} "
+                f"layout); resume it with --engine {manifest.engine}, or export it with "
+                f"`bigclip export` and start from the weights with --pretrained"
+            )
         self.layout.load(directory, manifest.world_size, manifest.extra)
         own_rng = os.path.join(directory, rng_file(self.world.rank))
         if os.path.exists(own_rng):
             load_rng_file(own_rng)
         elif self.world.is_main:
-            logger.info(f"checkpoint {directory}: saved by {manifest.world_size} ranks, resumed on "
-                        f"{self.world.world_size}: new ranks start with fresh random state")
+            logger.info(
+                f"checkpoint {directory}: saved by {manifest.world_size} ranks, resumed on "
+                f"{self.world.world_size}: new ranks start with fresh random state"
+            )
         with open(os.path.join(directory, TRAIN_STATE)) as f:
             return json.load(f)
 
@@ -509,13 +562,13 @@ def make_layout(engine, world: World, group, async_mode: str):
     by the save thread; a process would need them copied once more into shared memory)."""
     mode = "thread" if async_mode in ("auto", "off") else async_mode
     if engine.name == "deepspeed":
-        from .deepspeed_layout import DeepSpeedLayout
+        from bigclip.ckpt.deepspeed_layout import DeepSpeedLayout
 
         if mode == "process" and world.is_main:
             logger.info("--checkpoint-async process: the DeepSpeed engine writes its checkpoints from a thread")
 
         return DeepSpeedLayout(engine, world, group, mode)
-    from .dcp_layout import DCPLayout
+    from bigclip.ckpt.dcp_layout import DCPLayout
 
     return DCPLayout(engine, world, group, mode)
 

@@ -42,7 +42,7 @@ class Manifest:
     step: int
     epoch: int
     engine: str
-    layout: str           # "dcp" or "deepspeed": how the engine state is stored
+    layout: str  # "dcp" or "deepspeed": how the engine state is stored
     world_size: int
     files: dict[str, dict[str, Any]]
     format: str = FORMAT
@@ -57,7 +57,7 @@ class Manifest:
         return sum(int(f["size"]) for f in self.files.values())
 
     @classmethod
-    def from_bytes(cls, data: bytes | None) -> "Manifest | None":
+    def from_bytes(cls, data: bytes | None) -> Manifest | None:
         """The manifest, or None when the bytes are not a complete bigclip manifest."""
         if not data:
             return None

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 
-from .storage import Storage, StorageError, StorageUnavailable
+from bigclip.ckpt.storage import Storage, StorageError, StorageUnavailable
 
 logger = logging.getLogger("bigclip")
 SKIP_DIRS = ("checkpoints",)
@@ -59,8 +59,9 @@ class RemoteSync:
                         data = f.read()
                     self.remote.put_bytes(rel, data)
                 except (OSError, StorageError, StorageUnavailable) as e:
-                    logger.warning(f"--remote-sync: could not copy {rel} to {self.remote.display} ({e}); "
-                                   f"will try again")
+                    logger.warning(
+                        f"--remote-sync: could not copy {rel} to {self.remote.display} ({e}); will try again"
+                    )
                     continue
                 self._seen[rel] = stamp
                 sent += 1

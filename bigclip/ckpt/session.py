@@ -14,11 +14,11 @@ import os
 import tempfile
 from typing import Any
 
-from .cadence import SaveCadence
-from .manager import CheckpointManager
-from .preemption import PreemptionFlag, Preempted
-from .remote_sync import RemoteSync
-from .storage import Storage, is_url, join, parse_storage_options, redact_url
+from bigclip.ckpt.cadence import SaveCadence
+from bigclip.ckpt.manager import CheckpointManager
+from bigclip.ckpt.preemption import Preempted, PreemptionFlag
+from bigclip.ckpt.remote_sync import RemoteSync
+from bigclip.ckpt.storage import Storage, is_url, join, parse_storage_options, redact_url
 
 logger = logging.getLogger("bigclip")
 
@@ -29,8 +29,9 @@ def local_logs_dir(cfg) -> str:
     exactly as --remote-sync does."""
     if not is_url(cfg.logs):
         return cfg.logs
-    return os.environ.get("BIGCLIP_LOCAL_LOGS") or os.path.join(tempfile.gettempdir(),
-                                                                f"bigclip-logs-{getpass.getuser()}")
+    return os.environ.get("BIGCLIP_LOCAL_LOGS") or os.path.join(
+        tempfile.gettempdir(), f"bigclip-logs-{getpass.getuser()}"
+    )
 
 
 def remote_run_root(cfg, name: str) -> str | None:
@@ -42,9 +43,9 @@ def remote_run_root(cfg, name: str) -> str | None:
 def preflight(cfg, name: str, world) -> None:
     """Before any model is built: can the remote store be written? Bad credentials, a missing bucket or an
     unreachable endpoint stop every rank here with one line. Collective."""
-    from ..dist import broadcast_object
-    from ..errors import UserError
-    from .storage import StorageError, StorageUnavailable
+    from bigclip.ckpt.storage import StorageError, StorageUnavailable
+    from bigclip.dist import broadcast_object
+    from bigclip.errors import UserError
 
     root = remote_run_root(cfg, name)
     problem = None
@@ -53,8 +54,10 @@ def preflight(cfg, name: str, world) -> None:
             store = Storage(root, parse_storage_options(cfg.storage_options), retry_seconds=30)
             store.check_writable()
             if cfg.resume is None and store.exists("params.yaml"):
-                problem = (f"--name {name}: {store.display} already holds a run; pass a new --name, or "
-                           f"--resume latest to continue that run")
+                problem = (
+                    f"--name {name}: {store.display} already holds a run; pass a new --name, or "
+                    f"--resume latest to continue that run"
+                )
         except (StorageError, UserError) as e:
             problem = str(e)
         except StorageUnavailable as e:
@@ -72,9 +75,15 @@ class CheckpointSession:
         self.remote_root = remote_run_root(cfg, name)
         options = parse_storage_options(cfg.storage_options)
         self.manager = CheckpointManager(
-            paths.checkpoints, engine, world, cfg.delete_previous_checkpoint,
+            paths.checkpoints,
+            engine,
+            world,
+            cfg.delete_previous_checkpoint,
             remote=join(self.remote_root, "checkpoints") if self.remote_root else None,
-            storage_options=options, keep_last_k=cfg.keep_last_k, async_mode=cfg.checkpoint_async)
+            storage_options=options,
+            keep_last_k=cfg.keep_last_k,
+            async_mode=cfg.checkpoint_async,
+        )
         self.cadence = SaveCadence(cfg, world)
         self.preemption = PreemptionFlag()
         self.preemption.install()
@@ -95,14 +104,20 @@ class CheckpointSession:
             return
         location, saved = found
         state.update({k: saved[k] for k in ("step", "epoch", "samples_seen", "batches_in_epoch") if k in saved})
-        where = f"epoch {state['epoch']}" + (f" (+{state['batches_in_epoch']} batches)"
-                                             if state.get("batches_in_epoch") else "")
+        where = f"epoch {state['epoch']}" + (
+            f" (+{state['batches_in_epoch']} batches)" if state.get("batches_in_epoch") else ""
+        )
         logger.info(f"resumed from {redact_url(location)} at {where}, step {state['step']}")
 
     # -- saving
     def _record(self, state: dict[str, Any], epoch: int, batches_in_epoch: int) -> dict[str, Any]:
-        return {"step": state["step"], "epoch": epoch, "samples_seen": state["samples_seen"],
-                "batches_in_epoch": batches_in_epoch, "config": self.config_dict}
+        return {
+            "step": state["step"],
+            "epoch": epoch,
+            "samples_seen": state["samples_seen"],
+            "batches_in_epoch": batches_in_epoch,
+            "config": self.config_dict,
+        }
 
     def _save(self, tag: str, record: dict[str, Any], aliases: list[str] = ()) -> None:
         self.manager.save(tag, record, aliases=list(aliases))
@@ -123,8 +138,7 @@ class CheckpointSession:
                 # A new save normally waits for the previous one; but while that one is stuck retrying an
                 # unreachable store, waiting would stop training, so a step/minute checkpoint is skipped.
                 if self.world.is_main:
-                    logger.warning(f"checkpoint {tag} skipped: the previous checkpoint is still retrying its "
-                                   f"upload")
+                    logger.warning(f"checkpoint {tag} skipped: the previous checkpoint is still retrying its upload")
             else:
                 aliases = ["epoch_latest"] if self.cfg.save_most_recent else []
                 self._save(tag, self._record(state, epoch, state["batches_in_epoch"]), aliases)
@@ -145,10 +159,15 @@ class CheckpointSession:
             self.manager.wait()
             last = self.manager.results[-1] if self.manager.results else None
             if preempted is not None:
-                committed = f"checkpoint {last.tag} committed" if last and last.error is None else \
-                    "no checkpoint could be committed"
-                logger.info(f"stopped by SIGTERM at step {preempted.step}: {committed}; continue with "
-                            f"--resume latest --name <this run>")
+                committed = (
+                    f"checkpoint {last.tag} committed"
+                    if last and last.error is None
+                    else "no checkpoint could be committed"
+                )
+                logger.info(
+                    f"stopped by SIGTERM at step {preempted.step}: {committed}; continue with "
+                    f"--resume latest --name <this run>"
+                )
             if self.sync is not None:
                 self.sync.stop()
                 self.sync = None

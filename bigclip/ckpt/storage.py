@@ -25,10 +25,11 @@ import random
 import shutil
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from ..errors import UserError
+from bigclip.errors import UserError
 
 logger = logging.getLogger("bigclip")
 T = TypeVar("T")
@@ -76,8 +77,9 @@ def redact_options(options: Any) -> Any:
 
 def _redact_tree(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: ("***" if any(w in str(k).lower() for w in _SECRET_WORDS) else _redact_tree(v))
-                for k, v in value.items()}
+        return {
+            k: ("***" if any(w in str(k).lower() for w in _SECRET_WORDS) else _redact_tree(v)) for k, v in value.items()
+        }
     if isinstance(value, list):
         return [_redact_tree(v) for v in value]
     if isinstance(value, str):
@@ -93,8 +95,9 @@ def parse_storage_options(value: str | dict | None) -> dict[str, Any]:
     try:
         options = json.loads(value)
     except ValueError:
-        raise UserError("--storage-options: not valid JSON; pass e.g. "
-                        "'{\"client_kwargs\": {\"endpoint_url\": \"http://host:9000\"}}'") from None
+        raise UserError(
+            '--storage-options: not valid JSON; pass e.g. \'{"client_kwargs": {"endpoint_url": "http://host:9000"}}\''
+        ) from None
     if not isinstance(options, dict):
         raise UserError("--storage-options: expected a JSON object of fsspec options")
     return options
@@ -109,13 +112,31 @@ class StorageUnavailable(Exception):
 
 
 def _is_permanent(err: BaseException) -> bool:
-    if isinstance(err, (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-                        FileExistsError, UserError, ValueError, TypeError, AttributeError, KeyError)):
+    if isinstance(
+        err,
+        (
+            PermissionError,
+            FileNotFoundError,
+            NotADirectoryError,
+            IsADirectoryError,
+            FileExistsError,
+            UserError,
+            ValueError,
+            TypeError,
+            AttributeError,
+            KeyError,
+        ),
+    ):
         return True
     name = type(err).__name__
     # botocore: no usable credentials at all; retrying will not make some appear.
-    return name in ("NoCredentialsError", "PartialCredentialsError", "NoRegionError",
-                    "InvalidConfigError", "ProfileNotFound")
+    return name in (
+        "NoCredentialsError",
+        "PartialCredentialsError",
+        "NoRegionError",
+        "InvalidConfigError",
+        "ProfileNotFound",
+    )
 
 
 def _reason(err: BaseException) -> str:
@@ -132,7 +153,7 @@ class Storage:
         self.retry_seconds = RETRY_SECONDS if retry_seconds is None else retry_seconds
         self.remote = is_url(root) and not root.startswith("file://")
         if root.startswith("file://"):
-            self.root = os.path.abspath(root[len("file://"):])
+            self.root = os.path.abspath(root[len("file://") :])
         self.protocol = urlsplit(self.root).scheme if self.remote else "file"
         self._fs = None
         self._lock = threading.Lock()
@@ -140,8 +161,13 @@ class Storage:
         self.health = {"degraded": False}
 
     def __getstate__(self):
-        return {"root": self.root, "options": self.options, "retry_seconds": self.retry_seconds,
-                "remote": self.remote, "protocol": self.protocol}
+        return {
+            "root": self.root,
+            "options": self.options,
+            "retry_seconds": self.retry_seconds,
+            "remote": self.remote,
+            "protocol": self.protocol,
+        }
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -172,17 +198,21 @@ class Storage:
                     # were resolved earlier (another run in the same process, a rotated key).
                     self._fs = fsspec.filesystem(self.protocol, skip_instance_cache=True, **self.options)
                 except ImportError as e:
-                    raise UserError(f"{self.display}: the {self.protocol}:// filesystem needs a package "
-                                    f"({e.name or e}); pip install it (s3fs, gcsfs or adlfs)") from None
+                    raise UserError(
+                        f"{self.display}: the {self.protocol}:// filesystem needs a package "
+                        f"({e.name or e}); pip install it (s3fs, gcsfs or adlfs)"
+                    ) from None
                 except TypeError as e:
-                    raise UserError(f"--storage-options: not accepted by the {self.protocol}:// filesystem "
-                                    f"({e}); check the option names") from None
+                    raise UserError(
+                        f"--storage-options: not accepted by the {self.protocol}:// filesystem "
+                        f"({e}); check the option names"
+                    ) from None
             return self._fs
 
     def url(self, rel: str = "") -> str:
         return join(self.root, rel) if rel else self.root
 
-    def child(self, rel: str) -> "Storage":
+    def child(self, rel: str) -> Storage:
         """The same store rooted at rel (sharing the connection pool)."""
         sub = Storage(self.url(rel), self.options, self.retry_seconds)
         sub._fs = self._fs
@@ -192,15 +222,18 @@ class Storage:
     # -- error handling
     def _explain(self, err: BaseException, what: str) -> str:
         where = self.display
-        if isinstance(err, PermissionError) or type(err).__name__ in ("NoCredentialsError",
-                                                                       "PartialCredentialsError"):
-            return (f"{where}: access denied while trying to {what} ({_reason(err)}); check the credentials "
-                    f"(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or --storage-options) and "
-                    f"that they may write there")
+        if isinstance(err, PermissionError) or type(err).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+            return (
+                f"{where}: access denied while trying to {what} ({_reason(err)}); check the credentials "
+                f"(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or --storage-options) and "
+                f"that they may write there"
+            )
         if isinstance(err, FileNotFoundError) and self.remote:
             bucket = urlsplit(self.root).netloc
-            return (f"{where}: not found while trying to {what} ({_reason(err)}); check that the bucket "
-                    f"'{bucket}' exists and the path is right")
+            return (
+                f"{where}: not found while trying to {what} ({_reason(err)}); check that the bucket "
+                f"'{bucket}' exists and the path is right"
+            )
         return f"{where}: could not {what} ({_reason(err)})"
 
     def retry(self, what: str, fn: Callable[[], T]) -> T:
@@ -220,11 +253,15 @@ class Storage:
                 attempt += 1
                 self.health["degraded"] = True
                 if time.monotonic() + delay > deadline:
-                    raise StorageUnavailable(f"{self.display}: {what} still failing after {attempt} attempts "
-                                             f"over {self.retry_seconds:.0f} s ({_reason(err)})") from None
+                    raise StorageUnavailable(
+                        f"{self.display}: {what} still failing after {attempt} attempts "
+                        f"over {self.retry_seconds:.0f} s ({_reason(err)})"
+                    ) from None
                 if attempt == 1 or attempt % 5 == 0:
-                    logger.warning(f"storage: {what} failed ({_reason(err)}); retrying with backoff "
-                                   f"for up to {self.retry_seconds:.0f} s")
+                    logger.warning(
+                        f"storage: {what} failed ({_reason(err)}); retrying with backoff "
+                        f"for up to {self.retry_seconds:.0f} s"
+                    )
                 time.sleep(delay * (0.75 + 0.5 * random.random()))
                 delay = min(delay * 2, 30.0)
                 if self.remote:
@@ -252,8 +289,9 @@ class Storage:
 
         def put() -> None:
             self.fs.put_file(local, target, **kwargs)
-            remote_size = self.fs.info(target, refresh=True)["size"] if self.protocol in ("s3", "s3a") \
-                else self.fs.size(target)
+            remote_size = (
+                self.fs.info(target, refresh=True)["size"] if self.protocol in ("s3", "s3a") else self.fs.size(target)
+            )
             if remote_size != size:
                 raise OSError(f"{rel}: stored {remote_size} bytes of {size}")
 
@@ -284,9 +322,11 @@ class Storage:
 
     def read_bytes(self, rel: str) -> bytes:
         if not self.remote:
+
             def read() -> bytes:
                 with open(self.url(rel), "rb") as f:
                     return f.read()
+
             return self.retry(f"read {rel}", read)
         return self.retry(f"read {rel}", lambda: self.fs.cat_file(self.url(rel)))
 
@@ -335,8 +375,11 @@ class Storage:
             self._invalidate()
             found = self.fs.find(base, maxdepth=maxdepth, detail=True)
             prefix = self.fs._strip_protocol(base).rstrip("/") + "/"
-            return {path[len(prefix):]: int(info.get("size") or 0) for path, info in found.items()
-                    if path.startswith(prefix) and info.get("type", "file") == "file"}
+            return {
+                path[len(prefix) :]: int(info.get("size") or 0)
+                for path, info in found.items()
+                if path.startswith(prefix) and info.get("type", "file") == "file"
+            }
 
         try:
             return self.retry(f"list {rel or '/'}", find)
@@ -369,8 +412,9 @@ class Storage:
             try:
                 os.makedirs(self.root, exist_ok=True)
             except OSError as e:
-                raise StorageError(f"{self.display}: cannot create the directory ({e.strerror}); "
-                                   f"pick a writable path") from None
+                raise StorageError(
+                    f"{self.display}: cannot create the directory ({e.strerror}); pick a writable path"
+                ) from None
         self.put_bytes(probe, b"ok")
         self.rm(probe)
 

@@ -11,6 +11,9 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from bigclip.ckpt.manifest import FileEntry, checksum_file
+from bigclip.ckpt.storage import Storage
+
 BACKGROUND_NICE = int(os.environ.get("BIGCLIP_CKPT_NICE", "10"))
 
 
@@ -23,9 +26,6 @@ def lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
     except (AttributeError, OSError):
         pass
-
-from .manifest import FileEntry, checksum_file
-from .storage import Storage
 
 
 class FileSink:

@@ -7,9 +7,9 @@ import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
-from ..errors import UserError
-from .manifest import MANIFEST, Manifest, check_file
-from .storage import Storage, StorageError
+from bigclip.ckpt.manifest import MANIFEST, Manifest, check_file
+from bigclip.ckpt.storage import Storage, StorageError
+from bigclip.errors import UserError
 
 logger = logging.getLogger("bigclip")
 
@@ -35,35 +35,42 @@ def verify_local(directory: str) -> Manifest:
     manifest = read_local_manifest(directory)
     if manifest is None:
         if not os.path.isdir(directory):
-            raise UserError(f"checkpoint {directory}: no such checkpoint directory; pass a checkpoint "
-                            f"directory (…/checkpoints/<tag>), a URL, or 'latest'")
-        raise CorruptCheckpoint(f"checkpoint {directory}: no valid {MANIFEST} (incomplete, or not a bigclip "
-                                f"checkpoint); pick a committed checkpoint")
+            raise UserError(
+                f"checkpoint {directory}: no such checkpoint directory; pass a checkpoint "
+                f"directory (…/checkpoints/<tag>), a URL, or 'latest'"
+            )
+        raise CorruptCheckpoint(
+            f"checkpoint {directory}: no valid {MANIFEST} (incomplete, or not a bigclip "
+            f"checkpoint); pick a committed checkpoint"
+        )
     for rel, meta in manifest.files.items():
         problem = check_file(os.path.join(directory, rel), meta)
         if problem:
-            raise CorruptCheckpoint(f"checkpoint {directory}: {rel}: {problem}; it will not be loaded — pick "
-                                    f"another checkpoint")
+            raise CorruptCheckpoint(
+                f"checkpoint {directory}: {rel}: {problem}; it will not be loaded — pick another checkpoint"
+            )
     return manifest
 
 
-def fetch_verified(url: str, directory: str, options: dict | None = None,
-                   pool: ThreadPoolExecutor | None = None) -> Manifest:
+def fetch_verified(
+    url: str, directory: str, options: dict | None = None, pool: ThreadPoolExecutor | None = None
+) -> Manifest:
     """Download the checkpoint at `url` into `directory` (parallel, retried) and verify every file."""
     store = Storage(url, options)
     try:
         manifest = Manifest.from_bytes(store.read_bytes(MANIFEST))
     except StorageError as e:
         if "not found" in str(e):
-            raise CorruptCheckpoint(f"checkpoint {store.display}: no {MANIFEST} (incomplete, or not a bigclip "
-                                    f"checkpoint); pick a committed checkpoint") from None
+            raise CorruptCheckpoint(
+                f"checkpoint {store.display}: no {MANIFEST} (incomplete, or not a bigclip "
+                f"checkpoint); pick a committed checkpoint"
+            ) from None
         raise
     if manifest is None:
         raise CorruptCheckpoint(f"checkpoint {store.display}: {MANIFEST} is not a bigclip manifest")
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
-    logger.info(f"downloading checkpoint {store.display} ({len(manifest.files)} files, "
-                f"{_gb(manifest.total_bytes)})")
+    logger.info(f"downloading checkpoint {store.display} ({len(manifest.files)} files, {_gb(manifest.total_bytes)})")
 
     def fetch(rel: str) -> str | None:
         local = os.path.join(directory, rel)
@@ -82,8 +89,9 @@ def fetch_verified(url: str, directory: str, options: dict | None = None,
             pool.shutdown()
     for rel, problem in zip(manifest.files, problems):
         if problem:
-            raise CorruptCheckpoint(f"checkpoint {store.display}: {rel}: {problem}; it will not be loaded — "
-                                    f"pick another checkpoint")
+            raise CorruptCheckpoint(
+                f"checkpoint {store.display}: {rel}: {problem}; it will not be loaded — pick another checkpoint"
+            )
     with open(os.path.join(directory, MANIFEST), "wb") as f:
         f.write(manifest.to_bytes())
     return manifest

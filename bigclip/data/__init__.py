@@ -1,18 +1,26 @@
 """Data: synthetic, CSV and WebDataset loaders, image transforms, and the embedded digits demo.
 
-    from bigclip.data import get_data, DataInfo
-    data = get_data(cfg, preprocess_train, preprocess_val, tokenizer, rank, world_size, epoch,
-                    preprocess_cfg={"size": (H, W), "mean": ..., "std": ...})
+from bigclip.data import get_data, DataInfo
+data = get_data(cfg, preprocess_train, preprocess_val, tokenizer, rank, world_size, epoch,
+                preprocess_cfg={"size": (H, W), "mean": ..., "std": ...})
 """
 
-from .aug_cfg import parse_aug_cfg, validate_aug_cfg
-from .digits import DIGIT_CLASSNAMES, DIGIT_TEMPLATES
-from .factory import DATASET_TYPES, get_data, resolve_dataset_type
-from .info import DataInfo
-from .skips import SKIP_REASONS
-from .transforms import image_transform
+from bigclip.data.aug_cfg import parse_aug_cfg, validate_aug_cfg
+from bigclip.data.digits import DIGIT_CLASSNAMES, DIGIT_TEMPLATES
+from bigclip.data.factory import DATASET_TYPES, get_data, resolve_dataset_type
+from bigclip.data.info import DataInfo
+from bigclip.data.skips import SKIP_REASONS
+from bigclip.data.transforms import image_transform
 
 __all__ = [
-    "DATASET_TYPES", "DIGIT_CLASSNAMES", "DIGIT_TEMPLATES", "DataInfo", "SKIP_REASONS", "get_data",
-    "image_transform", "parse_aug_cfg", "resolve_dataset_type", "validate_aug_cfg",
+    "DATASET_TYPES",
+    "DIGIT_CLASSNAMES",
+    "DIGIT_TEMPLATES",
+    "DataInfo",
+    "SKIP_REASONS",
+    "get_data",
+    "image_transform",
+    "parse_aug_cfg",
+    "resolve_dataset_type",
+    "validate_aug_cfg",
 ]

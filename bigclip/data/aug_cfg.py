@@ -12,17 +12,17 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from ..errors import UserError
+from bigclip.errors import UserError
 
 DEFAULTS: dict[str, Any] = {
-    "scale": (0.9, 1.0),       # RandomResizedCrop area range
-    "ratio": None,             # RandomResizedCrop aspect range (torchvision's 3/4..4/3 when None)
-    "color_jitter": None,      # brightness, contrast, saturation[, hue]; one number means all three
+    "scale": (0.9, 1.0),  # RandomResizedCrop area range
+    "ratio": None,  # RandomResizedCrop aspect range (torchvision's 3/4..4/3 when None)
+    "color_jitter": None,  # brightness, contrast, saturation[, hue]; one number means all three
     "color_jitter_prob": None,
     "gray_scale_prob": None,
-    "re_prob": None,           # random erasing (timm only)
+    "re_prob": None,  # random erasing (timm only)
     "re_count": None,
-    "use_timm": False,         # build the train transform with timm's create_transform
+    "use_timm": False,  # build the train transform with timm's create_transform
 }
 ALIASES = {"scale_range": "scale", "ratio_range": "ratio"}
 
@@ -60,8 +60,7 @@ def _is_number(x: Any) -> bool:
 
 
 def _pair(key: str, value: Any) -> tuple[float, float]:
-    if not (isinstance(value, tuple) and len(value) == 2 and all(map(_is_number, value))
-            and 0 < value[0] <= value[1]):
+    if not (isinstance(value, tuple) and len(value) == 2 and all(map(_is_number, value)) and 0 < value[0] <= value[1]):
         raise _error(key, value, "expected two positive numbers low::high with low <= high")
     return float(value[0]), float(value[1])
 

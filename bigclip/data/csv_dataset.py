@@ -12,9 +12,9 @@ import warnings
 
 from PIL import Image
 
-from ..errors import UserError
-from .map_style import ReplacingDataset, SampleSkipped
-from .skips import SkipCounter
+from bigclip.data.map_style import ReplacingDataset, SampleSkipped
+from bigclip.data.skips import SkipCounter
+from bigclip.errors import UserError
 
 
 def _separator(sep: str) -> str:
@@ -25,8 +25,9 @@ def _separator(sep: str) -> str:
     return sep
 
 
-def read_pairs(path: str, flag: str, separator: str, img_key: str, caption_key: str
-               ) -> tuple[list[str], list[str | None]]:
+def read_pairs(
+    path: str, flag: str, separator: str, img_key: str, caption_key: str
+) -> tuple[list[str], list[str | None]]:
     """(image paths, captions) from the file; missing captions are None (skipped when read)."""
     if not os.path.isfile(path):
         raise UserError(f"{flag} {path}: file not found; pass an existing CSV file")
@@ -36,8 +37,10 @@ def read_pairs(path: str, flag: str, separator: str, img_key: str, caption_key: 
         columns = reader.fieldnames or []
         for key, key_flag in ((img_key, "--csv-img-key"), (caption_key, "--csv-caption-key")):
             if key not in columns:
-                raise UserError(f"{key_flag} {key}: no such column in {flag} {path} (columns: {columns}); "
-                                f"set {key_flag} or --csv-separator")
+                raise UserError(
+                    f"{key_flag} {key}: no such column in {flag} {path} (columns: {columns}); "
+                    f"set {key_flag} or --csv-separator"
+                )
         images, captions = [], []
         for row in reader:
             images.append(row[img_key] or "")
@@ -48,8 +51,18 @@ def read_pairs(path: str, flag: str, separator: str, img_key: str, caption_key: 
 
 
 class CsvDataset(ReplacingDataset):
-    def __init__(self, path: str, transform, tokenizer, skips: SkipCounter, *, flag: str = "--train-data",
-                 separator: str = "\t", img_key: str = "filepath", caption_key: str = "title"):
+    def __init__(
+        self,
+        path: str,
+        transform,
+        tokenizer,
+        skips: SkipCounter,
+        *,
+        flag: str = "--train-data",
+        separator: str = "\t",
+        img_key: str = "filepath",
+        caption_key: str = "title",
+    ):
         super().__init__(skips)
         self.source = f"{flag} {path}"
         self.folder = os.path.dirname(os.path.abspath(path))

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from ..errors import UserError
-from .info import DataInfo
-from .sampler import ShardedBatchSampler
+from bigclip.data.info import DataInfo
+from bigclip.data.sampler import ShardedBatchSampler
+from bigclip.errors import UserError
 
 DIGIT_CLASSNAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 # The longest caption, "a photo of the digit three.", is 27 bytes: it fits test-tiny's byte tokenizer
@@ -37,11 +37,11 @@ def digit_caption(label: int) -> str:
 
 @dataclass
 class DigitSplit:
-    train_images: torch.Tensor    # float [N, 8, 8] in 0..1
-    train_labels: torch.Tensor    # long [N]
+    train_images: torch.Tensor  # float [N, 8, 8] in 0..1
+    train_labels: torch.Tensor  # long [N]
     heldout_images: torch.Tensor
     heldout_labels: torch.Tensor
-    train_indices: torch.Tensor   # positions in sklearn's load_digits()
+    train_indices: torch.Tensor  # positions in sklearn's load_digits()
     heldout_indices: torch.Tensor
 
 
@@ -52,15 +52,16 @@ def load_digit_split() -> DigitSplit:
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32) / 16.0
     labels = torch.tensor(digits.target, dtype=torch.long)
-    train_idx, heldout_idx = train_test_split(torch.arange(len(labels)).numpy(), test_size=HELDOUT_FRACTION,
-                                              stratify=labels.numpy(), random_state=SPLIT_SEED)
+    train_idx, heldout_idx = train_test_split(
+        torch.arange(len(labels)).numpy(), test_size=HELDOUT_FRACTION, stratify=labels.numpy(), random_state=SPLIT_SEED
+    )
     train_idx, heldout_idx = torch.from_numpy(train_idx), torch.from_numpy(heldout_idx)
-    return DigitSplit(images[train_idx], labels[train_idx], images[heldout_idx], labels[heldout_idx],
-                      train_idx, heldout_idx)
+    return DigitSplit(
+        images[train_idx], labels[train_idx], images[heldout_idx], labels[heldout_idx], train_idx, heldout_idx
+    )
 
 
-def random_shift(images: torch.Tensor, generator: torch.Generator,
-                 max_shift: int = MAX_SHIFT) -> torch.Tensor:
+def random_shift(images: torch.Tensor, generator: torch.Generator, max_shift: int = MAX_SHIFT) -> torch.Tensor:
     """Move each [8, 8] image by its own whole-pixel offset; uncovered pixels are background (0)."""
     n, h, w = images.shape
     padded = F.pad(images, (max_shift,) * 4)
@@ -73,8 +74,17 @@ def random_shift(images: torch.Tensor, generator: torch.Generator,
 class DigitsDataset(Dataset):
     """Fetched a batch at a time (`__getitems__`): returns (images, tokens) or (images, labels)."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, image_size: tuple[int, int],
-                 mean, std, class_tokens: torch.Tensor | None = None, augment: bool = False, seed: int = 0):
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        image_size: tuple[int, int],
+        mean,
+        std,
+        class_tokens: torch.Tensor | None = None,
+        augment: bool = False,
+        seed: int = 0,
+    ):
         self.images, self.labels = images, labels
         self.image_size = tuple(image_size)
         self.mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
@@ -112,18 +122,30 @@ def _loader(dataset: DigitsDataset, sampler: ShardedBatchSampler) -> DataInfo:
     return DataInfo(loader, num_samples=len(dataset), num_batches=sampler.num_batches, sampler=sampler)
 
 
-def build_digits(tokenizer, image_size: tuple[int, int], mean, std, batch_size: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1) -> dict:
+def build_digits(
+    tokenizer,
+    image_size: tuple[int, int],
+    mean,
+    std,
+    batch_size: int,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict:
     """{'train', 'val', 'zeroshot': DataInfo, 'classnames', 'templates'} for the embedded demo."""
     split = load_digit_split()
     class_tokens = tokenizer([digit_caption(c) for c in range(len(DIGIT_CLASSNAMES))])
     if len(torch.unique(class_tokens, dim=0)) != len(DIGIT_CLASSNAMES):
-        raise UserError(f"--force-context-length {class_tokens.shape[1]}: too short for the demo captions "
-                        f"(e.g. {digit_caption(7)!r}); use at least 30 or leave it unset")
-    train = DigitsDataset(split.train_images, split.train_labels, image_size, mean, std, class_tokens,
-                          augment=True, seed=seed)
+        raise UserError(
+            f"--force-context-length {class_tokens.shape[1]}: too short for the demo captions "
+            f"(e.g. {digit_caption(7)!r}); use at least 30 or leave it unset"
+        )
+    train = DigitsDataset(
+        split.train_images, split.train_labels, image_size, mean, std, class_tokens, augment=True, seed=seed
+    )
     val = DigitsDataset(split.heldout_images, split.heldout_labels, image_size, mean, std, class_tokens)
     zeroshot = DigitsDataset(split.heldout_images, split.heldout_labels, image_size, mean, std)
+
     def sampler(dataset: DigitsDataset, train: bool) -> ShardedBatchSampler:
         return ShardedBatchSampler(len(dataset), batch_size, rank, world_size, seed, train=train)
 

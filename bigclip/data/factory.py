@@ -11,14 +11,14 @@ import braceexpand
 import torch
 from torch.utils.data import DataLoader
 
-from ..errors import UserError
-from .csv_dataset import CsvDataset
-from .digits import build_digits
-from .info import DataInfo
-from .sampler import ShardedBatchSampler
-from .skips import SkipCounter
-from .synthetic import SyntheticDataset
-from .wds_dataset import WebDatasetStream, batches_per_worker, expand_shards
+from bigclip.data.csv_dataset import CsvDataset
+from bigclip.data.digits import build_digits
+from bigclip.data.info import DataInfo
+from bigclip.data.sampler import ShardedBatchSampler
+from bigclip.data.skips import SkipCounter
+from bigclip.data.synthetic import SyntheticDataset
+from bigclip.data.wds_dataset import WebDatasetStream, batches_per_worker, expand_shards
+from bigclip.errors import UserError
 
 DATASET_TYPES = ("auto", "csv", "webdataset", "synthetic")
 SYNTHETIC_DEFAULT_SAMPLES = 1000
@@ -42,12 +42,13 @@ def resolve_dataset_type(path: str | None, dataset_type: str, flag: str) -> str:
     if dataset_type != "auto":
         return dataset_type
     if not path:
-        raise UserError(f"{flag} is missing: give a .csv/.tsv file or .tar shards, "
-                        f"or --dataset-type synthetic")
+        raise UserError(f"{flag} is missing: give a .csv/.tsv file or .tar shards, or --dataset-type synthetic")
     kinds = {_kind_by_extension(source) for source in path.split("::")}
     if len(kinds) != 1 or None in kinds:
-        raise UserError(f"{flag} {path}: cannot tell the data format from the file extension "
-                        f"(.csv/.tsv or .tar expected); pass --dataset-type csv or --dataset-type webdataset")
+        raise UserError(
+            f"{flag} {path}: cannot tell the data format from the file extension "
+            f"(.csv/.tsv or .tar expected); pass --dataset-type csv or --dataset-type webdataset"
+        )
     return kinds.pop()
 
 
@@ -70,7 +71,7 @@ def ignore_sigterm(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-_LIVE_LOADERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
+_LIVE_LOADERS: weakref.WeakSet[DataLoader] = weakref.WeakSet()
 
 
 def shut_down_workers(loader) -> None:
@@ -90,25 +91,30 @@ def _shut_down_at_exit() -> None:
 
 
 def _worker_loader(dataset, workers: int, **kwargs) -> DataLoader:
-    loader = DataLoader(dataset, num_workers=workers, persistent_workers=workers > 0,
-                        worker_init_fn=ignore_sigterm if workers > 0 else None,
-                        pin_memory=torch.cuda.is_available(), **kwargs)
+    loader = DataLoader(
+        dataset,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        worker_init_fn=ignore_sigterm if workers > 0 else None,
+        pin_memory=torch.cuda.is_available(),
+        **kwargs,
+    )
     if workers > 0:
         _LIVE_LOADERS.add(loader)
     return loader
 
 
-def _map_style_loader(dataset, sampler: ShardedBatchSampler, workers: int,
-                      skips: SkipCounter | None) -> DataInfo:
+def _map_style_loader(dataset, sampler: ShardedBatchSampler, workers: int, skips: SkipCounter | None) -> DataInfo:
     loader = _worker_loader(dataset, workers, batch_sampler=sampler)
-    return DataInfo(loader, num_samples=len(dataset), num_batches=sampler.num_batches, sampler=sampler,
-                    skips=skips)
+    return DataInfo(loader, num_samples=len(dataset), num_batches=sampler.num_batches, sampler=sampler, skips=skips)
 
 
 def _check_batches(info: DataInfo, flag: str, batch_size: int, world_size: int) -> DataInfo:
     if info.num_batches == 0:
-        raise UserError(f"{flag}: {info.num_samples} samples make no full batch of --batch-size {batch_size} "
-                        f"on {world_size} process(es); lower --batch-size or add data")
+        raise UserError(
+            f"{flag}: {info.num_samples} samples make no full batch of --batch-size {batch_size} "
+            f"on {world_size} process(es); lower --batch-size or add data"
+        )
     return info
 
 
@@ -133,8 +139,7 @@ class _Builder:
 
     def _sampler(self, num_samples: int, train: bool) -> ShardedBatchSampler:
         cfg = self.cfg
-        return ShardedBatchSampler(num_samples, cfg.batch_size, self.rank, self.world_size, cfg.seed,
-                                   train=train)
+        return ShardedBatchSampler(num_samples, cfg.batch_size, self.rank, self.world_size, cfg.seed, train=train)
 
     def synthetic(self, train: bool) -> DataInfo:
         cfg = self.cfg
@@ -142,17 +147,25 @@ class _Builder:
         size = _image_size(self.preprocess_cfg, self.transforms[False])
         dataset = SyntheticDataset(num_samples, size, self.tokenizer, seed=cfg.seed, stream=0 if train else 1)
         info = _map_style_loader(dataset, self._sampler(num_samples, train), cfg.workers, skips=None)
-        return _check_batches(info, "--train-num-samples" if train else "--val-num-samples", cfg.batch_size,
-                              self.world_size)
+        return _check_batches(
+            info, "--train-num-samples" if train else "--val-num-samples", cfg.batch_size, self.world_size
+        )
 
     def csv(self, path: str, flag: str, train: bool) -> DataInfo:
         cfg = self.cfg
         if "::" in path:
             raise UserError(f"{flag} {path}: CSV data is one file; join sources with :: only for .tar shards")
         skips = SkipCounter("train" if train else "val")
-        dataset = CsvDataset(path, self.transforms[train], self.tokenizer, skips, flag=flag,
-                             separator=cfg.csv_separator, img_key=cfg.csv_img_key,
-                             caption_key=cfg.csv_caption_key)
+        dataset = CsvDataset(
+            path,
+            self.transforms[train],
+            self.tokenizer,
+            skips,
+            flag=flag,
+            separator=cfg.csv_separator,
+            img_key=cfg.csv_img_key,
+            caption_key=cfg.csv_caption_key,
+        )
         info = _map_style_loader(dataset, self._sampler(len(dataset), train), cfg.workers, skips)
         return _check_batches(info, f"{flag} {path}", cfg.batch_size, self.world_size)
 
@@ -161,25 +174,34 @@ class _Builder:
         shards = expand_shards(path, flag)
         num_samples = cfg.train_num_samples if train else cfg.val_num_samples
         if train and not num_samples:
-            raise UserError(f"{flag} {path}: WebDataset training needs --train-num-samples "
-                            f"(samples per epoch)")
+            raise UserError(f"{flag} {path}: WebDataset training needs --train-num-samples (samples per epoch)")
         if train:
-            num_batches = batches_per_worker(num_samples, cfg.batch_size, self.world_size, cfg.workers) \
-                * max(1, cfg.workers)
+            num_batches = batches_per_worker(num_samples, cfg.batch_size, self.world_size, cfg.workers) * max(
+                1, cfg.workers
+            )
             num_samples = num_batches * cfg.batch_size * self.world_size
         else:
             # Unknown without --val-num-samples; with it, an estimate (ranks may differ by a batch).
             num_batches = -(-num_samples // (cfg.batch_size * self.world_size)) if num_samples else None
         skips = SkipCounter("train" if train else "val")
-        stream = WebDatasetStream(shards, self.transforms[train], self.tokenizer, skips,
-                                  batch_size=cfg.batch_size, rank=self.rank, world_size=self.world_size,
-                                  workers=cfg.workers, seed=cfg.seed, train=train, num_batches=num_batches,
-                                  source=f"{flag} {path}")
+        stream = WebDatasetStream(
+            shards,
+            self.transforms[train],
+            self.tokenizer,
+            skips,
+            batch_size=cfg.batch_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            workers=cfg.workers,
+            seed=cfg.seed,
+            train=train,
+            num_batches=num_batches,
+            source=f"{flag} {path}",
+        )
         # Fewer shards than workers is fine: WebDatasetStream then splits by sample, so no worker is idle.
         workers = cfg.workers
         loader = _worker_loader(stream, workers, batch_size=None)
-        return DataInfo(loader, num_samples=num_samples or 0, num_batches=num_batches or 0, sampler=stream,
-                        skips=skips)
+        return DataInfo(loader, num_samples=num_samples or 0, num_batches=num_batches or 0, sampler=stream, skips=skips)
 
     def demo(self) -> dict[str, Any]:
         cfg, pre = self.cfg, self.preprocess_cfg
@@ -187,20 +209,26 @@ class _Builder:
         std = tuple(cfg.image_std) if cfg.image_std else tuple(pre.get("std") or DEFAULT_STD)
         mean, std = (mean * 3 if len(mean) == 1 else mean), (std * 3 if len(std) == 1 else std)
         size = _image_size(pre, None if pre.get("size") else self.transforms[False])
-        return build_digits(self.tokenizer, size, mean, std, cfg.batch_size, cfg.seed, self.rank,
-                            self.world_size)
+        return build_digits(self.tokenizer, size, mean, std, cfg.batch_size, cfg.seed, self.rank, self.world_size)
 
 
-def get_data(cfg, preprocess_train, preprocess_val, tokenizer, rank: int = 0, world_size: int = 1,
-             epoch: int = 0, preprocess_cfg: dict | None = None) -> dict[str, Any]:
+def get_data(
+    cfg,
+    preprocess_train,
+    preprocess_val,
+    tokenizer,
+    rank: int = 0,
+    world_size: int = 1,
+    epoch: int = 0,
+    preprocess_cfg: dict | None = None,
+) -> dict[str, Any]:
     """Loaders named 'train' and 'val' (DataInfo) as the config asks; for the embedded demo (cfg.demo)
     also 'zeroshot' (yielding (images, class index)), 'classnames' and 'templates'.
 
     `preprocess_cfg` = {'size': (H, W), 'mean': ..., 'std': ...}: the model's image geometry, used
     where images are made as tensors (synthetic data, the demo) rather than by the preprocess callables.
     """
-    builder = _Builder(cfg, preprocess_train, preprocess_val, tokenizer, rank, world_size,
-                       preprocess_cfg or {})
+    builder = _Builder(cfg, preprocess_train, preprocess_val, tokenizer, rank, world_size, preprocess_cfg or {})
     if cfg.demo:
         data = builder.demo()
     else:
@@ -214,4 +242,3 @@ def get_data(cfg, preprocess_train, preprocess_val, tokenizer, rank: int = 0, wo
         if isinstance(info, DataInfo):
             info.set_epoch(epoch)
     return data
-

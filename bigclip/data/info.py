@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from typing import Any, Protocol
 
-from .skips import SKIP_REASONS, SkipCounter
+from bigclip.data.skips import SKIP_REASONS, SkipCounter
 
 
 class EpochPositioned(Protocol):
@@ -34,7 +35,7 @@ class DataInfo:
 
     def close(self) -> None:
         """Stop the loader's worker processes now (persistent workers otherwise live as long as the loader)."""
-        from .factory import shut_down_workers
+        from bigclip.data.factory import shut_down_workers
 
         shut_down_workers(self.dataloader)
 

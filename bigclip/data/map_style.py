@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from torch.utils.data import Dataset
 
-from ..errors import UserError
-from .skips import SkipCounter
+from bigclip.data.skips import SkipCounter
+from bigclip.errors import UserError
 
 
 class SampleSkipped(Exception):
@@ -54,5 +54,4 @@ class ReplacingDataset(Dataset):
                 # Counted when the sampler reaches `candidate` itself, not here, so each bad sample
                 # counts once per visit however many neighbours fall through it.
                 self._known_bad.add(candidate)
-        raise UserError(f"{self.source}: none of its {size} samples could be read; check the image paths "
-                        f"and captions")
+        raise UserError(f"{self.source}: none of its {size} samples could be read; check the image paths and captions")

@@ -22,8 +22,9 @@ import torch
 
 
 class ShardedBatchSampler:
-    def __init__(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, train: bool = True):
+    def __init__(
+        self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, train: bool = True
+    ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.num_samples = num_samples
@@ -57,16 +58,16 @@ class ShardedBatchSampler:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.num_samples, generator=generator)
             used = self.num_batches * self.batch_size * self.world_size
-            mine = order[:used][self.rank::self.world_size]
+            mine = order[:used][self.rank :: self.world_size]
             return list(mine.split(self.batch_size))
-        mine = torch.arange(self.num_samples)[self.rank::self.world_size]
+        mine = torch.arange(self.num_samples)[self.rank :: self.world_size]
         if self.world_size == 1:
             return list(mine.split(self.batch_size))
         # Same count on every rank; a rank with fewer samples than batches (tiny sets) yields fewer.
         return [b for b in mine.tensor_split(self.num_batches) if len(b)]
 
     def __iter__(self):
-        for batch in self.batches()[self.skip_batches:]:
+        for batch in self.batches()[self.skip_batches :]:
             yield batch.tolist()
 
     def __len__(self) -> int:

@@ -15,10 +15,10 @@ logger = logging.getLogger(__name__)
 
 # Why a sample was skipped. Fixed order: it is the layout of the shared array.
 SKIP_REASONS = (
-    "missing_image",    # no image file (CSV path does not exist) or no image entry (webdataset sample)
-    "bad_image",        # image bytes that cannot be decoded or transformed
+    "missing_image",  # no image file (CSV path does not exist) or no image entry (webdataset sample)
+    "bad_image",  # image bytes that cannot be decoded or transformed
     "missing_caption",  # empty or absent caption
-    "read_error",       # unreadable shard or tar member
+    "read_error",  # unreadable shard or tar member
 )
 
 # Each process warns about the first few skips of a loader with details, then only counts.

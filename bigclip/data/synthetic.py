@@ -23,8 +23,7 @@ def token_layout(tokenizer) -> tuple[int, int, int]:
 
 
 class SyntheticDataset(Dataset):
-    def __init__(self, num_samples: int, image_size: tuple[int, int], tokenizer=None, seed: int = 0,
-                 stream: int = 0):
+    def __init__(self, num_samples: int, image_size: tuple[int, int], tokenizer=None, seed: int = 0, stream: int = 0):
         self.num_samples = num_samples
         self.image_size = tuple(image_size)
         self.context_length, self.sot, self.eot = token_layout(tokenizer)
@@ -42,6 +41,6 @@ class SyntheticDataset(Dataset):
         tokens = torch.zeros(self.context_length, dtype=torch.long)
         length = int(torch.randint(0, self.context_length - 1, (1,), generator=g))
         tokens[0] = self.sot
-        tokens[1:length + 1] = torch.randint(1, self.max_text_id, (length,), generator=g)
+        tokens[1 : length + 1] = torch.randint(1, self.max_text_id, (length,), generator=g)
         tokens[length + 1] = self.eot
         return image, tokens

@@ -9,14 +9,15 @@ plain torchvision training path too (OpenCLIP ignores them there).
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from PIL import Image
 from torchvision import transforms as T
 from torchvision.transforms import InterpolationMode
 
-from ..errors import UserError
-from .aug_cfg import validate_aug_cfg
+from bigclip.data.aug_cfg import validate_aug_cfg
+from bigclip.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,12 @@ def _random_resized_crop(size, scale, ratio, interpolation: str) -> Any:
     ratio = ratio or (3 / 4, 4 / 3)
     if interpolation == "random":
         # A fresh choice per image, as timm's 'random' interpolation does.
-        return T.RandomChoice([T.RandomResizedCrop(size, scale=scale, ratio=ratio, interpolation=mode)
-                               for mode in (InterpolationMode.BILINEAR, InterpolationMode.BICUBIC)])
+        return T.RandomChoice(
+            [
+                T.RandomResizedCrop(size, scale=scale, ratio=ratio, interpolation=mode)
+                for mode in (InterpolationMode.BILINEAR, InterpolationMode.BICUBIC)
+            ]
+        )
     mode = InterpolationMode.BILINEAR if interpolation == "bilinear" else InterpolationMode.BICUBIC
     return T.RandomResizedCrop(size, scale=scale, ratio=ratio, interpolation=mode)
 
@@ -78,14 +83,28 @@ def _timm_train_transform(size, mean, std, interpolation: str, aug: dict[str, An
     options.setdefault("color_jitter", None)  # timm would jitter by default; OpenCLIP turns it off
     if "gray_scale_prob" in options:
         options["grayscale_prob"] = options.pop("gray_scale_prob")
-    timm_transform = create_transform(input_size=(3, *size), is_training=True, hflip=0.0, mean=mean, std=std,
-                                      re_mode="pixel", interpolation=interpolation, **options)
+    timm_transform = create_transform(
+        input_size=(3, *size),
+        is_training=True,
+        hflip=0.0,
+        mean=mean,
+        std=std,
+        re_mode="pixel",
+        interpolation=interpolation,
+        **options,
+    )
     return T.Compose([to_rgb, timm_transform])
 
 
-def image_transform(image_size: int | Sequence[int], is_train: bool, mean: Sequence[float],
-                    std: Sequence[float], interpolation: str | None = "bicubic",
-                    resize_mode: str | None = "shortest", aug_cfg: dict | list | None = None):
+def image_transform(
+    image_size: int | Sequence[int],
+    is_train: bool,
+    mean: Sequence[float],
+    std: Sequence[float],
+    interpolation: str | None = "bicubic",
+    resize_mode: str | None = "shortest",
+    aug_cfg: dict | list | None = None,
+):
     """A callable PIL.Image -> FloatTensor[3, H, W]. `aug_cfg` is a dict or key=value strings."""
     interpolation = interpolation or "bicubic"
     resize_mode = resize_mode or "shortest"
@@ -104,11 +123,9 @@ def image_transform(image_size: int | Sequence[int], is_train: bool, mean: Seque
         unused = [k for k in _TIMM_ONLY if aug.get(k) is not None]
         if unused:
             logger.warning(f"--aug-cfg {', '.join(unused)} need use_timm=true; ignored")
-        steps = [to_rgb, _random_resized_crop(size, aug.get("scale") or (0.9, 1.0), aug.get("ratio"),
-                                              interpolation)]
+        steps = [to_rgb, _random_resized_crop(size, aug.get("scale") or (0.9, 1.0), aug.get("ratio"), interpolation)]
         if aug.get("color_jitter") is not None:
-            steps.append(T.RandomApply([_color_jitter(aug["color_jitter"])],
-                                       p=aug.get("color_jitter_prob") or 1.0))
+            steps.append(T.RandomApply([_color_jitter(aug["color_jitter"])], p=aug.get("color_jitter_prob") or 1.0))
         if aug.get("gray_scale_prob"):
             steps.append(T.RandomGrayscale(p=aug["gray_scale_prob"]))
         return T.Compose([*steps, T.ToTensor(), normalize])
@@ -119,6 +136,5 @@ def image_transform(image_size: int | Sequence[int], is_train: bool, mean: Seque
         resize = [T.Resize(size, interpolation=mode)]
     else:
         # CenterCrop pads with black where the resized image is smaller ('longest' letterboxing).
-        resize = [ResizeKeepRatio(size, longest=resize_mode == "longest", interpolation=mode),
-                  T.CenterCrop(size)]
+        resize = [ResizeKeepRatio(size, longest=resize_mode == "longest", interpolation=mode), T.CenterCrop(size)]
     return T.Compose([to_rgb, *resize, T.ToTensor(), normalize])

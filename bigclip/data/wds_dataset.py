@@ -35,8 +35,8 @@ import webdataset as wds
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..errors import UserError
-from .skips import SkipCounter
+from bigclip.data.skips import SkipCounter
+from bigclip.errors import UserError
 
 IMAGE_KEYS = ("jpg", "png", "jpeg", "webp")
 CAPTION_KEY = "txt"
@@ -51,7 +51,7 @@ def expand_shards(spec: str, flag: str) -> list[str]:
     paths = []
     for url in wds.shardlists.expand_urls(spec):
         if url.startswith("file://"):
-            url = url[len("file://"):]
+            url = url[len("file://") :]
         elif "://" in url:
             raise UserError(f"{flag} {url}: remote shards are not supported yet; copy them to a local disk")
         if not os.path.isfile(url):
@@ -73,9 +73,22 @@ def _collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Te
 
 
 class WebDatasetStream(IterableDataset):
-    def __init__(self, shards: list[str], transform, tokenizer, skips: SkipCounter, *, batch_size: int,
-                 rank: int = 0, world_size: int = 1, workers: int = 0, seed: int = 0, train: bool = True,
-                 num_batches: int | None = None, source: str = "--train-data"):
+    def __init__(
+        self,
+        shards: list[str],
+        transform,
+        tokenizer,
+        skips: SkipCounter,
+        *,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        workers: int = 0,
+        seed: int = 0,
+        train: bool = True,
+        num_batches: int | None = None,
+        source: str = "--train-data",
+    ):
         """`num_batches`: per rank and epoch; required for training (it fixes the epoch length)."""
         self.shards = shards
         self.transform = transform
@@ -159,8 +172,10 @@ class WebDatasetStream(IterableDataset):
                 raise self._no_data()
 
     def _no_data(self) -> UserError:
-        return UserError(f"{self.source}: this loader found no usable sample in a whole pass over its "
-                         f"shards; check that the shards hold .jpg/.png/.webp images with .txt captions")
+        return UserError(
+            f"{self.source}: this loader found no usable sample in a whole pass over its "
+            f"shards; check that the shards hold .jpg/.png/.webp images with .txt captions"
+        )
 
     # -------------------------------------------------------------------------------------- samples
     @staticmethod

@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..dist import World
-from .base import Engine
-from .ddp import DDPEngine
-from .deepspeed import DeepSpeedEngine
-from .fsdp import FSDPEngine
+from bigclip.dist import World
+from bigclip.engine.base import Engine
+from bigclip.engine.ddp import DDPEngine
+from bigclip.engine.deepspeed import DeepSpeedEngine
+from bigclip.engine.fsdp import FSDPEngine
 
 ENGINE_CLASSES: dict[str, type[Engine]] = {"ddp": DDPEngine, "fsdp": FSDPEngine, "deepspeed": DeepSpeedEngine}
 
@@ -63,5 +63,4 @@ def build_engine(cfg, model: nn.Module, world: World) -> Engine:
     return ENGINE_CLASSES[cfg.engine](cfg, model, world)
 
 
-__all__ = ["Engine", "DDPEngine", "FSDPEngine", "DeepSpeedEngine", "build_engine", "build_model",
-           "ENGINE_CLASSES"]
+__all__ = ["Engine", "DDPEngine", "FSDPEngine", "DeepSpeedEngine", "build_engine", "build_model", "ENGINE_CLASSES"]

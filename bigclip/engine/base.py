@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..dist import World
-from ..precision import Precision, resolve_precision
+from bigclip.dist import World
+from bigclip.precision import Precision, resolve_precision
 
 
 class Engine(abc.ABC):
@@ -117,7 +117,7 @@ class Engine(abc.ABC):
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds (see engine/memory.py)."""
-        from .memory import tensor_bytes
+        from bigclip.engine.memory import tensor_bytes
 
         return tensor_bytes(self.model, getattr(self, "optimizer", None))
 

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import optim
-from ..dist import World
-from .base import TorchOptimizerEngine, clip_and_measure
+from bigclip import optim
+from bigclip.dist import World
+from bigclip.engine.base import TorchOptimizerEngine, clip_and_measure
 
 
 class DDPEngine(TorchOptimizerEngine):

@@ -37,12 +37,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import optim
-from ..dist import World
-from . import ds_config as dsc
-from .base import Engine, clip_and_measure
-from .sharded_init import build_for_sharding, is_meta, materialise, modules_children_first, shard_meta_params
-from .single import ensure_process_group
+from bigclip import optim
+from bigclip.dist import World
+from bigclip.engine import ds_config as dsc
+from bigclip.engine.base import Engine, clip_and_measure
+from bigclip.engine.sharded_init import (
+    build_for_sharding,
+    is_meta,
+    materialise,
+    modules_children_first,
+    shard_meta_params,
+)
+from bigclip.engine.single import ensure_process_group
 
 LOGIT_SCALE_MAX = math.log(100.0)  # CLIP.clamp_logit_scale_'s bound, applied to DeepSpeed's fp32 masters
 
@@ -62,8 +68,9 @@ def widest_tower(model: nn.Module) -> int | None:
 
 
 def resolve_config(cfg, world: World, model: nn.Module | None = None) -> dict[str, Any]:
-    return dsc.resolve(cfg, world.world_size, world.device.type,
-                       hidden_size=widest_tower(model) if model is not None else None)
+    return dsc.resolve(
+        cfg, world.world_size, world.device.type, hidden_size=widest_tower(model) if model is not None else None
+    )
 
 
 def _param_dtype(ds: dict[str, Any]) -> torch.dtype:
@@ -77,8 +84,7 @@ def _param_dtype(ds: dict[str, Any]) -> torch.dtype:
 def _named_groups(model: nn.Module, weight_decay: float) -> list[tuple[list[str], float]]:
     """bigclip's decay / no-decay split as parameter names (shapes are only right before partitioning)."""
     ids = {id(p): n for n, p in model.named_parameters()}
-    return [([ids[id(p)] for p in g["params"]], g["weight_decay"])
-            for g in optim.param_groups(model, weight_decay)]
+    return [([ids[id(p)] for p in g["params"]], g["weight_decay"]) for g in optim.param_groups(model, weight_decay)]
 
 
 def partition_meta_model(model: nn.Module, ds: dict[str, Any], world: World, seed: int) -> None:
@@ -124,10 +130,12 @@ class DeepSpeedEngine(Engine):
     def build_model(cls, cfg, world: World, factory) -> nn.Module:
         ds = dsc.resolve(cfg, world.world_size, world.device.type)
         if cfg.sharded_init == "always" and dsc.stage(ds) != 3:
-            from ..errors import UserError
+            from bigclip.errors import UserError
 
-            raise UserError(f"--sharded-init always: DeepSpeed partitions parameters only at ZeRO stage 3, "
-                            f"and {cfg.ds_config or 'the default config'} has stage {dsc.stage(ds)}")
+            raise UserError(
+                f"--sharded-init always: DeepSpeed partitions parameters only at ZeRO stage 3, "
+                f"and {cfg.ds_config or 'the default config'} has stage {dsc.stage(ds)}"
+            )
         return build_for_sharding(cfg, factory, shards_params=dsc.stage(ds) == 3)
 
     def __init__(self, cfg, model: nn.Module, world: World):
@@ -159,8 +167,11 @@ class DeepSpeedEngine(Engine):
                 # DeepSpeedCPUAdam; DeepSpeed refuses it unless told this is intended.
                 self.ds_config.setdefault("zero_force_ds_cpu_optimizer", False)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=client_optimizer,
-            model_parameters=groups if client_optimizer is None else None, config=self.ds_config)
+            model=model,
+            optimizer=client_optimizer,
+            model_parameters=groups if client_optimizer is None else None,
+            config=self.ds_config,
+        )
         self._model = model
         self._mixed = self.ds.bfloat16_enabled() or self.ds.fp16_enabled()
         self._in_no_sync = False
@@ -268,22 +279,27 @@ class DeepSpeedEngine(Engine):
         self.ds.save_checkpoint(directory, tag=tag or "engine_state", save_latest=False)
 
     def load_checkpoint(self, directory: str, tag: str | None = None) -> None:
-        path, _ = self.ds.load_checkpoint(directory, tag=tag or "engine_state", load_optimizer_states=True,
-                                          load_lr_scheduler_states=False)
+        path, _ = self.ds.load_checkpoint(
+            directory, tag=tag or "engine_state", load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         if path is None:
-            from ..errors import UserError
+            from bigclip.errors import UserError
 
-            raise UserError(f"checkpoint {directory}: no DeepSpeed state '{tag or 'engine_state'}' inside; "
-                            f"resume with the engine and DeepSpeed config the run was saved with")
+            raise UserError(
+                f"checkpoint {directory}: no DeepSpeed state '{tag or 'engine_state'}' inside; "
+                f"resume with the engine and DeepSpeed config the run was saved with"
+            )
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("the DeepSpeed engine saves with save_checkpoint(directory, tag): its "
-                                  "optimizer (and at ZeRO-3 its parameters) are partitioned across ranks")
+        raise NotImplementedError(
+            "the DeepSpeed engine saves with save_checkpoint(directory, tag): its "
+            "optimizer (and at ZeRO-3 its parameters) are partitioned across ranks"
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise NotImplementedError("the DeepSpeed engine loads with load_checkpoint(directory, tag)")
 
     def state_bytes(self) -> dict[str, int]:
-        from .memory import tensor_bytes
+        from bigclip.engine.memory import tensor_bytes
 
         return tensor_bytes(self._model, self.ds.optimizer)

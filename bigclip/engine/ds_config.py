@@ -23,11 +23,10 @@ import json
 import os
 from typing import Any
 
-from ..errors import UserError
+from bigclip.errors import UserError
 
 AUTO = "auto"
-SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                           "ds_configs")
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ds_configs")
 # Used by `--engine deepspeed` without a config file: ZeRO-2, everything else filled from flags.
 DEFAULT_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": AUTO,
@@ -42,15 +41,15 @@ DEFAULT_CONFIG: dict[str, Any] = {
 def read(path: str, flag: str = "--ds_config") -> dict[str, Any]:
     """The JSON object in `path`, or a UserError naming the file (and line, for syntax errors)."""
     if not os.path.isfile(path):
-        raise UserError(f"{flag} {path}: file not found; pass a DeepSpeed JSON config "
-                        f"(examples in ds_configs/)")
+        raise UserError(f"{flag} {path}: file not found; pass a DeepSpeed JSON config (examples in ds_configs/)")
     with open(path) as f:
         text = f.read()
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise UserError(f"{flag} {path}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg}); "
-                        f"fix the file") from None
+        raise UserError(
+            f"{flag} {path}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg}); fix the file"
+        ) from None
     if not isinstance(data, dict):
         raise UserError(f"{flag} {path}: expected a JSON object at the top level, got {type(data).__name__}")
     return data
@@ -58,23 +57,25 @@ def read(path: str, flag: str = "--ds_config") -> dict[str, Any]:
 
 def precision_flags(cfg, device_type: str) -> tuple[bool, bool]:
     """(bf16, fp16) as DeepSpeed should run for --precision on this device."""
-    from ..precision import resolve_precision
     import torch
+
+    from bigclip.precision import resolve_precision
 
     p = resolve_precision(cfg.precision, torch.device(device_type))
     low = {p.autocast_dtype, p.param_dtype}
     return torch.bfloat16 in low, torch.float16 in low
 
 
-def _fill(section: dict, key: str, value: Any, where: str, source: str, path: str,
-          equal=lambda a, b: a == b) -> None:
+def _fill(section: dict, key: str, value: Any, where: str, source: str, path: str, equal=lambda a, b: a == b) -> None:
     """Set section[key] to `value` when it is absent or "auto"; otherwise it must agree."""
     current = section.get(key, AUTO)
     if current == AUTO:
         section[key] = value
     elif not equal(current, value):
-        raise UserError(f"{path}: {where} is {json.dumps(current)} but {source} means {json.dumps(value)}; "
-                        f"make them agree or set it to \"auto\"")
+        raise UserError(
+            f"{path}: {where} is {json.dumps(current)} but {source} means {json.dumps(value)}; "
+            f'make them agree or set it to "auto"'
+        )
 
 
 def _close(a, b) -> bool:
@@ -104,8 +105,9 @@ def _find_auto(node: Any, prefix: str = "") -> str | None:
     return None
 
 
-def resolve(cfg, world_size: int | None, device_type: str, hidden_size: int | None = None,
-            raw: dict[str, Any] | None = None) -> dict[str, Any]:
+def resolve(
+    cfg, world_size: int | None, device_type: str, hidden_size: int | None = None, raw: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The config DeepSpeed receives: the file (or DEFAULT_CONFIG) with every "auto" filled.
 
     world_size None checks everything except train_batch_size (used at flag-validation time, before
@@ -114,36 +116,64 @@ def resolve(cfg, world_size: int | None, device_type: str, hidden_size: int | No
     path = cfg.ds_config or "the default DeepSpeed config"
     ds = copy.deepcopy(raw if raw is not None else (read(cfg.ds_config) if cfg.ds_config else DEFAULT_CONFIG))
 
-    _fill(ds, "train_micro_batch_size_per_gpu", cfg.batch_size, "train_micro_batch_size_per_gpu",
-          f"--batch-size {cfg.batch_size}", path)
-    _fill(ds, "gradient_accumulation_steps", cfg.accum_freq, "gradient_accumulation_steps",
-          f"--accum-freq {cfg.accum_freq}", path)
+    _fill(
+        ds,
+        "train_micro_batch_size_per_gpu",
+        cfg.batch_size,
+        "train_micro_batch_size_per_gpu",
+        f"--batch-size {cfg.batch_size}",
+        path,
+    )
+    _fill(
+        ds,
+        "gradient_accumulation_steps",
+        cfg.accum_freq,
+        "gradient_accumulation_steps",
+        f"--accum-freq {cfg.accum_freq}",
+        path,
+    )
     if world_size is not None:
         total = cfg.batch_size * cfg.accum_freq * world_size
-        _fill(ds, "train_batch_size", total, "train_batch_size",
-              f"--batch-size {cfg.batch_size} x --accum-freq {cfg.accum_freq} x {world_size} processes", path)
+        _fill(
+            ds,
+            "train_batch_size",
+            total,
+            "train_batch_size",
+            f"--batch-size {cfg.batch_size} x --accum-freq {cfg.accum_freq} x {world_size} processes",
+            path,
+        )
     clip = cfg.grad_clip_norm if cfg.grad_clip_norm is not None else 0.0
-    _fill(ds, "gradient_clipping", float(clip), "gradient_clipping",
-          f"--grad-clip-norm {cfg.grad_clip_norm}", path, _close)
+    _fill(
+        ds,
+        "gradient_clipping",
+        float(clip),
+        "gradient_clipping",
+        f"--grad-clip-norm {cfg.grad_clip_norm}",
+        path,
+        _close,
+    )
 
     bf16, fp16 = precision_flags(cfg, device_type)
     for name, want in (("bf16", bf16), ("fp16", fp16)):
         section = ds.setdefault(name, {})
         if not isinstance(section, dict):
-            raise UserError(f"{path}: \"{name}\" must be an object like {{\"enabled\": \"auto\"}}")
-        _fill(section, "enabled", want, f"{name}.enabled", f"--precision {cfg.precision} on {device_type}",
-              path)
+            raise UserError(f'{path}: "{name}" must be an object like {{"enabled": "auto"}}')
+        _fill(section, "enabled", want, f"{name}.enabled", f"--precision {cfg.precision} on {device_type}", path)
     if fp16:
         ds["fp16"].setdefault("loss_scale", 0)  # 0: dynamic loss scaling, as torch's GradScaler
     if "bfloat16" in ds:
-        raise UserError(f"{path}: use the \"bf16\" section instead of the legacy \"bfloat16\" one")
+        raise UserError(f'{path}: use the "bf16" section instead of the legacy "bfloat16" one')
     if ds.get("torch_autocast", {}).get("enabled"):
-        raise UserError(f"{path}: \"torch_autocast\" is not used by bigclip; remove it and pick mixed "
-                        f"precision with --precision (amp_bf16 -> DeepSpeed bf16)")
+        raise UserError(
+            f'{path}: "torch_autocast" is not used by bigclip; remove it and pick mixed '
+            f"precision with --precision (amp_bf16 -> DeepSpeed bf16)"
+        )
 
     if "scheduler" in ds:
-        raise UserError(f"{path}: remove the \"scheduler\" section; bigclip's --lr-scheduler, --lr and "
-                        f"--warmup drive DeepSpeed's learning rate")
+        raise UserError(
+            f'{path}: remove the "scheduler" section; bigclip\'s --lr-scheduler, --lr and '
+            f"--warmup drive DeepSpeed's learning rate"
+        )
     if "optimizer" in ds:
         _fill_optimizer(ds["optimizer"], cfg, path)
     else:
@@ -155,36 +185,48 @@ def resolve(cfg, world_size: int | None, device_type: str, hidden_size: int | No
         raise UserError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3")
     if hidden_size is not None:
         # The Hugging Face integration's rule of thumb for these sizes.
-        for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
-                           ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
-                           ("stage3_param_persistence_threshold", 10 * hidden_size)):
+        for key, value in (
+            ("reduce_bucket_size", hidden_size * hidden_size),
+            ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+            ("stage3_param_persistence_threshold", 10 * hidden_size),
+        ):
             if zero.get(key) == AUTO:
                 zero[key] = value
     ds.setdefault("steps_per_print", 10**9)  # bigclip logs progress itself
     ds.setdefault("wall_clock_breakdown", False)
 
-    leftover = _find_auto({k: v for k, v in ds.items() if k != "zero_optimization"} if hidden_size is None
-                          else ds)
+    leftover = _find_auto({k: v for k, v in ds.items() if k != "zero_optimization"} if hidden_size is None else ds)
     if leftover:
-        raise UserError(f"{path}: {leftover} is \"auto\" but bigclip cannot fill it; give a value")
+        raise UserError(f'{path}: {leftover} is "auto" but bigclip cannot fill it; give a value')
     return ds
 
 
 def _fill_optimizer(section: dict, cfg, path: str) -> None:
-    from ..optim import hyperparameters
+    from bigclip.optim import hyperparameters
 
     kind = str(section.get("type", "")).lower()
     if kind not in ("adam", "adamw"):
-        raise UserError(f"{path}: optimizer.type {section.get('type')!r} is not supported by bigclip; "
-                        f"use \"AdamW\" or drop the optimizer section (bigclip then passes its own --opt)")
+        raise UserError(
+            f"{path}: optimizer.type {section.get('type')!r} is not supported by bigclip; "
+            f'use "AdamW" or drop the optimizer section (bigclip then passes its own --opt)'
+        )
     if cfg.opt != "adamw":
-        raise UserError(f"{path}: optimizer.type {section.get('type')!r} contradicts --opt {cfg.opt}; "
-                        f"drop the optimizer section or use --opt adamw")
+        raise UserError(
+            f"{path}: optimizer.type {section.get('type')!r} contradicts --opt {cfg.opt}; "
+            f"drop the optimizer section or use --opt adamw"
+        )
     hp = hyperparameters(cfg)
     params = section.setdefault("params", {})
     _fill(params, "lr", hp["lr"], "optimizer.params.lr", f"--lr {hp['lr']}", path, _close)
-    _fill(params, "betas", [hp["beta1"], hp["beta2"]], "optimizer.params.betas",
-          f"--beta1 {hp['beta1']} --beta2 {hp['beta2']}", path, _close_seq)
+    _fill(
+        params,
+        "betas",
+        [hp["beta1"], hp["beta2"]],
+        "optimizer.params.betas",
+        f"--beta1 {hp['beta1']} --beta2 {hp['beta2']}",
+        path,
+        _close_seq,
+    )
     _fill(params, "eps", hp["eps"], "optimizer.params.eps", f"--eps {hp['eps']}", path, _close)
     # bigclip's parameter groups carry their own weight decay (none on gains, biases, logit scale);
     # this value applies to the decayed group.

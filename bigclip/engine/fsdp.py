@@ -27,12 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import optim
-from ..dist import World
-from ..errors import UserError
-from .base import TorchOptimizerEngine
-from .sharded_init import build_for_sharding, is_meta, materialise
-from .single import ensure_process_group
+from bigclip import optim
+from bigclip.dist import World
+from bigclip.engine.base import TorchOptimizerEngine
+from bigclip.engine.sharded_init import build_for_sharding, is_meta, materialise
+from bigclip.engine.single import ensure_process_group
+from bigclip.errors import UserError
 
 
 def build_mesh(cfg, world: World):
@@ -46,8 +46,9 @@ def build_mesh(cfg, world: World):
     device_type = world.device.type
     if replicate == 1:
         return init_device_mesh(device_type, (world.world_size,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (replicate, world.world_size // replicate),
-                            mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(
+        device_type, (replicate, world.world_size // replicate), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def mixed_precision_policy(precision):
@@ -82,8 +83,7 @@ class FSDPEngine(TorchOptimizerEngine):
         if cfg.fsdp_offload_cpu:
             # Pinned host memory needs CUDA; on a CPU-only run the shards already live in host memory.
             offload = CPUOffloadPolicy(pin_memory=world.device.type == "cuda")
-        kwargs = dict(mesh=self.mesh, mp_policy=mixed_precision_policy(self.precision),
-                      offload_policy=offload)
+        kwargs = dict(mesh=self.mesh, mp_policy=mixed_precision_policy(self.precision), offload_policy=offload)
         reshard = not cfg.fsdp_no_reshard_after_forward
         for block in model.transformer_blocks():
             fully_shard(block, reshard_after_forward=reshard, **kwargs)
@@ -91,8 +91,12 @@ class FSDPEngine(TorchOptimizerEngine):
         # backward, so resharding them after forward would only add an all-gather.
         fully_shard(model, reshard_after_forward=False, **kwargs)
         if on_meta:
-            materialise(model, world.device if not cfg.fsdp_offload_cpu else torch.device("cpu"),
-                        cfg.seed, self.mesh.get_local_rank("shard"))
+            materialise(
+                model,
+                world.device if not cfg.fsdp_offload_cpu else torch.device("cpu"),
+                cfg.seed,
+                self.mesh.get_local_rank("shard"),
+            )
 
         self._model = model
         self.optimizer = optim.create_optimizer(cfg, optim.param_groups(model, cfg.wd))
@@ -154,14 +158,18 @@ class FSDPEngine(TorchOptimizerEngine):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self._model, self.optimizer)
-        return {"model": model_state, "optimizer": optim_state,
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        return {
+            "model": model_state,
+            "optimizer": optim_state,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(self._model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self._model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
 
@@ -180,7 +188,7 @@ class FSDPEngine(TorchOptimizerEngine):
     def state_bytes(self) -> dict[str, int]:
         from torch.distributed.fsdp import FSDPModule
 
-        from .memory import tensor_bytes
+        from bigclip.engine.memory import tensor_bytes
 
         for m in self._model.modules():  # the root stays gathered after forward; count the shards only
             if isinstance(m, FSDPModule):

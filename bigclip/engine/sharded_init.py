@@ -19,7 +19,7 @@ the tracker is used and the result does not depend on the world size.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -58,10 +58,12 @@ def build_for_sharding(cfg, factory, shards_params: bool) -> nn.Module:
     meta = factory(device="meta")
     if wants_sharded_init(cfg, count_params(meta)):
         if cfg.pretrained:
-            from ..errors import UserError
+            from bigclip.errors import UserError
 
-            raise UserError(f"--pretrained {cfg.pretrained}: loading weights into a model initialised shard "
-                            f"by shard is not supported yet; add --sharded-init never")
+            raise UserError(
+                f"--pretrained {cfg.pretrained}: loading weights into a model initialised shard "
+                f"by shard is not supported yet; add --sharded-init never"
+            )
         return meta
     return factory()
 
@@ -100,7 +102,7 @@ def materialise(model: nn.Module, device: torch.device, seed: int, rank: int) ->
     with _rank_distinct_rng(seed, rank, needed=not _has_dtensor_rng(model)), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
         model.init_weights()
-    for name, b in model.named_buffers():  # the bigclip towers hold none; refuse to leave garbage silently
+    for name, _b in model.named_buffers():  # the bigclip towers hold none; refuse to leave garbage silently
         raise RuntimeError(f"buffer {name} is not initialised by init_weights() after a meta build")
 
 

@@ -10,7 +10,7 @@ import socket
 
 import torch.distributed as dist
 
-from ..dist import World
+from bigclip.dist import World
 
 
 def _free_port() -> int:
@@ -26,5 +26,9 @@ def ensure_process_group(world: World) -> None:
         raise RuntimeError("a multi-process run must have initialised torch.distributed before the engine")
     # No launcher variables are written to the environment: a later run in the same process (tests) or a
     # child process would take them for a launcher's.
-    dist.init_process_group("nccl" if world.device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if world.device.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        rank=0,
+        world_size=1,
+    )

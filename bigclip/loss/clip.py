@@ -74,8 +74,16 @@ class _FusedClipLoss(torch.autograd.Function):
         n = image.shape[0]
         weight = (grad.float() / (2 * n)).expand(n)
         d_image, d_text = ctx.backend.clip_block_grads(
-            image, text, scale, row_lse, col_lse, (weight, weight), None, diag=0,
-            need_image=ctx.needs_input_grad[0], need_text=ctx.needs_input_grad[1],
+            image,
+            text,
+            scale,
+            row_lse,
+            col_lse,
+            (weight, weight),
+            None,
+            diag=0,
+            need_image=ctx.needs_input_grad[0],
+            need_text=ctx.needs_input_grad[1],
         )
         shape, dtype = ctx.scale_meta
         return (
@@ -93,8 +101,7 @@ def clip_loss_fused(image, text, logit_scale, backend) -> torch.Tensor:
 def check_features(image: torch.Tensor, text: torch.Tensor) -> None:
     if image.dim() != 2 or image.shape != text.shape:
         raise ValueError(
-            "image and text features must both be (batch, dim); "
-            f"got {tuple(image.shape)} and {tuple(text.shape)}"
+            f"image and text features must both be (batch, dim); got {tuple(image.shape)} and {tuple(text.shape)}"
         )
 
 
@@ -127,15 +134,25 @@ class ClipLoss(nn.Module):
         impl = select.resolve_impl(self.impl, image_features)
         if impl == "naive":
             loss = clip_loss_naive(
-                image_features, text_features, logit_scale,
-                self.local_loss, self.gather_with_grad, self.rank, self.world_size,
+                image_features,
+                text_features,
+                logit_scale,
+                self.local_loss,
+                self.gather_with_grad,
+                self.rank,
+                self.world_size,
             )
         elif self.world_size > 1:
             loss = clip_loss_distributed(
-                image_features, text_features, logit_scale,
-                local_loss=self.local_loss, gather_with_grad=self.gather_with_grad,
-                rank=self.rank, world_size=self.world_size,
-                dist_impl=self.dist_impl, backend=select.backend_for(impl),
+                image_features,
+                text_features,
+                logit_scale,
+                local_loss=self.local_loss,
+                gather_with_grad=self.gather_with_grad,
+                rank=self.rank,
+                world_size=self.world_size,
+                dist_impl=self.dist_impl,
+                backend=select.backend_for(impl),
             )
         else:
             loss = clip_loss_fused(image_features, text_features, logit_scale, select.backend_for(impl))

@@ -48,7 +48,6 @@ import torch.distributed as dist
 
 from bigclip.loss.chunked import positive_logits
 
-
 # ---------------------------------------------------------------------------- collectives
 
 # torch 2.14 renamed the tensor collectives (the old names warn); older torch has only the old ones.
@@ -144,9 +143,7 @@ class _NeighbourExchangeBidir(torch.autograd.Function):
         ctx.peers = (left_rank, right_rank)
         to_left, to_right = to_left.contiguous(), to_right.contiguous()
         from_right, from_left = torch.empty_like(to_left), torch.empty_like(to_right)
-        _exchange(
-            [(to_right, right_rank), (to_left, left_rank)], [(from_right, right_rank), (from_left, left_rank)]
-        )
+        _exchange([(to_right, right_rank), (to_left, left_rank)], [(from_right, right_rank), (from_left, left_rank)])
         return from_right, from_left
 
     @staticmethod
@@ -258,10 +255,12 @@ def _combine_column_stats(lse: torch.Tensor, mean: torch.Tensor):
 
 def _loss_and_dscale(row_lse, row_mean, col_lse_own, col_mean_own, pos, scale, batch, world, local_loss):
     """This rank's loss value and its derivative w.r.t. the scale, from O(B) statistics."""
-    terms = torch.stack([
-        row_lse.sum() + col_lse_own.sum() - 2 * scale * pos.sum(),
-        row_mean.sum() + col_mean_own.sum() - 2 * pos.sum(),
-    ])
+    terms = torch.stack(
+        [
+            row_lse.sum() + col_lse_own.sum() - 2 * scale * pos.sum(),
+            row_mean.sum() + col_mean_own.sum() - 2 * pos.sum(),
+        ]
+    )
     norm = 2 * batch
     if not local_loss:
         dist.all_reduce(terms)
@@ -300,9 +299,16 @@ class _ClipGather(torch.autograd.Function):
         weights = _owner_weights(_grad_outputs(grad), rank, batch, local_loss, gather_with_grad)
         per_column = [None if w is None else w.repeat_interleave(batch) for w in weights]
         d_image, d_all_text = ctx.backend.clip_block_grads(
-            image, all_text, scale, row_lse, col_lse,
-            (per_column[0], per_column[1]), None if per_column[2] is None else (per_column[2], per_column[3]),
-            diag=rank * batch, need_image=ctx.needs_input_grad[0], need_text=ctx.needs_input_grad[1],
+            image,
+            all_text,
+            scale,
+            row_lse,
+            col_lse,
+            (per_column[0], per_column[1]),
+            None if per_column[2] is None else (per_column[2], per_column[3]),
+            diag=rank * batch,
+            need_image=ctx.needs_input_grad[0],
+            need_text=ctx.needs_input_grad[1],
         )
         d_text = None if d_all_text is None else reduce_scatter_rows(d_all_text).to(image.dtype)
         shape, dtype = ctx.scale_meta
@@ -391,9 +397,7 @@ class _ClipRing(torch.autograd.Function):
         ring.finish()
         col_lse, col_mean = stats_in[0], stats_in[1]
         pos = positive_logits(image, text)
-        loss, d_scale = _loss_and_dscale(
-            row_lse, row_mean, col_lse, col_mean, pos, scale, batch, world, local_loss
-        )
+        loss, d_scale = _loss_and_dscale(row_lse, row_mean, col_lse, col_mean, pos, scale, batch, world, local_loss)
         ctx.save_for_backward(image, text, scale, row_lse, col_lse, d_scale)
         ctx.mode, ctx.backend = mode, backend
         ctx.scale_meta = (logit_scale.shape, logit_scale.dtype)
@@ -419,10 +423,16 @@ class _ClipRing(torch.autograd.Function):
                 return w[owner].expand(batch)  # one block, one owner
 
             d_img_part, d_txt_part = ctx.backend.clip_block_grads(
-                image, current, scale, row_lse, current_lse,
+                image,
+                current,
+                scale,
+                row_lse,
+                current_lse,
                 (per_column(a_img), per_column(b_img)),
                 None if a_txt is None else (per_column(a_txt), per_column(b_txt)),
-                diag=0 if owner == rank else None, need_image=need_image, need_text=need_text,
+                diag=0 if owner == rank else None,
+                need_image=need_image,
+                need_text=need_text,
             )
             if need_image:
                 d_image += d_img_part
@@ -451,8 +461,16 @@ class _ClipRing(torch.autograd.Function):
 
 
 def clip_loss_distributed(
-    image, text, logit_scale, *, local_loss: bool, gather_with_grad: bool, rank: int, world_size: int,
-    dist_impl: str, backend,
+    image,
+    text,
+    logit_scale,
+    *,
+    local_loss: bool,
+    gather_with_grad: bool,
+    rank: int,
+    world_size: int,
+    dist_impl: str,
+    backend,
 ) -> torch.Tensor:
     """The fused CLIP loss on `world_size` ranks (see the module docstring for the conventions)."""
     fn = {"gather": _ClipGather, "ring": _ClipRing}[dist_impl]

@@ -37,9 +37,7 @@ def check_dist_impl(dist_impl: str | None, siglip: bool) -> str:
         return DEFAULT_SIGLIP_DIST_IMPL if siglip else DEFAULT_CLIP_DIST_IMPL
     if dist_impl not in allowed:
         loss = "the SigLIP loss (--siglip)" if siglip else "the CLIP loss"
-        raise UserError(
-            f"--loss-dist-impl {dist_impl!r} is not valid for {loss}; choose one of {', '.join(allowed)}."
-        )
+        raise UserError(f"--loss-dist-impl {dist_impl!r} is not valid for {loss}; choose one of {', '.join(allowed)}.")
     return dist_impl
 
 
@@ -61,9 +59,7 @@ def resolve_impl(impl: str, features: torch.Tensor) -> str:
         return "triton" if features.is_cuda and triton_importable() else "chunked"
     if impl == "triton":
         if not triton_importable():
-            raise UserError(
-                "--loss-impl triton needs the 'triton' package; install it or use --loss-impl chunked."
-            )
+            raise UserError("--loss-impl triton needs the 'triton' package; install it or use --loss-impl chunked.")
         if not features.is_cuda and not triton_interpreted():
             raise UserError(
                 "--loss-impl triton needs CUDA tensors (or TRITON_INTERPRET=1 for the slow CPU interpreter); "

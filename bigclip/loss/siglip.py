@@ -53,8 +53,14 @@ class _FusedSigLipBlock(torch.autograd.Function):
         image, text, scale, bias, d_scale_bias = ctx.saved_tensors
         coef = grad.float() / image.shape[0]
         d_image, d_text = ctx.backend.siglip_block_grads(
-            image, text, scale, bias, ctx.diag, coef,
-            need_image=ctx.needs_input_grad[0], need_text=ctx.needs_input_grad[1],
+            image,
+            text,
+            scale,
+            bias,
+            ctx.diag,
+            coef,
+            need_image=ctx.needs_input_grad[0],
+            need_text=ctx.needs_input_grad[1],
         )
         shape, dtype = ctx.scale_meta
         d_scale = (grad * d_scale_bias[0]).reshape(shape).to(dtype)
@@ -83,9 +89,7 @@ class SigLipLoss(nn.Module):
     impl: naive | chunked | triton | auto. dist_impl: bidir | shift | reduce | gather.
     """
 
-    def __init__(
-        self, rank: int = 0, world_size: int = 1, impl: str = "auto", dist_impl: str | None = "bidir"
-    ):
+    def __init__(self, rank: int = 0, world_size: int = 1, impl: str = "auto", dist_impl: str | None = "bidir"):
         super().__init__()
         self.rank = rank
         self.world_size = world_size
@@ -112,8 +116,14 @@ class SigLipLoss(nn.Module):
         loss = block(image_features, text_features, logit_scale, logit_bias, False)
         if self.world_size > 1:
             loss = loss + siglip_exchange(
-                block, image_features, text_features, logit_scale, logit_bias,
-                self.rank, self.world_size, self.dist_impl,
+                block,
+                image_features,
+                text_features,
+                logit_scale,
+                logit_bias,
+                self.rank,
+                self.world_size,
+                self.dist_impl,
             )
         return loss
 

@@ -49,9 +49,19 @@ def dot_f32acc(a, b, acc, UPCAST: tl.constexpr):
 
 @triton.jit
 def logits_tile(
-    img_ptr, txt_ptr, rows, cols, D, stride_img, stride_txt,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-    M, N,
+    img_ptr,
+    txt_ptr,
+    rows,
+    cols,
+    D,
+    stride_img,
+    stride_txt,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    M,
+    N,
 ):
     """x = image[rows] @ text[cols].T in fp32, zero outside the block."""
     x = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -69,8 +79,23 @@ def logits_tile(
 
 @triton.jit
 def accumulate_feature_grads(
-    g_img, g_txt, img_ptr, txt_ptr, d_img_ptr, d_txt_ptr, rows, cols, D, stride_img, stride_txt,
-    M, N, NEED_IMG: tl.constexpr, NEED_TXT: tl.constexpr, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr,
+    g_img,
+    g_txt,
+    img_ptr,
+    txt_ptr,
+    d_img_ptr,
+    d_txt_ptr,
+    rows,
+    cols,
+    D,
+    stride_img,
+    stride_txt,
+    M,
+    N,
+    NEED_IMG: tl.constexpr,
+    NEED_TXT: tl.constexpr,
+    SPLIT_BF16: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """d_img[rows] += g_img @ text[cols]; d_txt[cols] += g_txt.T @ image[rows] (fp32 atomics)."""
@@ -106,9 +131,23 @@ def accumulate_feature_grads(
 
 @triton.jit
 def _clip_stats_kernel(
-    img_ptr, txt_ptr, scale_ptr, row_lse_ptr, row_mean_ptr, ws_lse_ptr, ws_mean_ptr,
-    M, N, D, stride_img, stride_txt, row_blocks_per_program,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    img_ptr,
+    txt_ptr,
+    scale_ptr,
+    row_lse_ptr,
+    row_mean_ptr,
+    ws_lse_ptr,
+    ws_mean_ptr,
+    M,
+    N,
+    D,
+    stride_img,
+    stride_txt,
+    row_blocks_per_program,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     scale = tl.load(scale_ptr)
@@ -122,8 +161,9 @@ def _clip_stats_kernel(
         for c0 in range(0, N, BLOCK_N):
             cols = c0 + tl.arange(0, BLOCK_N)
             col_ok = cols < N
-            x = logits_tile(img_ptr, txt_ptr, rows, cols, D, stride_img, stride_txt,
-                            BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, M, N)
+            x = logits_tile(
+                img_ptr, txt_ptr, rows, cols, D, stride_img, stride_txt, BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, M, N
+            )
             s = x * scale
             # rows: online softmax statistics over the column tiles
             s_row = tl.where(col_ok[None, :], s, neg_inf)
@@ -160,12 +200,32 @@ def _clip_stats_kernel(
 
 @triton.jit
 def _clip_grads_kernel(
-    img_ptr, txt_ptr, scale_ptr, row_lse_ptr, col_lse_ptr,
-    a_img_ptr, b_img_ptr, a_txt_ptr, b_txt_ptr, d_img_ptr, d_txt_ptr,
-    M, N, D, stride_img, stride_txt, diag,
-    HAS_DIAG: tl.constexpr, SAME_WEIGHTS: tl.constexpr, NEED_IMG: tl.constexpr, NEED_TXT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr,
+    img_ptr,
+    txt_ptr,
+    scale_ptr,
+    row_lse_ptr,
+    col_lse_ptr,
+    a_img_ptr,
+    b_img_ptr,
+    a_txt_ptr,
+    b_txt_ptr,
+    d_img_ptr,
+    d_txt_ptr,
+    M,
+    N,
+    D,
+    stride_img,
+    stride_txt,
+    diag,
+    HAS_DIAG: tl.constexpr,
+    SAME_WEIGHTS: tl.constexpr,
+    NEED_IMG: tl.constexpr,
+    NEED_TXT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT_BF16: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,8 +233,7 @@ def _clip_grads_kernel(
     col_ok = cols < N
     valid = row_ok[:, None] & col_ok[None, :]
     scale = tl.load(scale_ptr)
-    x = logits_tile(img_ptr, txt_ptr, rows, cols, D, stride_img, stride_txt,
-                    BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, M, N)
+    x = logits_tile(img_ptr, txt_ptr, rows, cols, D, stride_img, stride_txt, BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, M, N)
     s = x * scale
     row_lse = tl.load(row_lse_ptr + rows, mask=row_ok, other=0.0)
     col_lse = tl.load(col_lse_ptr + cols, mask=col_ok, other=0.0)
@@ -197,8 +256,26 @@ def _clip_grads_kernel(
         if HAS_DIAG:
             g_txt = g_txt - tl.where(positive, (a + b)[None, :], 0.0)
         g_txt = g_txt * scale
-    accumulate_feature_grads(g_img, g_txt, img_ptr, txt_ptr, d_img_ptr, d_txt_ptr, rows, cols, D,
-                             stride_img, stride_txt, M, N, NEED_IMG, NEED_TXT, SPLIT_BF16, UPCAST, BLOCK_D)
+    accumulate_feature_grads(
+        g_img,
+        g_txt,
+        img_ptr,
+        txt_ptr,
+        d_img_ptr,
+        d_txt_ptr,
+        rows,
+        cols,
+        D,
+        stride_img,
+        stride_txt,
+        M,
+        N,
+        NEED_IMG,
+        NEED_TXT,
+        SPLIT_BF16,
+        UPCAST,
+        BLOCK_D,
+    )
 
 
 # ------------------------------------------------------------------------------ launchers
@@ -236,8 +313,20 @@ def clip_block_stats(image: torch.Tensor, text: torch.Tensor, scale: torch.Tenso
     ws_lse = torch.full((programs, n), float("-inf"), device=dev)
     ws_mean = torch.zeros((programs, n), device=dev)
     _clip_stats_kernel[(programs,)](
-        image, text, scale.reshape(1), row_lse, row_mean, ws_lse, ws_mean,
-        m, n, dim, image.stride(0), text.stride(0), per_program, **cfg,
+        image,
+        text,
+        scale.reshape(1),
+        row_lse,
+        row_mean,
+        ws_lse,
+        ws_mean,
+        m,
+        n,
+        dim,
+        image.stride(0),
+        text.stride(0),
+        per_program,
+        **cfg,
     )
     col_lse = torch.logsumexp(ws_lse, 0)
     col_mean = (ws_mean * torch.exp(ws_lse - col_lse)).sum(0)
@@ -249,8 +338,17 @@ def _per_column(w: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def clip_block_grads(
-    image, text, scale, row_lse, col_lse, weights_image, weights_text, diag,
-    need_image: bool = True, need_text: bool = True, tile: int | None = None,
+    image,
+    text,
+    scale,
+    row_lse,
+    col_lse,
+    weights_image,
+    weights_text,
+    diag,
+    need_image: bool = True,
+    need_text: bool = True,
+    tile: int | None = None,
 ):
     image, text = prepare(image), prepare(text)
     m, dim = image.shape
@@ -264,13 +362,29 @@ def clip_block_grads(
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
     scratch = row_lse  # a valid pointer for gradients that are not wanted
     _clip_grads_kernel[grid](
-        image, text, scale.reshape(1), row_lse.contiguous(), col_lse.contiguous(),
-        a_img, b_img, a_txt, b_txt,
-        scratch if d_image is None else d_image, scratch if d_text is None else d_text,
-        m, n, dim, image.stride(0), text.stride(0), 0 if diag is None else diag,
-        HAS_DIAG=diag is not None, SAME_WEIGHTS=weights_text is None,
-        NEED_IMG=need_image, NEED_TXT=need_text,
-        SPLIT_BF16=image.dtype == torch.bfloat16, **cfg,
+        image,
+        text,
+        scale.reshape(1),
+        row_lse.contiguous(),
+        col_lse.contiguous(),
+        a_img,
+        b_img,
+        a_txt,
+        b_txt,
+        scratch if d_image is None else d_image,
+        scratch if d_text is None else d_text,
+        m,
+        n,
+        dim,
+        image.stride(0),
+        text.stride(0),
+        0 if diag is None else diag,
+        HAS_DIAG=diag is not None,
+        SAME_WEIGHTS=weights_text is None,
+        NEED_IMG=need_image,
+        NEED_TXT=need_text,
+        SPLIT_BF16=image.dtype == torch.bfloat16,
+        **cfg,
     )
     return d_image, d_text
 

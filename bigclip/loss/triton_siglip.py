@@ -27,13 +27,27 @@ def _log1p_small(e):
 
 @triton.jit
 def _siglip_tile(
-    img_ptr, txt_ptr, scale_ptr, bias_ptr, rows, cols, M, N, D, stride_img, stride_txt, diag,
-    HAS_BIAS: tl.constexpr, HAS_DIAG: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    img_ptr,
+    txt_ptr,
+    scale_ptr,
+    bias_ptr,
+    rows,
+    cols,
+    M,
+    N,
+    D,
+    stride_img,
+    stride_txt,
+    diag,
+    HAS_BIAS: tl.constexpr,
+    HAS_DIAG: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """(x, z, positive, valid) for one tile: z = scale * x + bias."""
-    x = logits_tile(img_ptr, txt_ptr, rows, cols, D, stride_img, stride_txt,
-                    BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, M, N)
+    x = logits_tile(img_ptr, txt_ptr, rows, cols, D, stride_img, stride_txt, BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, M, N)
     z = x * tl.load(scale_ptr)
     if HAS_BIAS:
         z = z + tl.load(bias_ptr)
@@ -47,16 +61,46 @@ def _siglip_tile(
 
 @triton.jit
 def _siglip_sums_kernel(
-    img_ptr, txt_ptr, scale_ptr, bias_ptr, sums_ptr,
-    M, N, D, stride_img, stride_txt, diag,
-    HAS_BIAS: tl.constexpr, HAS_DIAG: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    img_ptr,
+    txt_ptr,
+    scale_ptr,
+    bias_ptr,
+    sums_ptr,
+    M,
+    N,
+    D,
+    stride_img,
+    stride_txt,
+    diag,
+    HAS_BIAS: tl.constexpr,
+    HAS_DIAG: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    x, z, positive, valid = _siglip_tile(img_ptr, txt_ptr, scale_ptr, bias_ptr, rows, cols, M, N, D,
-                                         stride_img, stride_txt, diag, HAS_BIAS, HAS_DIAG,
-                                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST)
+    x, z, positive, valid = _siglip_tile(
+        img_ptr,
+        txt_ptr,
+        scale_ptr,
+        bias_ptr,
+        rows,
+        cols,
+        M,
+        N,
+        D,
+        stride_img,
+        stride_txt,
+        diag,
+        HAS_BIAS,
+        HAS_DIAG,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        UPCAST,
+    )
     # -log sigmoid(y z) = softplus(-y z); softplus(t) = max(t, 0) + log(1 + exp(-|t|))
     t = tl.where(positive, -z, z)
     loss = tl.maximum(t, 0.0) + _log1p_small(tl.exp(-tl.abs(t)))
@@ -74,23 +118,75 @@ def _siglip_sums_kernel(
 
 @triton.jit
 def _siglip_grads_kernel(
-    img_ptr, txt_ptr, scale_ptr, bias_ptr, coef_ptr, d_img_ptr, d_txt_ptr,
-    M, N, D, stride_img, stride_txt, diag,
-    HAS_BIAS: tl.constexpr, HAS_DIAG: tl.constexpr, NEED_IMG: tl.constexpr, NEED_TXT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr,
+    img_ptr,
+    txt_ptr,
+    scale_ptr,
+    bias_ptr,
+    coef_ptr,
+    d_img_ptr,
+    d_txt_ptr,
+    M,
+    N,
+    D,
+    stride_img,
+    stride_txt,
+    diag,
+    HAS_BIAS: tl.constexpr,
+    HAS_DIAG: tl.constexpr,
+    NEED_IMG: tl.constexpr,
+    NEED_TXT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT_BF16: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    x, z, positive, valid = _siglip_tile(img_ptr, txt_ptr, scale_ptr, bias_ptr, rows, cols, M, N, D,
-                                         stride_img, stride_txt, diag, HAS_BIAS, HAS_DIAG,
-                                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST)
+    x, z, positive, valid = _siglip_tile(
+        img_ptr,
+        txt_ptr,
+        scale_ptr,
+        bias_ptr,
+        rows,
+        cols,
+        M,
+        N,
+        D,
+        stride_img,
+        stride_txt,
+        diag,
+        HAS_BIAS,
+        HAS_DIAG,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        UPCAST,
+    )
     e = tl.exp(-tl.abs(z))
     sig = tl.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
     dz = tl.where(valid, sig - tl.where(positive, 1.0, 0.0), 0.0)
     g = dz * (tl.load(coef_ptr) * tl.load(scale_ptr))
-    accumulate_feature_grads(g, g, img_ptr, txt_ptr, d_img_ptr, d_txt_ptr, rows, cols, D,
-                             stride_img, stride_txt, M, N, NEED_IMG, NEED_TXT, SPLIT_BF16, UPCAST, BLOCK_D)
+    accumulate_feature_grads(
+        g,
+        g,
+        img_ptr,
+        txt_ptr,
+        d_img_ptr,
+        d_txt_ptr,
+        rows,
+        cols,
+        D,
+        stride_img,
+        stride_txt,
+        M,
+        N,
+        NEED_IMG,
+        NEED_TXT,
+        SPLIT_BF16,
+        UPCAST,
+        BLOCK_D,
+    )
 
 
 def siglip_block_sums(image, text, scale, bias, diag, tile: int | None = None) -> torch.Tensor:
@@ -102,16 +198,34 @@ def siglip_block_sums(image, text, scale, bias, diag, tile: int | None = None) -
     partial = torch.empty(grid[0] * grid[1] * 3, device=image.device)
     scale = scale.reshape(1)
     _siglip_sums_kernel[grid](
-        image, text, scale, scale if bias is None else bias.reshape(1), partial,
-        m, n, dim, image.stride(0), text.stride(0), 0 if diag is None else diag,
-        HAS_BIAS=bias is not None, HAS_DIAG=diag is not None, **cfg,
+        image,
+        text,
+        scale,
+        scale if bias is None else bias.reshape(1),
+        partial,
+        m,
+        n,
+        dim,
+        image.stride(0),
+        text.stride(0),
+        0 if diag is None else diag,
+        HAS_BIAS=bias is not None,
+        HAS_DIAG=diag is not None,
+        **cfg,
     )
     return partial.view(-1, 3).double().sum(0)
 
 
 def siglip_block_grads(
-    image, text, scale, bias, diag, coef,
-    need_image: bool = True, need_text: bool = True, tile: int | None = None,
+    image,
+    text,
+    scale,
+    bias,
+    diag,
+    coef,
+    need_image: bool = True,
+    need_text: bool = True,
+    tile: int | None = None,
 ):
     image, text = prepare(image), prepare(text)
     m, dim = image.shape
@@ -124,10 +238,24 @@ def siglip_block_grads(
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
     scale = scale.reshape(1)
     _siglip_grads_kernel[grid](
-        image, text, scale, scale if bias is None else bias.reshape(1), coef.float().reshape(1),
-        scratch if d_image is None else d_image, scratch if d_text is None else d_text,
-        m, n, dim, image.stride(0), text.stride(0), 0 if diag is None else diag,
-        HAS_BIAS=bias is not None, HAS_DIAG=diag is not None, NEED_IMG=need_image, NEED_TXT=need_text,
-        SPLIT_BF16=image.dtype == torch.bfloat16, **cfg,
+        image,
+        text,
+        scale,
+        scale if bias is None else bias.reshape(1),
+        coef.float().reshape(1),
+        scratch if d_image is None else d_image,
+        scratch if d_text is None else d_text,
+        m,
+        n,
+        dim,
+        image.stride(0),
+        text.stride(0),
+        0 if diag is None else diag,
+        HAS_BIAS=bias is not None,
+        HAS_DIAG=diag is not None,
+        NEED_IMG=need_image,
+        NEED_TXT=need_text,
+        SPLIT_BF16=image.dtype == torch.bfloat16,
+        **cfg,
     )
     return d_image, d_text

@@ -1,8 +1,8 @@
 """CLIP models: architectures, towers, tokenizer and OpenCLIP weight conversion."""
 
-from .clip import CLIP
-from .convert import bigclip_to_openclip, openclip_to_bigclip
-from .factory import (
+from bigclip.model.clip import CLIP
+from bigclip.model.convert import bigclip_to_openclip, openclip_to_bigclip
+from bigclip.model.factory import (
     create_model,
     get_model_config,
     get_tokenizer,
@@ -10,7 +10,7 @@ from .factory import (
     load_pretrained,
     preprocess_cfg,
 )
-from .tokenizer import ByteTokenizer
+from bigclip.model.tokenizer import ByteTokenizer
 
 __all__ = [
     "CLIP",

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .text import TextTransformer
-from .vision import VisionTower
+from bigclip.model.text import TextTransformer
+from bigclip.model.vision import VisionTower
 
 CLIP_INIT_LOGIT_SCALE = math.log(1 / 0.07)
 SIGLIP_INIT_LOGIT_SCALE = math.log(10.0)

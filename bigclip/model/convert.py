@@ -64,7 +64,7 @@ def _rename_prefix(name: str, table: dict[str, str]) -> str | None:
         if name == old:
             return new
         if name.startswith(old + "."):
-            return new + name[len(old):]
+            return new + name[len(old) :]
     return None
 
 
@@ -105,7 +105,7 @@ def openclip_to_bigclip(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.
         if name in _SCALARS:
             out[name] = tensor.reshape(1)
         elif name.startswith("visual."):
-            new = _openclip_visual_name(name[len("visual."):])
+            new = _openclip_visual_name(name[len("visual.") :])
             if new == "trunk.cls_token":
                 tensor = tensor.reshape(1, 1, -1)
             elif new == "trunk.pos_embed":
@@ -125,14 +125,14 @@ def bigclip_to_openclip(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.
         if name in _SCALARS:
             out[name] = tensor.reshape(())
         elif name.startswith("visual."):
-            new = _bigclip_visual_name(name[len("visual."):])
+            new = _bigclip_visual_name(name[len("visual.") :])
             if new == "class_embedding":
                 tensor = tensor.reshape(-1)
             elif new == "positional_embedding":
                 tensor = tensor.squeeze(0)
             out["visual." + new] = tensor
         elif name.startswith("text."):
-            out[name[len("text."):]] = tensor
+            out[name[len("text.") :]] = tensor
         else:
             raise KeyError(f"unknown bigclip entry {name}")
     return out

@@ -11,16 +11,16 @@ import copy
 import json
 import math
 import os
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
 from timm.layers import resample_abs_pos_embed
 
-from ..errors import UserError
-from .clip import CLIP
-from .convert import is_openclip_state_dict, openclip_to_bigclip
-from .tokenizer import ByteTokenizer
+from bigclip.errors import UserError
+from bigclip.model.clip import CLIP
+from bigclip.model.convert import is_openclip_state_dict, openclip_to_bigclip
+from bigclip.model.tokenizer import ByteTokenizer
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # Keys of vision_cfg that describe preprocessing, not the network.
@@ -28,7 +28,7 @@ _PREPROCESS_KEYS = ("image_mean", "image_std")
 QUICKGELU_SUFFIX = "-quickgelu"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load_configs() -> dict[str, dict]:
     return {path.stem: json.loads(path.read_text()) for path in sorted(CONFIG_DIR.glob("*.json"))}
 
@@ -154,8 +154,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             state_dict = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch and safetensors raise many different types here
         raise UserError(
-            f"--pretrained {path}: unreadable ({type(err).__name__}: {err}); "
-            "pass a .pt or .safetensors state dict"
+            f"--pretrained {path}: unreadable ({type(err).__name__}: {err}); pass a .pt or .safetensors state dict"
         ) from None
     # OpenCLIP training checkpoints wrap the weights: {"state_dict": {"module.visual...": ...}}.
     if isinstance(state_dict, dict) and isinstance(state_dict.get("state_dict"), dict):
@@ -163,7 +162,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
         raise UserError(f"--pretrained {path}: not a state dict of tensors; pass a model state dict")
     if state_dict and all(key.startswith("module.") for key in state_dict):
-        state_dict = {key[len("module."):]: value for key, value in state_dict.items()}
+        state_dict = {key[len("module.") :]: value for key, value in state_dict.items()}
     return state_dict
 
 

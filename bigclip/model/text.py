@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import QuickGELU, run_blocks
+from bigclip.model.layers import QuickGELU, run_blocks
 
 
 class CausalSelfAttention(nn.Module):
@@ -45,11 +45,15 @@ class ResidualAttentionBlock(nn.Module):
         self.ln_1 = nn.LayerNorm(width)
         self.attn = CausalSelfAttention(width, heads)
         self.ln_2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(OrderedDict([
-            ("c_fc", nn.Linear(width, hidden)),
-            ("gelu", act_layer()),
-            ("c_proj", nn.Linear(hidden, width)),
-        ]))
+        self.mlp = nn.Sequential(
+            OrderedDict(
+                [
+                    ("c_fc", nn.Linear(width, hidden)),
+                    ("gelu", act_layer()),
+                    ("c_proj", nn.Linear(hidden, width)),
+                ]
+            )
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -108,7 +112,7 @@ class TextTransformer(nn.Module):
             if isinstance(module, (nn.LayerNorm, nn.Linear, nn.Embedding)):
                 module.reset_parameters()
         layers = len(self.blocks)
-        attn_std = self.width ** -0.5
+        attn_std = self.width**-0.5
         proj_std = attn_std * (2 * layers) ** -0.5
         fc_std = (2 * self.width) ** -0.5
         nn.init.normal_(self.token_embedding.weight, std=0.02)
@@ -120,7 +124,7 @@ class TextTransformer(nn.Module):
             nn.init.zeros_(block.attn.out_proj.bias)
             nn.init.normal_(block.mlp.c_fc.weight, std=fc_std)
             nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
-        nn.init.normal_(self.text_projection, std=self.width ** -0.5)
+        nn.init.normal_(self.text_projection, std=self.width**-0.5)
 
     def lock(self, unlocked_layers: int = 0, freeze_layer_norm: bool = True) -> None:
         """Freeze the tower except its top `unlocked_layers` groups.
@@ -148,9 +152,7 @@ class TextTransformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]
         if length > self.context_length:
-            raise ValueError(
-                f"text has {length} tokens but the model's context length is {self.context_length}"
-            )
+            raise ValueError(f"text has {length} tokens but the model's context length is {self.context_length}")
         x = self.token_embedding(tokens) + self.positional_embedding[:length]
         x = self.transformer(x)
         x = self.ln_final(x)

@@ -8,10 +8,10 @@ norm on the pooled class token (OpenCLIP's `ln_post`), and no classifier head.
 from __future__ import annotations
 
 import torch
-from torch import nn
 from timm.models.vision_transformer import VisionTransformer
+from torch import nn
 
-from .layers import BlockSequence, QuickGELU
+from bigclip.model.layers import BlockSequence, QuickGELU
 
 
 def _pair(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -72,7 +72,7 @@ class VisionTower(nn.Module):
     def init_weights(self) -> None:
         """timm's ViT init plus CLIP's projection init; touches every parameter."""
         self.trunk.init_weights()  # resets every module (conv, norms), then timm's ViT init
-        nn.init.normal_(self.proj, std=self.width ** -0.5)
+        nn.init.normal_(self.proj, std=self.width**-0.5)
 
     def lock(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False) -> None:
         """Freeze the tower except its top `unlocked_groups` groups.
