@@ -55,6 +55,17 @@ def _spans(n: int, tile: int | None):
     return [(start, min(start + tile, n)) for start in range(0, n, tile)]
 
 
+def _tiles(image: torch.Tensor, text: torch.Tensor, tile: int | None):
+    """(row slice, column slice, image rows, text columns) for each tile of a block, row-major.
+
+    Each tile's features are upcast to float32 here, image rows once per row of tiles.
+    """
+    for r0, r1 in _spans(image.shape[0], tile):
+        rows = image[r0:r1].float()
+        for c0, c1 in _spans(text.shape[0], tile):
+            yield slice(r0, r1), slice(c0, c1), rows, text[c0:c1].float()
+
+
 def _diagonal(tile: torch.Tensor, r0: int, c0: int, diag: int | None):
     """The view of a tile's positive pairs and the global column index of its first element."""
     if diag is None:
@@ -66,11 +77,14 @@ def _diagonal(tile: torch.Tensor, r0: int, c0: int, diag: int | None):
     return tile.diagonal(k), c0 + max(k, 0)
 
 
-def _merge_lse(lse: torch.Tensor, mean: torch.Tensor, tile_lse: torch.Tensor, tile_mean: torch.Tensor):
-    """Fold one tile's (log-sum-exp, softmax-weighted mean) into running statistics, in place."""
-    new = torch.logaddexp(lse, tile_lse)
-    mean.mul_(torch.exp(lse - new)).add_(tile_mean * torch.exp(tile_lse - new))
-    lse.copy_(new)
+def merge_lse(lse: torch.Tensor, mean: torch.Tensor, other_lse: torch.Tensor, other_mean: torch.Tensor):
+    """(log-sum-exp, softmax-weighted mean) over the union of two sets of logits, from each set's own.
+
+    This is how statistics are built piece by piece: over tiles here, over ranks in the distributed
+    ring. Each mean counts with its set's share exp(lse - combined lse) of the softmax mass.
+    """
+    new = torch.logaddexp(lse, other_lse)
+    return new, mean * torch.exp(lse - new) + other_mean * torch.exp(other_lse - new)
 
 
 @full_precision
@@ -98,7 +112,9 @@ def clip_block_stats(image: torch.Tensor, text: torch.Tensor, scale: torch.Tenso
                 e = torch.sub(s, peak).exp_()  # in-place steps: at most three tiles alive
                 total = e.sum(dim)
                 weighted = e.mul_(x).sum(dim) / total
-                _merge_lse(lse, mean, peak.squeeze(dim) + torch.log(total), weighted)
+                merged_lse, merged_mean = merge_lse(lse, mean, peak.squeeze(dim) + torch.log(total), weighted)
+                lse.copy_(merged_lse)  # lse and mean are views into the running statistics
+                mean.copy_(merged_mean)
         row_lse[r0:r1] = r_lse
         row_mean[r0:r1] = r_mean
     return row_lse, row_mean, col_lse, col_mean
@@ -116,6 +132,29 @@ def _clip_tile_grad(s, row_lse, col_lse, alpha, beta, r0, c0, diag):
         local = slice(first - c0, first - c0 + pos.numel())
         pos.sub_(alpha[local] + beta[local])
     return g
+
+
+def _feature_grads(image, text, scale, need_image, need_text, tile, tile_grads):
+    """(d_image, d_text) = scale * (sum over tiles of G @ text, G.T @ image), float32, None where not wanted.
+
+    Both losses' backward passes have this shape and differ only in G, dL/dS of one tile:
+    `tile_grads(rows, cols, row_slice, col_slice)` gives (G for the images, G for the texts).
+    The factor scale of dS/dfeatures is applied once at the end, not per tile.
+    """
+    dev = image.device
+    d_image = torch.zeros(image.shape, device=dev) if need_image else None
+    d_text = torch.zeros(text.shape, device=dev) if need_text else None
+    for rs, cs, rows, cols in _tiles(image, text, tile):
+        g_image, g_text = tile_grads(rows, cols, rs, cs)
+        if need_image:
+            d_image[rs].addmm_(g_image, cols)
+        if need_text:
+            d_text[cs].addmm_(g_text.T, rows)
+    if need_image:
+        d_image.mul_(scale)
+    if need_text:
+        d_text.mul_(scale)
+    return d_image, d_text
 
 
 @full_precision
@@ -140,33 +179,18 @@ def clip_block_grads(
     gradient flows into the image features, `weights_text` those for the text features (None:
     the same). Returns (d_image, d_text) in float32 (None where not needed).
     """
-    m, n = image.shape[0], text.shape[0]
-    dev = image.device
-    d_image = torch.zeros(image.shape, device=dev) if need_image else None
-    d_text = torch.zeros(text.shape, device=dev) if need_text else None
-    same = weights_text is None
-    for r0, r1 in _spans(m, tile):
-        rows = image[r0:r1].float()
-        for c0, c1 in _spans(n, tile):
-            cols = text[c0:c1].float()
-            s = (rows @ cols.T).mul_(scale)
-            args = (s, row_lse[r0:r1], col_lse[c0:c1])
-            a_i, b_i = weights_image
-            g_i = _clip_tile_grad(*args, a_i[c0:c1], b_i[c0:c1], r0, c0, diag)
-            if need_image:
-                d_image[r0:r1].addmm_(g_i, cols)
-            if need_text:
-                if same:
-                    g_t = g_i
-                else:
-                    a_t, b_t = weights_text
-                    g_t = _clip_tile_grad(*args, a_t[c0:c1], b_t[c0:c1], r0, c0, diag)
-                d_text[c0:c1].addmm_(g_t.T, rows)
-    if need_image:
-        d_image.mul_(scale)
-    if need_text:
-        d_text.mul_(scale)
-    return d_image, d_text
+
+    def tile_grads(rows, cols, rs, cs):
+        s = (rows @ cols.T).mul_(scale)
+        args = (s, row_lse[rs], col_lse[cs])
+        a_i, b_i = weights_image
+        g_i = _clip_tile_grad(*args, a_i[cs], b_i[cs], rs.start, cs.start, diag)
+        if not need_text or weights_text is None:
+            return g_i, g_i  # the texts' G is the images' G, or not wanted
+        a_t, b_t = weights_text
+        return g_i, _clip_tile_grad(*args, a_t[cs], b_t[cs], rs.start, cs.start, diag)
+
+    return _feature_grads(image, text, scale, need_image, need_text, tile, tile_grads)
 
 
 def _siglip_tile_logits(rows, cols, scale, bias):
@@ -192,19 +216,17 @@ def siglip_block_sums(
     dz = d(-log sigmoid(y z))/dz = sigmoid(z) - [positive].
     """
     sums = torch.zeros(3, dtype=torch.float64, device=image.device)
-    for r0, r1 in _spans(image.shape[0], tile):
-        rows = image[r0:r1].float()
-        for c0, c1 in _spans(text.shape[0], tile):
-            x, z = _siglip_tile_logits(rows, text[c0:c1].float(), scale, bias)
-            # -log sigmoid(-z) = softplus(z) for negatives, softplus(-z) = softplus(z) - z for positives
-            loss = F.softplus(z).sum()
-            dz = torch.sigmoid(z)
-            pos, _ = _diagonal(dz, r0, c0, diag)
-            if pos is not None:
-                loss = loss - _diagonal(z, r0, c0, diag)[0].sum()
-                pos.sub_(1.0)
-            tile_sums = torch.stack([loss, torch.linalg.vecdot(dz.flatten(), x.flatten()), dz.sum()])
-            sums += tile_sums.double()
+    for rs, cs, rows, cols in _tiles(image, text, tile):
+        x, z = _siglip_tile_logits(rows, cols, scale, bias)
+        # -log sigmoid(-z) = softplus(z) for negatives, softplus(-z) = softplus(z) - z for positives
+        loss = F.softplus(z).sum()
+        dz = torch.sigmoid(z)
+        pos, _ = _diagonal(dz, rs.start, cs.start, diag)
+        if pos is not None:
+            loss = loss - _diagonal(z, rs.start, cs.start, diag)[0].sum()
+            pos.sub_(1.0)
+        tile_sums = torch.stack([loss, torch.linalg.vecdot(dz.flatten(), x.flatten()), dz.sum()])
+        sums += tile_sums.double()
     return sums
 
 
@@ -221,25 +243,14 @@ def siglip_block_grads(
     tile: int | None = None,
 ):
     """Gradients of coef * sum(-log sigmoid(y z)) w.r.t. a block's image and text features (float32)."""
-    dev = image.device
-    d_image = torch.zeros(image.shape, device=dev) if need_image else None
-    d_text = torch.zeros(text.shape, device=dev) if need_text else None
-    for r0, r1 in _spans(image.shape[0], tile):
-        rows = image[r0:r1].float()
-        for c0, c1 in _spans(text.shape[0], tile):
-            cols = text[c0:c1].float()
-            _, z = _siglip_tile_logits(rows, cols, scale, bias)
-            dz = torch.sigmoid_(z)
-            pos, _ = _diagonal(dz, r0, c0, diag)
-            if pos is not None:
-                pos.sub_(1.0)
-            dz.mul_(coef)
-            if need_image:
-                d_image[r0:r1].addmm_(dz, cols)
-            if need_text:
-                d_text[c0:c1].addmm_(dz.T, rows)
-    if need_image:
-        d_image.mul_(scale)
-    if need_text:
-        d_text.mul_(scale)
-    return d_image, d_text
+
+    def tile_grads(rows, cols, rs, cs):
+        _, z = _siglip_tile_logits(rows, cols, scale, bias)
+        dz = torch.sigmoid_(z)
+        pos, _ = _diagonal(dz, rs.start, cs.start, diag)
+        if pos is not None:
+            pos.sub_(1.0)
+        dz.mul_(coef)
+        return dz, dz
+
+    return _feature_grads(image, text, scale, need_image, need_text, tile, tile_grads)

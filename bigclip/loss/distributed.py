@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bigclip.loss.chunked import positive_logits
+from bigclip.loss.chunked import merge_lse, positive_logits
 
 # ---------------------------------------------------------------------------- collectives
 
@@ -220,8 +220,8 @@ def siglip_exchange(block, image, text, logit_scale, logit_bias, rank: int, worl
 
 
 def _owner_weights(grads: torch.Tensor, rank: int, batch: int, local_loss: bool, gather_with_grad: bool):
-    """Per-owner weights (alpha_img, beta_img, alpha_txt, beta_txt), each (W,), indexed by the rank
-    that owns a column; see `chunked.clip_block_grads` for what alpha and beta multiply.
+    """Per-owner weights ((alpha_img, beta_img), (alpha_txt, beta_txt) or None: the same), each (W,),
+    indexed by the rank that owns a column; see `chunked.clip_block_grads` for what they multiply.
 
     grads: every rank's grad_output. The objective is sum_r grads[r] * loss_r.
     """
@@ -232,15 +232,26 @@ def _owner_weights(grads: torch.Tensor, rank: int, batch: int, local_loss: bool,
         owner = grads if local_loss else grads.mean().expand(world)
         alpha = (owner[rank] / (2 * batch)).expand(world)
         beta = owner / (2 * batch)
-        return alpha, beta, None, None
+        return (alpha, beta), None
     zero = torch.zeros_like(grads)
     if local_loss:
         # OpenCLIP: images get gradient only from their rows, texts only from their columns.
-        return (grads[rank] / (2 * batch)).expand(world), zero, zero, grads / (2 * batch)
+        return ((grads[rank] / (2 * batch)).expand(world), zero), (zero, grads / (2 * batch))
     # OpenCLIP: rank r differentiates L_global w.r.t. its own images and its own texts only.
     mine = (grads[rank] / (2 * batch * world)).expand(world)
     theirs = grads / (2 * batch * world)
-    return mine, mine, theirs, theirs
+    return (mine, mine), (theirs, theirs)
+
+
+def _column_weights(weights, owners: torch.Tensor):
+    """Per-owner weights spread over a block's columns, column j belonging to rank owners[j].
+
+    The weights depend only on which rank owns a text, so they are computed per rank (W numbers)
+    and spread here into the per-column vectors that `clip_block_grads` takes.
+    """
+    image_weights, text_weights = weights
+    per_column = tuple(w[owners] for w in image_weights)
+    return per_column, None if text_weights is None else tuple(w[owners] for w in text_weights)
 
 
 def _combine_column_stats(lse: torch.Tensor, mean: torch.Tensor):
@@ -272,66 +283,60 @@ def _grad_outputs(grad: torch.Tensor) -> torch.Tensor:
     return all_gather_rows(grad.detach().float().reshape(1))
 
 
-class _ClipGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, image, text, logit_scale, mode, backend):
-        local_loss, gather_with_grad, rank, world = mode
-        batch = image.shape[0]
-        scale = logit_scale.detach().reshape(()).float()
-        all_text = all_gather_rows(text)
-        row_lse, row_mean, col_lse, col_mean = backend.clip_block_stats(image, all_text, scale)
-        col_lse, col_mean = _combine_column_stats(col_lse, col_mean)
-        own = slice(rank * batch, (rank + 1) * batch)
-        pos = positive_logits(image, text)
-        loss, d_scale = _loss_and_dscale(
-            row_lse, row_mean, col_lse[own], col_mean[own], pos, scale, batch, world, local_loss
-        )
-        ctx.save_for_backward(image, all_text, scale, row_lse, col_lse, d_scale)
-        ctx.mode, ctx.backend = mode, backend
-        ctx.scale_meta = (logit_scale.shape, logit_scale.dtype)
-        return loss
+class _Path:
+    """How texts travel between ranks for the fused CLIP loss (`dist_impl`), on one backend.
 
-    @staticmethod
-    def backward(ctx, grad):
-        image, all_text, scale, row_lse, col_lse, d_scale = ctx.saved_tensors
-        local_loss, gather_with_grad, rank, world = ctx.mode
+    statistics(image, text, scale) -> ((row_lse, row_mean, col_lse, col_mean of this rank's
+    texts), (texts, their column lse)): what the loss needs, then what backward recomputes from.
+    feature_grads(image, texts, scale, row_lse, texts_lse, weights, need_image, need_text) ->
+    (d_image, d_text) in float32, from per-owner weights (`_owner_weights`).
+    """
+
+    def __init__(self, backend, rank: int, world: int):
+        self.backend, self.rank, self.world = backend, rank, world
+
+
+class _GatherPath(_Path):
+    """`gather`: all texts on every rank at once; column statistics are combined by all-reduce and
+    text gradients go home by reduce-scatter."""
+
+    def statistics(self, image, text, scale):
         batch = image.shape[0]
-        weights = _owner_weights(_grad_outputs(grad), rank, batch, local_loss, gather_with_grad)
-        per_column = [None if w is None else w.repeat_interleave(batch) for w in weights]
-        d_image, d_all_text = ctx.backend.clip_block_grads(
+        all_text = all_gather_rows(text)
+        row_lse, row_mean, col_lse, col_mean = self.backend.clip_block_stats(image, all_text, scale)
+        col_lse, col_mean = _combine_column_stats(col_lse, col_mean)
+        own = slice(self.rank * batch, (self.rank + 1) * batch)
+        return (row_lse, row_mean, col_lse[own], col_mean[own]), (all_text, col_lse)
+
+    def feature_grads(self, image, all_text, scale, row_lse, col_lse, weights, need_image, need_text):
+        batch = image.shape[0]
+        owners = torch.arange(self.world, device=image.device).repeat_interleave(batch)
+        d_image, d_all_text = self.backend.clip_block_grads(
             image,
             all_text,
             scale,
             row_lse,
             col_lse,
-            (per_column[0], per_column[1]),
-            None if per_column[2] is None else (per_column[2], per_column[3]),
-            diag=rank * batch,
-            need_image=ctx.needs_input_grad[0],
-            need_text=ctx.needs_input_grad[1],
+            *_column_weights(weights, owners),
+            diag=self.rank * batch,
+            need_image=need_image,
+            need_text=need_text,
         )
-        d_text = None if d_all_text is None else reduce_scatter_rows(d_all_text).to(image.dtype)
-        shape, dtype = ctx.scale_meta
-        return (
-            None if d_image is None else d_image.to(image.dtype),
-            d_text,
-            (grad * d_scale).reshape(shape).to(dtype),
-            None,
-            None,
-        )
+        return d_image, None if d_all_text is None else reduce_scatter_rows(d_all_text)
 
 
 class _Transfer:
-    """The works of one batch of point-to-point ops; waits at most once (on gloo a second wait on
-    a finished send or receive blocks forever)."""
+    """One batch of point-to-point ops; `wait` gives the received tensors and waits at most once
+    (on gloo a second wait on a finished send or receive blocks forever)."""
 
-    def __init__(self, works, sent):
-        self.works, self.sent = works, sent  # the sent tensors must live until sent
+    def __init__(self, works, sent: tuple, received: tuple):
+        self.works, self.sent, self.received = works, sent, received  # the sent tensors must live until sent
 
-    def wait(self) -> None:
+    def wait(self) -> tuple:
         for work in self.works:
             work.wait()
         self.works, self.sent = [], ()
+        return self.received
 
 
 class _Ring:
@@ -347,14 +352,14 @@ class _Ring:
         self.right, self.left = (rank + 1) % world, (rank - 1 + world) % world
         self.transfers: list[_Transfer] = []
 
-    def shift(self, *tensors: torch.Tensor):
+    def shift(self, *tensors: torch.Tensor) -> _Transfer:
         tensors = tuple(t.contiguous() for t in tensors)
         received = tuple(torch.empty_like(t) for t in tensors)
         ops = [dist.P2POp(dist.isend, t, self.right) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, self.left) for t in received]
-        transfer = _Transfer(dist.batch_isend_irecv(ops), tensors)
+        transfer = _Transfer(dist.batch_isend_irecv(ops), tensors, received)
         self.transfers.append(transfer)
-        return received, transfer
+        return transfer
 
     def finish(self) -> None:
         for transfer in self.transfers:
@@ -362,74 +367,48 @@ class _Ring:
         self.transfers.clear()
 
 
-def _merge_stats(lse, mean, tile_lse, tile_mean):
-    new = torch.logaddexp(lse, tile_lse)
-    return new, mean * torch.exp(lse - new) + tile_mean * torch.exp(tile_lse - new)
+class _RingPath(_Path):
+    """`ring`: step k computes this rank's images against the texts of rank - k. The texts move on
+    before the block is computed; what belongs to a text block (its column statistics forward,
+    its gradient backward) follows one step behind and arrives home complete after a full turn."""
 
-
-class _ClipRing(torch.autograd.Function):
-    """Step k: this rank's images against the texts of rank - k. The texts move on before the
-    block is computed; the block's column statistics follow once they include this rank's part."""
-
-    @staticmethod
-    def forward(ctx, image, text, logit_scale, mode, backend):
-        local_loss, gather_with_grad, rank, world = mode
-        batch = image.shape[0]
-        scale = logit_scale.detach().reshape(()).float()
-        ring = _Ring(rank, world)
+    def statistics(self, image, text, scale):
+        batch, world = image.shape[0], self.world
+        ring = _Ring(self.rank, world)
         row_lse = torch.full((batch,), float("-inf"), device=image.device)
         row_mean = torch.zeros(batch, device=image.device)
         current = text.contiguous()
+        columns = None  # brings [lse; mean] of `current`'s columns from the ranks it visited before
         for step in range(world):
-            if step < world - 1:
-                (upcoming,), text_transfer = ring.shift(current)
-            r_lse, r_mean, c_lse, c_mean = backend.clip_block_stats(image, current, scale)
-            row_lse, row_mean = _merge_stats(row_lse, row_mean, r_lse, r_mean)
-            if step > 0:
-                # this text block's column statistics from the ranks it visited before
-                stats_transfer.wait()
-                c_lse, c_mean = _merge_stats(stats_in[0], stats_in[1], c_lse, c_mean)
-            (stats_in,), stats_transfer = ring.shift(torch.stack([c_lse, c_mean]))
-            if step < world - 1:
-                text_transfer.wait()
-                current = upcoming
-        stats_transfer.wait()  # after a full turn: this rank's own texts, complete
+            upcoming = ring.shift(current) if step < world - 1 else None
+            r_lse, r_mean, c_lse, c_mean = self.backend.clip_block_stats(image, current, scale)
+            row_lse, row_mean = merge_lse(row_lse, row_mean, r_lse, r_mean)
+            if columns is not None:
+                (before,) = columns.wait()
+                c_lse, c_mean = merge_lse(before[0], before[1], c_lse, c_mean)
+            columns = ring.shift(torch.stack([c_lse, c_mean]))
+            if upcoming is not None:
+                (current,) = upcoming.wait()
+        (own,) = columns.wait()  # after a full turn: this rank's own texts, complete
         ring.finish()
-        col_lse, col_mean = stats_in[0], stats_in[1]
-        pos = positive_logits(image, text)
-        loss, d_scale = _loss_and_dscale(row_lse, row_mean, col_lse, col_mean, pos, scale, batch, world, local_loss)
-        ctx.save_for_backward(image, text, scale, row_lse, col_lse, d_scale)
-        ctx.mode, ctx.backend = mode, backend
-        ctx.scale_meta = (logit_scale.shape, logit_scale.dtype)
-        return loss
+        return (row_lse, row_mean, own[0], own[1]), (text, own[0])
 
-    @staticmethod
-    def backward(ctx, grad):
-        image, text, scale, row_lse, col_lse, d_scale = ctx.saved_tensors
-        local_loss, gather_with_grad, rank, world = ctx.mode
-        batch = image.shape[0]
-        need_image, need_text = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        weights = _owner_weights(_grad_outputs(grad), rank, batch, local_loss, gather_with_grad)
-        a_img, b_img, a_txt, b_txt = weights
+    def feature_grads(self, image, text, scale, row_lse, col_lse, weights, need_image, need_text):
+        batch, rank, world = image.shape[0], self.rank, self.world
         ring = _Ring(rank, world)
         d_image = torch.zeros(image.shape, device=image.device) if need_image else None
         current, current_lse = text.contiguous(), col_lse.contiguous()
+        text_grads = None  # brings the gradient of `current` from the ranks it visited before
         for step in range(world):
             owner = (rank - step) % world
-            if step < world - 1:
-                (upcoming, upcoming_lse), text_transfer = ring.shift(current, current_lse)
-
-            def per_column(w):
-                return w[owner].expand(batch)  # one block, one owner
-
-            d_img_part, d_txt_part = ctx.backend.clip_block_grads(
+            upcoming = ring.shift(current, current_lse) if step < world - 1 else None
+            d_img_part, d_txt_part = self.backend.clip_block_grads(
                 image,
                 current,
                 scale,
                 row_lse,
                 current_lse,
-                (per_column(a_img), per_column(b_img)),
-                None if a_txt is None else (per_column(a_txt), per_column(b_txt)),
+                *_column_weights(weights, torch.full((batch,), owner, device=image.device)),
                 diag=0 if owner == rank else None,
                 need_image=need_image,
                 need_text=need_text,
@@ -437,24 +416,51 @@ class _ClipRing(torch.autograd.Function):
             if need_image:
                 d_image += d_img_part
             if need_text:
-                # the text gradient of this block rides along with the texts, one step behind
-                if step > 0:
-                    grad_transfer.wait()
-                    d_txt_part = d_txt_part + grad_in
-                (grad_in,), grad_transfer = ring.shift(d_txt_part)
-            if step < world - 1:
-                text_transfer.wait()
-                current, current_lse = upcoming, upcoming_lse
+                if text_grads is not None:
+                    (before,) = text_grads.wait()
+                    d_txt_part = d_txt_part + before
+                text_grads = ring.shift(d_txt_part)
+            if upcoming is not None:
+                current, current_lse = upcoming.wait()
         d_text = None
         if need_text:
-            grad_transfer.wait()  # after a full turn: this rank's own texts, complete
-            d_text = grad_in.to(text.dtype)
+            (d_text,) = text_grads.wait()  # after a full turn: this rank's own texts, complete
         ring.finish()
+        return d_image, d_text
+
+
+class _FusedClipDistributed(torch.autograd.Function):
+    """The fused CLIP loss on several ranks. The path moves the texts and computes the blocks; the
+    loss, the scale derivative and the backward weights are the same for every path, from O(B)
+    statistics."""
+
+    @staticmethod
+    def forward(ctx, image, text, logit_scale, path, local_loss, gather_with_grad):
+        scale = logit_scale.detach().reshape(()).float()
+        (row_lse, row_mean, col_lse, col_mean), (texts, texts_lse) = path.statistics(image, text, scale)
+        pos = positive_logits(image, text)
+        loss, d_scale = _loss_and_dscale(
+            row_lse, row_mean, col_lse, col_mean, pos, scale, image.shape[0], path.world, local_loss
+        )
+        ctx.save_for_backward(image, texts, scale, row_lse, texts_lse, d_scale)
+        ctx.path, ctx.flags = path, (local_loss, gather_with_grad)
+        ctx.scale_meta = (logit_scale.shape, logit_scale.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        image, texts, scale, row_lse, texts_lse, d_scale = ctx.saved_tensors
+        path = ctx.path
+        weights = _owner_weights(_grad_outputs(grad), path.rank, image.shape[0], *ctx.flags)
+        d_image, d_text = path.feature_grads(
+            image, texts, scale, row_lse, texts_lse, weights, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        )
         shape, dtype = ctx.scale_meta
         return (
             None if d_image is None else d_image.to(image.dtype),
-            d_text,
+            None if d_text is None else d_text.to(texts.dtype),
             (grad * d_scale).reshape(shape).to(dtype),
+            None,
             None,
             None,
         )
@@ -473,6 +479,6 @@ def clip_loss_distributed(
     backend,
 ) -> torch.Tensor:
     """The fused CLIP loss on `world_size` ranks (see the module docstring for the conventions)."""
-    fn = {"gather": _ClipGather, "ring": _ClipRing}[dist_impl]
+    path = {"gather": _GatherPath, "ring": _RingPath}[dist_impl](backend, rank, world_size)
     logit_scale = mean_grad_across_ranks(logit_scale)
-    return fn.apply(image, text, logit_scale, (local_loss, gather_with_grad, rank, world_size), backend)
+    return _FusedClipDistributed.apply(image, text, logit_scale, path, local_loss, gather_with_grad)

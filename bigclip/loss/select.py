@@ -7,11 +7,10 @@ with these flags reads the same way.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from bigclip.errors import UserError
+from bigclip.loss import chunked
 
 # naive: OpenCLIP's reference (materialises the logit matrix); chunked: exact tiled torch code;
 # triton: fused kernels; auto: triton on CUDA tensors when Triton imports, chunked elsewhere.
@@ -27,7 +26,7 @@ DEFAULT_SIGLIP_DIST_IMPL = "bidir"
 
 def check_impl(impl: str) -> str:
     if impl not in LOSS_IMPLS:
-        raise UserError(f"--loss-impl {impl!r} is not known; choose one of {', '.join(LOSS_IMPLS)}.")
+        raise UserError(f"--loss-impl {impl!r}: choose one of {', '.join(LOSS_IMPLS)}")
     return impl
 
 
@@ -37,15 +36,12 @@ def check_dist_impl(dist_impl: str | None, siglip: bool) -> str:
         return DEFAULT_SIGLIP_DIST_IMPL if siglip else DEFAULT_CLIP_DIST_IMPL
     if dist_impl not in allowed:
         loss = "the SigLIP loss (--siglip)" if siglip else "the CLIP loss"
-        raise UserError(f"--loss-dist-impl {dist_impl!r} is not valid for {loss}; choose one of {', '.join(allowed)}.")
+        raise UserError(f"--loss-dist-impl {dist_impl!r}: choose one of {', '.join(allowed)} for {loss}")
     return dist_impl
 
 
-def triton_interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def triton_importable() -> bool:
+    """Triton is optional: CPU-only installs must import this package without it."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -60,6 +56,8 @@ def resolve_impl(impl: str, features: torch.Tensor) -> str:
     if impl == "triton":
         if not triton_importable():
             raise UserError("--loss-impl triton needs the 'triton' package; install it or use --loss-impl chunked.")
+        from bigclip.loss.triton_tiles import triton_interpreted  # imports triton, which is known to import now
+
         if not features.is_cuda and not triton_interpreted():
             raise UserError(
                 "--loss-impl triton needs CUDA tensors (or TRITON_INTERPRET=1 for the slow CPU interpreter); "
@@ -69,9 +67,12 @@ def resolve_impl(impl: str, features: torch.Tensor) -> str:
 
 
 def backend_for(impl: str):
-    """The module offering the tile primitives for a fused implementation."""
+    """The module offering the four block primitives for a fused implementation (chunked or triton).
+
+    The Triton backend is imported here, on first use, so that Triton stays optional.
+    """
     if impl == "triton":
-        from bigclip.loss import triton as backend
-    else:
-        from bigclip.loss import chunked as backend
-    return backend
+        from bigclip.loss import triton as triton_backend
+
+        return triton_backend
+    return chunked

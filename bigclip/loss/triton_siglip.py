@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the SigLIP loss: the same primitives as `bigclip.loss.chunked`.
+"""Fused Triton kernels for the SigLIP loss: the SigLIP primitives of `bigclip.loss.chunked`, fused.
 
 Forward: a grid over logit tiles; each tile writes three partial sums (loss, dz * x, dz) to its
 own slot of a small per-tile buffer that torch adds up in float64 (deterministic, no atomics).
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bigclip.loss.triton import accumulate_feature_grads, launch_config, logits_tile, prepare
+from bigclip.loss.triton_tiles import Block, accumulate_feature_grads, logits_tile
 
 
 @triton.jit
@@ -189,30 +189,17 @@ def _siglip_grads_kernel(
     )
 
 
+def _bias_ptr(scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The bias as a kernel pointer; without a bias, any valid pointer (HAS_BIAS=False never reads it)."""
+    return scale.reshape(1) if bias is None else bias.reshape(1)
+
+
 def siglip_block_sums(image, text, scale, bias, diag, tile: int | None = None) -> torch.Tensor:
-    image, text = prepare(image), prepare(text)
-    m, dim = image.shape
-    n = text.shape[0]
-    cfg = launch_config(image)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-    partial = torch.empty(grid[0] * grid[1] * 3, device=image.device)
-    scale = scale.reshape(1)
-    _siglip_sums_kernel[grid](
-        image,
-        text,
-        scale,
-        scale if bias is None else bias.reshape(1),
-        partial,
-        m,
-        n,
-        dim,
-        image.stride(0),
-        text.stride(0),
-        0 if diag is None else diag,
-        HAS_BIAS=bias is not None,
-        HAS_DIAG=diag is not None,
-        **cfg,
-    )
+    """See `bigclip.loss.chunked.siglip_block_sums`; `tile` is accepted for the same signature."""
+    block = Block(image, text)
+    rows, cols = block.tile_grid()
+    partial = torch.empty(rows * cols * 3, device=image.device)
+    block.launch_tiles(_siglip_sums_kernel, scale, (_bias_ptr(scale, bias), partial), diag, HAS_BIAS=bias is not None)
     return partial.view(-1, 3).double().sum(0)
 
 
@@ -227,35 +214,13 @@ def siglip_block_grads(
     need_text: bool = True,
     tile: int | None = None,
 ):
-    image, text = prepare(image), prepare(text)
-    m, dim = image.shape
-    n = text.shape[0]
-    cfg = launch_config(image)
-    dev = image.device
-    d_image = torch.zeros((m, dim), device=dev) if need_image else None
-    d_text = torch.zeros((n, dim), device=dev) if need_text else None
-    scratch = torch.empty(1, device=dev)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-    scale = scale.reshape(1)
-    _siglip_grads_kernel[grid](
-        image,
-        text,
+    """See `bigclip.loss.chunked.siglip_block_grads`; `tile` is accepted for the same signature."""
+    return Block(image, text).feature_grads(
+        _siglip_grads_kernel,
         scale,
-        scale if bias is None else bias.reshape(1),
-        coef.float().reshape(1),
-        scratch if d_image is None else d_image,
-        scratch if d_text is None else d_text,
-        m,
-        n,
-        dim,
-        image.stride(0),
-        text.stride(0),
-        0 if diag is None else diag,
+        (_bias_ptr(scale, bias), coef.float().reshape(1)),
+        diag,
+        need_image,
+        need_text,
         HAS_BIAS=bias is not None,
-        HAS_DIAG=diag is not None,
-        NEED_IMG=need_image,
-        NEED_TXT=need_text,
-        SPLIT_BF16=image.dtype == torch.bfloat16,
-        **cfg,
     )
-    return d_image, d_text
