@@ -7,7 +7,7 @@ data = get_data(cfg, preprocess_train, preprocess_val, tokenizer, rank, world_si
 
 from bigclip.data.aug_cfg import parse_aug_cfg, validate_aug_cfg
 from bigclip.data.digits import DIGIT_CLASSNAMES, DIGIT_TEMPLATES
-from bigclip.data.factory import DATASET_TYPES, get_data, resolve_dataset_type
+from bigclip.data.factory import DATASET_TYPES, check_dataset_type, get_data, resolve_dataset_type
 from bigclip.data.info import DataInfo
 from bigclip.data.skips import SKIP_REASONS
 from bigclip.data.transforms import image_transform
@@ -22,5 +22,6 @@ __all__ = [
     "image_transform",
     "parse_aug_cfg",
     "resolve_dataset_type",
+    "check_dataset_type",
     "validate_aug_cfg",
 ]

@@ -46,6 +46,7 @@ class DigitSplit:
 
 
 def load_digit_split() -> DigitSplit:
+    # scikit-learn takes seconds to import and only the demo needs it: imported when the demo runs.
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import atexit
-import signal
-import weakref
 from typing import Any
 
 import braceexpand
-import torch
-from torch.utils.data import DataLoader
+from PIL import Image
 
 from bigclip.data.csv_dataset import CsvDataset
 from bigclip.data.digits import build_digits
@@ -18,6 +14,7 @@ from bigclip.data.sampler import ShardedBatchSampler
 from bigclip.data.skips import SkipCounter
 from bigclip.data.synthetic import SyntheticDataset
 from bigclip.data.wds_dataset import WebDatasetStream, batches_per_worker, expand_shards
+from bigclip.data.workers import worker_loader
 from bigclip.errors import UserError
 
 DATASET_TYPES = ("auto", "csv", "webdataset", "synthetic")
@@ -35,10 +32,14 @@ def _kind_by_extension(path: str) -> str | None:
     return None
 
 
+def check_dataset_type(dataset_type: str) -> None:
+    if dataset_type not in DATASET_TYPES:
+        raise UserError(f"--dataset-type {dataset_type!r}: choose one of {', '.join(DATASET_TYPES)}")
+
+
 def resolve_dataset_type(path: str | None, dataset_type: str, flag: str) -> str:
     """The concrete type for `path`: --dataset-type itself, or for 'auto' the one its extension names."""
-    if dataset_type not in DATASET_TYPES:
-        raise UserError(f"--dataset-type {dataset_type}: choose one of {', '.join(DATASET_TYPES)}")
+    check_dataset_type(dataset_type)
     if dataset_type != "auto":
         return dataset_type
     if not path:
@@ -55,57 +56,14 @@ def resolve_dataset_type(path: str | None, dataset_type: str, flag: str) -> str:
 def _image_size(preprocess_cfg: dict, transform) -> tuple[int, int]:
     size = preprocess_cfg.get("size")
     if size is None and transform is not None:
-        from PIL import Image
-
         return tuple(transform(Image.new("RGB", (32, 32))).shape[-2:])
     if size is None:
         return 224, 224
     return (size, size) if isinstance(size, int) else tuple(size)[-2:]
 
 
-def ignore_sigterm(worker_id: int) -> None:
-    """DataLoader worker init: a preemption SIGTERM reaches every process of the job (SLURM signals the whole
-    job step), but the main process still needs its workers for the steps before its final checkpoint.
-    Workers end when the main process shuts the loader down (DataInfo.close, at the latest at exit: see
-    _shut_down_at_exit), or dies (DataLoader's parent watchdog)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-_LIVE_LOADERS: weakref.WeakSet[DataLoader] = weakref.WeakSet()
-
-
-def shut_down_workers(loader) -> None:
-    """Stop a loader's persistent worker processes now (DataLoader's own shutdown: tell, then join)."""
-    iterator = getattr(loader, "_iterator", None)
-    if iterator is not None:
-        iterator._shutdown_workers()
-        loader._iterator = None
-
-
-@atexit.register  # after multiprocessing's exit handler (torch imported it first), so it runs before it
-def _shut_down_at_exit() -> None:
-    # multiprocessing's handler would SIGTERM the SIGTERM-ignoring workers of a loader still alive at exit,
-    # then wait for them forever.
-    for loader in list(_LIVE_LOADERS):
-        shut_down_workers(loader)
-
-
-def _worker_loader(dataset, workers: int, **kwargs) -> DataLoader:
-    loader = DataLoader(
-        dataset,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        worker_init_fn=ignore_sigterm if workers > 0 else None,
-        pin_memory=torch.cuda.is_available(),
-        **kwargs,
-    )
-    if workers > 0:
-        _LIVE_LOADERS.add(loader)
-    return loader
-
-
 def _map_style_loader(dataset, sampler: ShardedBatchSampler, workers: int, skips: SkipCounter | None) -> DataInfo:
-    loader = _worker_loader(dataset, workers, batch_sampler=sampler)
+    loader = worker_loader(dataset, workers, batch_sampler=sampler)
     return DataInfo(loader, num_samples=len(dataset), num_batches=sampler.num_batches, sampler=sampler, skips=skips)
 
 
@@ -200,7 +158,7 @@ class _Builder:
         )
         # Fewer shards than workers is fine: WebDatasetStream then splits by sample, so no worker is idle.
         workers = cfg.workers
-        loader = _worker_loader(stream, workers, batch_size=None)
+        loader = worker_loader(stream, workers, batch_size=None)
         return DataInfo(loader, num_samples=num_samples or 0, num_batches=num_batches or 0, sampler=stream, skips=skips)
 
     def demo(self) -> dict[str, Any]:

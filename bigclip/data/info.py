@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from bigclip.data.skips import SKIP_REASONS, SkipCounter
+from bigclip.data.workers import shut_down_workers
 
 
 class EpochPositioned(Protocol):
@@ -35,8 +36,6 @@ class DataInfo:
 
     def close(self) -> None:
         """Stop the loader's worker processes now (persistent workers otherwise live as long as the loader)."""
-        from bigclip.data.factory import shut_down_workers
-
         shut_down_workers(self.dataloader)
 
     def skipped(self) -> dict[str, int]:

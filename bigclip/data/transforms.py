@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from PIL import Image
+from timm.data import create_transform
 from torchvision import transforms as T
 from torchvision.transforms import InterpolationMode
 
@@ -77,8 +78,6 @@ def _color_jitter(strength) -> T.ColorJitter:
 
 
 def _timm_train_transform(size, mean, std, interpolation: str, aug: dict[str, Any]):
-    from timm.data import create_transform
-
     options = {k: v for k, v in aug.items() if v is not None and k != "use_timm"}
     options.setdefault("color_jitter", None)  # timm would jitter by default; OpenCLIP turns it off
     if "gray_scale_prob" in options:

@@ -1,0 +1,56 @@
+"""DataLoader worker processes: started so that a preemption SIGTERM does not kill them, and stopped by bigclip.
+
+A preemption SIGTERM reaches every process of the job (SLURM signals the whole job step), but the main process
+still needs its workers for the steps before its final checkpoint, so workers ignore it. bigclip then stops
+them itself: DataInfo.close() at the end of a run, and at the latest at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import signal
+import weakref
+
+import torch
+from torch.utils.data import DataLoader
+
+
+def ignore_sigterm(worker_id: int) -> None:
+    """DataLoader worker init: a preemption SIGTERM reaches every process of the job (SLURM signals the whole
+    job step), but the main process still needs its workers for the steps before its final checkpoint.
+    Workers end when the main process shuts the loader down (DataInfo.close, at the latest at exit: see
+    _shut_down_at_exit), or dies (DataLoader's parent watchdog)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+_LIVE_LOADERS: weakref.WeakSet[DataLoader] = weakref.WeakSet()
+
+
+def shut_down_workers(loader) -> None:
+    """Stop a loader's persistent worker processes now (DataLoader's own shutdown: tell, then join)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        iterator._shutdown_workers()
+        loader._iterator = None
+
+
+@atexit.register  # after multiprocessing's exit handler (torch imported it first), so it runs before it
+def _shut_down_at_exit() -> None:
+    # multiprocessing's handler would SIGTERM the SIGTERM-ignoring workers of a loader still alive at exit,
+    # then wait for them forever.
+    for loader in list(_LIVE_LOADERS):
+        shut_down_workers(loader)
+
+
+def worker_loader(dataset, workers: int, **kwargs) -> DataLoader:
+    loader = DataLoader(
+        dataset,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        worker_init_fn=ignore_sigterm if workers > 0 else None,
+        pin_memory=torch.cuda.is_available(),
+        **kwargs,
+    )
+    if workers > 0:
+        _LIVE_LOADERS.add(loader)
+    return loader
