@@ -82,8 +82,9 @@ def build(model_name: str, batch_size: int, ds_config: str | None = None):
     from bigclip.dist import World
     from bigclip.engine import build_engine
     from bigclip.engine.single import ensure_process_group
+    from bigclip.loop import forward_backward, optimizer_step
     from bigclip.model import create_model, get_model_config
-    from bigclip.train import build_loss_fn, forward_backward
+    from bigclip.train import build_loss_fn
 
     world = World()
     ensure_process_group(world)  # a 1-rank group: what the process writer needs, as in any torchrun job
@@ -113,7 +114,7 @@ def build(model_name: str, batch_size: int, ds_config: str | None = None):
         forward_backward(engine, loss_fn, [(images, texts)], world)
         if before_update is not None:
             before_update()  # as the loop does: an asynchronous save finishes its copy before the update
-        engine.step()
+        optimizer_step(engine)
         return time.perf_counter() - t
 
     return engine, world, step

@@ -13,20 +13,16 @@ from collections.abc import Callable
 from typing import Any
 
 from bigclip import config as config_mod
-from bigclip.errors import UserError
+from bigclip import export, plan
+from bigclip.errors import OneLineErrorParser, UserError
+from bigclip.model import get_model_config, list_models
+from bigclip.train import run
 
 SUBCOMMANDS_HELP = """subcommands:
   bigclip [train] FLAGS     train (the default; `python launch/train.py FLAGS` is the same)
   bigclip models            list the architectures
   bigclip export CKPT OUT   a checkpoint (directory or URL, any engine) -> OUT.pt / OUT.safetensors
   bigclip plan [--model M]  memory per GPU under each engine (state, activations, largest batch)"""
-
-
-class _OneLineErrorParser(argparse.ArgumentParser):
-    """argparse prints usage and exits; bigclip wants one line naming the flag, then exit code 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UserError(message)
 
 
 def _argparse_kwargs(f) -> dict[str, Any]:
@@ -49,7 +45,7 @@ def _argparse_kwargs(f) -> dict[str, Any]:
 
 
 def build_train_parser(prog: str = "bigclip") -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(
+    parser = OneLineErrorParser(
         prog=prog,
         description="Train CLIP-style image-text models. Flags keep OpenCLIP's names and defaults; with no "
         "data flags the embedded digits demo runs.",
@@ -79,8 +75,6 @@ def parse_train_args(argv: list[str]) -> tuple[config_mod.TrainConfig, dict[str,
 
 
 def _cmd_models(argv: list[str]) -> int:
-    from bigclip.model import get_model_config, list_models
-
     for name in list_models():
         cfg = get_model_config(name)
         print(f"{name:16s} embed_dim={cfg.get('embed_dim')}")
@@ -88,22 +82,16 @@ def _cmd_models(argv: list[str]) -> int:
 
 
 def _cmd_train(argv: list[str]) -> int:
-    from bigclip.train import run
-
     cfg, launcher = parse_train_args(argv)
     return run(cfg, local_rank=launcher.get("local_rank"))
 
 
 def _cmd_export(argv: list[str]) -> int:
-    from bigclip.export import main as export_main
-
-    return export_main(argv)
+    return export.main(argv)
 
 
 def _cmd_plan(argv: list[str]) -> int:
-    from bigclip.plan import main as plan_main
-
-    return plan_main(argv)
+    return plan.main(argv)
 
 
 SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {

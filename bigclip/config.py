@@ -17,12 +17,21 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+from braceexpand import braceexpand  # ships with webdataset
+
+from bigclip.ckpt.manager import ASYNC_MODES
+from bigclip.ckpt.storage import parse_storage_options, redact_options, redact_url
+from bigclip.data import DATASET_TYPES, check_dataset_type, validate_aug_cfg
+from bigclip.engine import ENGINE_CLASSES
+from bigclip.engine import check_config as check_engine_config
 from bigclip.errors import UserError
+from bigclip.loss.select import check_dist_impl as check_loss_dist_impl
+from bigclip.loss.select import check_impl as check_loss_impl
+from bigclip.model import list_models
 
 PRECISIONS = ("amp", "amp_bf16", "amp_bfloat16", "bf16", "fp16", "pure_bf16", "pure_fp16", "fp32")
 LR_SCHEDULERS = ("cosine", "const", "const-cooldown")
-DATASET_TYPES = ("webdataset", "csv", "synthetic", "auto")
-ENGINES = ("ddp", "fsdp", "deepspeed")
 REPORT_TARGETS = ("tensorboard", "wandb")
 
 
@@ -223,7 +232,9 @@ class TrainConfig:
 
     # ---- distributed
     engine: str = _flag(
-        "ddp", f"One of {', '.join(ENGINES)} (new in bigclip). --ds_config FILE or --deepspeed selects deepspeed.", DIST
+        "ddp",
+        f"One of {', '.join(ENGINE_CLASSES)} (new in bigclip). --ds_config FILE or --deepspeed selects deepspeed.",
+        DIST,
     )
     ds_config: str | None = _flag(
         None,
@@ -270,6 +281,9 @@ class TrainConfig:
 
     # Set by resolution, not by users.
     demo: bool = field(default=False, metadata={"internal": True})
+    # The --ds_config JSON with every flag-decided "auto" filled (engine/ds_config.py), resolved once at
+    # validation; the DeepSpeed engine completes it with the world size and the model's width.
+    ds_config_values: dict | None = field(default=None, metadata={"internal": True})
 
 
 # The embedded demo: what `python launch/train.py` with no data flags runs. These replace defaults only;
@@ -300,8 +314,6 @@ def flag_name(field_name: str) -> str:
 
 def load_yaml(path: str) -> dict[str, Any]:
     """Read a --config file: a mapping of option names (dashes or underscores) to values."""
-    import yaml
-
     if not os.path.isfile(path):
         raise UserError(f"--config {path}: file not found; pass a YAML file of option: value lines")
     try:
@@ -362,74 +374,81 @@ def _fail(name: str, value: Any, accepted: str) -> None:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Check every user-controlled value before any work starts; the first problem stops the run."""
-    from bigclip.model import list_models
+    """Check every user-controlled value before any work starts; the first problem stops the run. Each
+    component owns the rules of its own flags (engines, losses, augmentation, storage options)."""
+    _validate_choices(cfg)
+    _validate_numbers(cfg)
+    check_engine_config(cfg)  # engine flags; the DeepSpeed JSON is read and resolved here, once
+    check_loss_impl(cfg.loss_impl)
+    check_loss_dist_impl(cfg.loss_dist_impl, cfg.siglip)
+    validate_aug_cfg(cfg.aug_cfg)
+    _validate_checkpoint_flags(cfg)
+    _validate_paths(cfg)
 
-    if cfg.model not in list_models() and cfg.model.startswith(("RN", "convnext", "coca", "EVA", "mt5", "xlm")):
+
+def _validate_choices(cfg: TrainConfig) -> None:
+    models = list_models()
+    if cfg.model not in models and cfg.model.startswith(("RN", "convnext", "coca", "EVA", "mt5", "xlm")):
         raise UserError(
-            f"--model {cfg.model}: not supported yet (bigclip has ViT towers only); "
-            f"choose one of {', '.join(list_models())}"
+            f"--model {cfg.model}: not supported yet (bigclip has ViT towers only); choose one of {', '.join(models)}"
         )
-    if cfg.model not in list_models():
-        _fail("model", cfg.model, f"unknown architecture; choose one of {', '.join(list_models())}")
-    if cfg.precision not in PRECISIONS:
-        _fail("precision", cfg.precision, f"choose one of {', '.join(PRECISIONS)}")
-    if cfg.lr_scheduler not in LR_SCHEDULERS:
-        _fail("lr_scheduler", cfg.lr_scheduler, f"choose one of {', '.join(LR_SCHEDULERS)}")
-    if cfg.dataset_type not in DATASET_TYPES:
-        _fail("dataset_type", cfg.dataset_type, f"choose one of {', '.join(DATASET_TYPES)}")
-    if cfg.engine not in ENGINES:
-        _fail("engine", cfg.engine, f"choose one of {', '.join(ENGINES)}")
-    if cfg.sharded_init not in ("auto", "always", "never"):
-        _fail("sharded_init", cfg.sharded_init, "choose auto, always or never")
-    if not isinstance(cfg.fsdp_replicate_degree, int) or cfg.fsdp_replicate_degree < 1:
-        _fail("fsdp_replicate_degree", cfg.fsdp_replicate_degree, "must be a positive integer")
-    if cfg.engine != "fsdp":
-        for name in ("fsdp_offload_cpu", "fsdp_no_reshard_after_forward", "fsdp_hybrid"):
-            if getattr(cfg, name):
-                raise UserError(f"{flag_name(name)}: only applies to --engine fsdp (the engine is {cfg.engine})")
-        if cfg.fsdp_replicate_degree != 1:
-            raise UserError(f"--fsdp-replicate-degree: only applies to --engine fsdp (the engine is {cfg.engine})")
-    if cfg.engine == "ddp" and cfg.sharded_init == "always":
-        raise UserError(
-            "--sharded-init always: needs an engine that shards parameters (--engine fsdp, or "
-            "deepspeed with ZeRO stage 3)"
-        )
-    if cfg.engine == "deepspeed":
-        from bigclip.engine.ds_config import resolve as resolve_ds_config
+    choices = {
+        "model": (models, "unknown architecture; choose one of"),
+        "precision": (PRECISIONS, "choose one of"),
+        "lr_scheduler": (LR_SCHEDULERS, "choose one of"),
+        "sharded_init": (("auto", "always", "never"), "choose one of"),
+        "image_interpolation": ((None, "bicubic", "bilinear", "random"), "choose one of"),
+        "image_resize_mode": ((None, "shortest", "longest", "squash"), "choose one of"),
+        "remote_sync_protocol": (("s3", "fsspec"), "choose one of"),
+        "checkpoint_async": (ASYNC_MODES, "choose one of"),
+    }
+    for name, (allowed, what) in choices.items():
+        if getattr(cfg, name) not in allowed:
+            _fail(name, getattr(cfg, name), f"{what} {', '.join(a for a in allowed if a is not None)}")
+    check_dataset_type(cfg.dataset_type)
+    if not (cfg.opt == "adamw" or cfg.opt.startswith("timm/")):
+        _fail("opt", cfg.opt, "choose adamw or timm/<optimizer name>")
+    for target in (t for t in cfg.report_to.split(",") if t):
+        if target not in REPORT_TARGETS:
+            _fail("report_to", cfg.report_to, "use tensorboard, wandb or tensorboard,wandb")
+    if cfg.device not in ("cuda", "cpu") and not cfg.device.startswith("cuda:"):
+        _fail("device", cfg.device, "choose cuda or cpu")
+    if cfg.lr_scheduler == "const-cooldown" and cfg.epochs_cooldown is None:
+        raise UserError("--lr-scheduler const-cooldown needs --epochs-cooldown N")
 
-        device = "cuda" if cfg.device.startswith("cuda") and _cuda_available() else "cpu"
-        resolve_ds_config(cfg, None, device)  # contradictions and bad JSON stop the run before any work
 
-    for name in (
-        "batch_size",
-        "epochs",
-        "accum_freq",
-        "log_every_n_steps",
-        "val_frequency",
-        "zeroshot_frequency",
-        "grad_checkpointing_every",
-    ):
-        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
+POSITIVE_INTS = (
+    "batch_size", "epochs", "accum_freq", "log_every_n_steps", "val_frequency", "zeroshot_frequency",
+    "grad_checkpointing_every",
+)  # fmt: skip
+NON_NEGATIVE_INTS = (
+    "workers", "warmup", "save_frequency", "lock_image_unlocked_groups", "lock_text_unlocked_layers", "seed",
+    "save_every_n_steps", "keep_last_k", "remote_sync_frequency",
+)  # fmt: skip
+OPTIONAL_POSITIVE_INTS = ("train_num_samples", "val_num_samples", "force_context_length")
+OPTIONAL_NON_NEGATIVE_NUMBERS = ("lr", "wd", "eps", "grad_clip_norm", "lr_cooldown_end", "momentum")
+
+
+def _validate_numbers(cfg: TrainConfig) -> None:
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for name in POSITIVE_INTS:
+        if not is_int(getattr(cfg, name)) or getattr(cfg, name) < 1:
             _fail(name, getattr(cfg, name), "must be a positive integer")
-    for name in (
-        "workers",
-        "warmup",
-        "save_frequency",
-        "lock_image_unlocked_groups",
-        "lock_text_unlocked_layers",
-        "seed",
-    ):
-        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
+    for name in NON_NEGATIVE_INTS:
+        if not is_int(getattr(cfg, name)) or getattr(cfg, name) < 0:
             _fail(name, getattr(cfg, name), "must be a non-negative integer")
-    for name in ("train_num_samples", "val_num_samples", "force_context_length"):
+    for name in OPTIONAL_POSITIVE_INTS:
         v = getattr(cfg, name)
-        if v is not None and (not isinstance(v, int) or v < 1):
+        if v is not None and (not is_int(v) or v < 1):
             _fail(name, v, "must be a positive integer")
-    for name in ("lr", "wd", "eps", "grad_clip_norm", "lr_cooldown_end", "momentum"):
+    for name in OPTIONAL_NON_NEGATIVE_NUMBERS:
         v = getattr(cfg, name)
         if v is not None and (not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
             _fail(name, v, "must be a non-negative number")
+    if not isinstance(cfg.save_every_minutes, (int, float)) or not (cfg.save_every_minutes >= 0):
+        _fail("save_every_minutes", cfg.save_every_minutes, "must be a non-negative number of minutes")
     for name in ("beta1", "beta2"):
         v = getattr(cfg, name)
         if v is not None and not (0 <= v < 1):
@@ -438,52 +457,12 @@ def validate(cfg: TrainConfig) -> None:
         _fail("force_patch_dropout", cfg.force_patch_dropout, "must be in [0, 1)")
     if cfg.force_image_size is not None and (len(cfg.force_image_size) not in (1, 2) or min(cfg.force_image_size) < 1):
         _fail("force_image_size", cfg.force_image_size, "give one or two positive integers")
-    if cfg.lr_scheduler == "const-cooldown" and cfg.epochs_cooldown is None:
-        raise UserError("--lr-scheduler const-cooldown needs --epochs-cooldown N")
     if cfg.epochs_cooldown is not None and not (0 <= cfg.epochs_cooldown <= cfg.epochs):
         _fail("epochs_cooldown", cfg.epochs_cooldown, f"must be between 0 and --epochs ({cfg.epochs})")
-    if not (cfg.opt == "adamw" or cfg.opt.startswith("timm/")):
-        _fail("opt", cfg.opt, "choose adamw or timm/<optimizer name>")
-    if cfg.image_interpolation not in (None, "bicubic", "bilinear", "random"):
-        _fail("image_interpolation", cfg.image_interpolation, "choose bicubic, bilinear or random")
-    if cfg.image_resize_mode not in (None, "shortest", "longest", "squash"):
-        _fail("image_resize_mode", cfg.image_resize_mode, "choose shortest, longest or squash")
     for name in ("image_mean", "image_std"):
         v = getattr(cfg, name)
         if v is not None and len(v) not in (1, 3):
             _fail(name, v, "give one value or three (R G B)")
-    targets = [t for t in cfg.report_to.split(",") if t]
-    for t in targets:
-        if t not in REPORT_TARGETS:
-            _fail("report_to", cfg.report_to, "use tensorboard, wandb or tensorboard,wandb")
-    if cfg.remote_sync_protocol not in ("s3", "fsspec"):
-        _fail("remote_sync_protocol", cfg.remote_sync_protocol, "choose s3 or fsspec")
-    _validate_checkpoint_flags(cfg)
-    if cfg.device not in ("cuda", "cpu") and not cfg.device.startswith("cuda:"):
-        _fail("device", cfg.device, "choose cuda or cpu")
-
-    from bigclip.loss import CLIP_DIST_IMPLS, LOSS_IMPLS, SIGLIP_DIST_IMPLS
-
-    if cfg.loss_impl not in LOSS_IMPLS:
-        _fail("loss_impl", cfg.loss_impl, f"choose one of {', '.join(LOSS_IMPLS)}")
-    dist_impls = SIGLIP_DIST_IMPLS if cfg.siglip else CLIP_DIST_IMPLS
-    if cfg.loss_dist_impl is not None and cfg.loss_dist_impl not in dist_impls:
-        _fail(
-            "loss_dist_impl",
-            cfg.loss_dist_impl,
-            f"choose one of {', '.join(dist_impls)} for the {'SigLIP' if cfg.siglip else 'CLIP'} loss",
-        )
-
-    from bigclip.data import validate_aug_cfg
-
-    validate_aug_cfg(cfg.aug_cfg)
-    _validate_paths(cfg)
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _is_url(path: str) -> bool:
@@ -492,8 +471,6 @@ def _is_url(path: str) -> bool:
 
 def dataset_paths(value: str) -> list[str]:
     """Every file a --train-data/--val-data value names: '::' separates sources, braces expand."""
-    from braceexpand import braceexpand  # ships with webdataset
-
     return [p for source in value.split("::") for p in braceexpand(source)]
 
 
@@ -514,16 +491,6 @@ def _validate_paths(cfg: TrainConfig) -> None:
 
 
 def _validate_checkpoint_flags(cfg: TrainConfig) -> None:
-    from bigclip.ckpt.manager import ASYNC_MODES
-    from bigclip.ckpt.storage import parse_storage_options
-
-    for name in ("save_every_n_steps", "keep_last_k", "remote_sync_frequency"):
-        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
-            _fail(name, getattr(cfg, name), "must be a non-negative integer")
-    if not isinstance(cfg.save_every_minutes, (int, float)) or not (cfg.save_every_minutes >= 0):
-        _fail("save_every_minutes", cfg.save_every_minutes, "must be a non-negative number of minutes")
-    if cfg.checkpoint_async not in ASYNC_MODES:
-        _fail("checkpoint_async", cfg.checkpoint_async, f"choose one of {', '.join(ASYNC_MODES)}")
     parse_storage_options(cfg.storage_options)
     if cfg.remote_sync and cfg.remote_sync_protocol == "s3" and not cfg.remote_sync.startswith("s3://"):
         raise UserError(
@@ -538,8 +505,6 @@ def _validate_checkpoint_flags(cfg: TrainConfig) -> None:
 
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:
     """The config as a plain dict for params.yaml, checkpoints and trackers: secrets redacted."""
-    from bigclip.ckpt.storage import redact_options, redact_url
-
     values = dataclasses.asdict(cfg)
     if values.get("storage_options"):
         values["storage_options"] = redact_options(values["storage_options"])

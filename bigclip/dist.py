@@ -12,7 +12,9 @@ from __future__ import annotations
 import datetime
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -161,3 +163,29 @@ def all_reduce_sum(values: torch.Tensor, world: World) -> torch.Tensor:
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()
+
+
+T = TypeVar("T")
+
+
+def raise_together(world: World, check: Callable[[], T], runs_here: bool | None = None) -> T | None:
+    """Run `check` on the ranks where `runs_here` (default: rank 0 alone); when it raises a UserError on any
+    of them, every rank raises that error, here. Returns check's result where it ran (None elsewhere).
+
+    For what must stop all ranks at the same point (a run folder that exists, a store that cannot be
+    written, a checkpoint that does not verify): a rank that went on alone would wait forever in the next
+    collective. Collective on the default group."""
+    runs_here = world.is_main if runs_here is None else runs_here
+    result, problem = None, None
+    if runs_here:
+        try:
+            result = check()
+        except UserError as e:
+            problem = e
+    if world.distributed:
+        problems: list[UserError | None] = [None] * world.world_size
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        raise problem
+    return result

@@ -15,16 +15,17 @@ import shutil
 import tempfile
 
 import torch
+from safetensors.torch import save_file
 
+from bigclip.ckpt.layouts import read_model_state
 from bigclip.ckpt.storage import is_url, parse_storage_options, redact_url
 from bigclip.ckpt.verify import fetch_verified, verify_local
-from bigclip.errors import UserError
+from bigclip.errors import OneLineErrorParser, UserError
+from bigclip.model.convert import bigclip_to_openclip
 
 
 def _parser() -> argparse.ArgumentParser:
-    from bigclip.cli import _OneLineErrorParser
-
-    p = _OneLineErrorParser(prog="bigclip export", description=__doc__.split("\n\n")[0])
+    p = OneLineErrorParser(prog="bigclip export", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="checkpoint directory or URL (s3://, gs://, az://, https://)")
     p.add_argument("output", help="OUT.pt (torch.save) or OUT.safetensors")
     p.add_argument(
@@ -35,14 +36,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--storage-options", default=None, help="JSON of fsspec options for a URL checkpoint")
     return p
-
-
-def model_state(directory: str, layout: str) -> dict[str, torch.Tensor]:
-    if layout == "deepspeed":
-        from bigclip.ckpt.deepspeed_layout import read_model_state
-    else:
-        from bigclip.ckpt.dcp_layout import read_model_state
-    return read_model_state(directory)
 
 
 def export(checkpoint: str, output: str, names: str = "openclip", storage_options: dict | None = None) -> int:
@@ -57,19 +50,15 @@ def export(checkpoint: str, output: str, names: str = "openclip", storage_option
         else:
             manifest = verify_local(checkpoint)
             directory = checkpoint
-        state = model_state(directory, manifest.layout)
+        state = read_model_state(manifest.layout, directory)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     if names == "openclip":
-        from bigclip.model.convert import bigclip_to_openclip
-
         state = bigclip_to_openclip(state)
     state = {k: v.detach().contiguous() for k, v in state.items()}
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     if output.endswith(".safetensors"):
-        from safetensors.torch import save_file
-
         save_file(
             state, output, metadata={"format": "pt", "source": redact_url(checkpoint) or "", "step": str(manifest.step)}
         )

@@ -120,6 +120,7 @@ class MetricSinks:
             return
         self._jsonl = open(paths.metrics, "a", buffering=1)
         targets = {t for t in cfg.report_to.split(",") if t}
+        # The trackers are imported only when asked for: each takes seconds to import.
         if "tensorboard" in targets:
             from torch.utils.tensorboard import SummaryWriter
 

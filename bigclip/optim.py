@@ -8,6 +8,7 @@ it gives the same groups before and after an engine wraps or shards the model.
 from __future__ import annotations
 
 import torch
+from timm.optim import create_optimizer_v2
 from torch import nn
 
 from bigclip.errors import UserError
@@ -45,8 +46,6 @@ def create_optimizer(cfg, groups: list[dict]) -> torch.optim.Optimizer:
     hp = hyperparameters(cfg)
     if cfg.opt == "adamw":
         return torch.optim.AdamW(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
-    from timm.optim import create_optimizer_v2
-
     name = cfg.opt.split("/", 1)[1]
     kwargs = {}
     if cfg.momentum is not None:

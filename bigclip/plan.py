@@ -22,12 +22,15 @@ is recomputed. Both towers count; the contrastive loss is chunked (no B×B logit
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 
+from bigclip.errors import OneLineErrorParser
+from bigclip.model import create_model, get_model_config
+
 GiB = 1024**3
-ENGINES = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp")
+# The engine setups the plan compares (an engine and, for DeepSpeed, the ZeRO stage and offload).
+SETUPS = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp")
 # CUDA context, allocator fragmentation, communication buckets: kept out of the arithmetic, reserved here.
 OVERHEAD_BYTES = 3 * GiB
 
@@ -42,8 +45,6 @@ class ModelFacts:
 
 
 def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
-    from bigclip.model import create_model, get_model_config
-
     model = create_model(name, device="meta", image_size=image_size)
     cfg = get_model_config(name)
     blocks = model.transformer_blocks()
@@ -138,7 +139,7 @@ def render(
             + " |"
         )
         lines += [header, "|" + "---|" * (1 + len(gpus) + len(gpu_mem))]
-        for engine in ENGINES:
+        for engine in SETUPS:
             states = [_gb(state_bytes(engine, facts.params, n, precision, facts)) for n in gpus]
             fits = []
             for mem in gpu_mem:
@@ -162,7 +163,7 @@ def render(
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="bigclip plan", description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(prog="bigclip plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", nargs="+", default=["ViT-H-14", "ViT-bigG-14"])
     parser.add_argument("--gpus", nargs="+", type=int, default=[8, 64, 256, 1024])
     parser.add_argument("--gpu-mem", nargs="+", type=float, default=[40, 80], help="GB per GPU")

@@ -1,44 +1,36 @@
-"""The training loop: setup, epochs, accumulation, precision, schedule, logging, eval, checkpoints.
+"""A training run: set up the world, run folder, model, engine, loss, data and checkpointer, then train
+epoch by epoch (loop.py), evaluating and checkpointing after each, until --epochs or a SIGTERM.
 
-The loop talks to the engine only through its contract (engine/base.py) and to checkpoints only
-through the manager's save / wait / latest / load, so engines and storage change without touching it.
+    launch/train.py -> cli.main -> train.run -> _run (setup) -> _train (epochs) -> loop.train_one_epoch
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
+import functools
 import os
 import random
-import sys
-import time
+import shutil
 from datetime import datetime
-from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from bigclip import config as config_mod
-from bigclip.ckpt.preemption import Preempted
-from bigclip.ckpt.session import CheckpointSession, local_logs_dir, preflight
-from bigclip.data import DataInfo
-from bigclip.dist import World, all_reduce_min, all_reduce_sum, broadcast_object, init_distributed, shutdown
+from bigclip.ckpt.checkpointer import Checkpointer, local_logs_dir, preflight
+from bigclip.data import DataInfo, get_data, image_transform
+from bigclip.dist import World, broadcast_object, init_distributed, raise_together, shutdown
 from bigclip.engine import build_engine
+from bigclip.engine import build_model as build_for_engine
 from bigclip.errors import UserError
 from bigclip.eval import evaluate
-from bigclip.log import (
-    AverageMeter,
-    MetricSinks,
-    check_new_run,
-    default_run_name,
-    logger,
-    peak_memory_bytes,
-    run_paths,
-    setup_console_logging,
-    train_line,
-)
-
-MAX_CONSECUTIVE_NONFINITE = 10
+from bigclip.log import MetricSinks, check_new_run, default_run_name, logger, run_paths, setup_console_logging
+from bigclip.loop import train_one_epoch
+from bigclip.loss import build_loss
+from bigclip.model import create_model, get_tokenizer, preprocess_cfg
+from bigclip.progress import EpochProgress
+from bigclip.schedule import build_schedule
+from bigclip.train_state import TrainState
 
 
 def seed_everything(seed: int) -> None:
@@ -49,11 +41,6 @@ def seed_everything(seed: int) -> None:
 
 # ---------------------------------------------------------------------------------------------- setup
 def build_model(cfg, world: World):
-    import functools
-
-    from bigclip.engine import build_model as build_for_engine
-    from bigclip.model import create_model
-
     factory = functools.partial(
         create_model,
         cfg.model,
@@ -74,10 +61,6 @@ def _image_size_override(cfg):
 
 
 def build_data(cfg, world: World, epoch: int):
-    from bigclip.data import get_data
-    from bigclip.data.transforms import image_transform
-    from bigclip.model import get_tokenizer, preprocess_cfg
-
     pp = preprocess_cfg(cfg.model, _image_size_override(cfg))
     mean = tuple(cfg.image_mean) if cfg.image_mean else pp["mean"]
     std = tuple(cfg.image_std) if cfg.image_std else pp["std"]
@@ -101,8 +84,6 @@ def build_data(cfg, world: World, epoch: int):
 
 
 def build_loss_fn(cfg, world: World):
-    from bigclip.loss import build_loss
-
     return build_loss(
         siglip=cfg.siglip,
         local_loss=cfg.local_loss,
@@ -114,211 +95,13 @@ def build_loss_fn(cfg, world: World):
     )
 
 
-# ------------------------------------------------------------------------------------------ one step
-def _loss(loss_fn, image_features, text_features, out: dict[str, torch.Tensor], keep_scale_grad: bool):
-    scale = out["logit_scale"] if keep_scale_grad else out["logit_scale"].detach()
-    bias = out.get("logit_bias")
-    if bias is not None and not keep_scale_grad:
-        bias = bias.detach()
-    return loss_fn(image_features, text_features, scale, bias)
-
-
-def forward_backward(
-    engine, loss_fn, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], world: World
-) -> tuple[float, dict[str, torch.Tensor]]:
-    """Gradients for one optimizer step; returns (loss value, last forward outputs).
-
-    With several micro-batches this is OpenCLIP's --accum-freq: features of every micro-batch are first
-    computed without gradients, then each micro-batch is recomputed with gradients while the cached
-    features of the others serve as negatives. Summed over micro-batches this is the gradient of the
-    contrastive loss over the whole accumulated batch. The logit scale (and bias) keep their gradient
-    in the last micro-batch only, so their gradient is counted once rather than accum-freq times.
-    Gradients are synchronised only in the last micro-batch's backward.
-    """
-    if len(micro_batches) == 1:
-        images, texts = micro_batches[0]
-        with engine.autocast():
-            out = engine.module(images=images, texts=texts)
-            loss = _loss(loss_fn, out["image_features"], out["text_features"], out, True)
-        _stop_if_nonfinite(loss, world)
-        engine.backward(loss)
-        return loss.item(), out
-
-    cached_images, cached_texts = [], []
-    with torch.no_grad(), engine.autocast():
-        for images, texts in micro_batches:
-            out = engine.module(images=images, texts=texts)
-            cached_images.append(out["image_features"])
-            cached_texts.append(out["text_features"])
-
-    for j, (images, texts) in enumerate(micro_batches):
-        last = j == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else engine.no_sync():
-            with engine.autocast():
-                out = engine.module(images=images, texts=texts)
-                image_features = torch.cat(cached_images[:j] + [out["image_features"]] + cached_images[j + 1 :])
-                text_features = torch.cat(cached_texts[:j] + [out["text_features"]] + cached_texts[j + 1 :])
-                loss = _loss(loss_fn, image_features, text_features, out, keep_scale_grad=last)
-            if j == 0:
-                _stop_if_nonfinite(loss, world)
-            engine.backward(loss)
-    return loss.item(), out
-
-
-class NonFiniteLoss(Exception):
-    pass
-
-
-def _stop_if_nonfinite(loss: torch.Tensor, world: World) -> None:
-    # All ranks must agree, or one rank would skip a backward the others wait on.
-    finite = all_reduce_min(1.0 if bool(torch.isfinite(loss.detach()).all()) else 0.0, world)
-    if finite < 1.0:
-        raise NonFiniteLoss
-
-
-# ----------------------------------------------------------------------------------------- one epoch
-def train_one_epoch(
-    cfg,
-    engine,
-    loss_fn,
-    data: dict,
-    epoch: int,
-    state: dict[str, Any],
-    schedule,
-    sinks: MetricSinks,
-    world: World,
-    skip_batches: int = 0,
-    on_step=None,
-    before_update=None,
-) -> None:
-    """One epoch. on_step(state, epoch, last_in_epoch), if given, runs after every optimizer step (the
-    checkpoint cadence; it may raise Preempted); before_update(), right before every optimizer step (an
-    asynchronous checkpoint finishes copying the state it is about to change)."""
-    info = data["train"]
-    info.set_epoch(epoch, skip_batches=skip_batches)
-    engine.train()
-    steps_per_epoch = info.num_batches // cfg.accum_freq
-    samples_per_step = cfg.batch_size * cfg.accum_freq * world.world_size
-    samples_per_epoch = info.num_samples
-    batch_time, data_time, loss_meter = AverageMeter(), AverageMeter(), AverageMeter()
-    progress = _progress_bar(steps_per_epoch, epoch, world, cfg)
-
-    micro: list[tuple[torch.Tensor, torch.Tensor]] = []
-    step_in_epoch = skip_batches // cfg.accum_freq
-    end = time.perf_counter()
-    for images, texts in info.dataloader:
-        images = images.to(world.device, dtype=engine.precision.param_dtype, non_blocking=True)
-        micro.append((images, texts.to(world.device, non_blocking=True)))
-        if len(micro) < cfg.accum_freq:
-            continue
-        if step_in_epoch >= steps_per_epoch:
-            break
-        data_time.update(time.perf_counter() - end)
-        step = state["step"]
-        engine.set_lr(schedule(step))
-        try:
-            loss_value, out = forward_backward(engine, loss_fn, micro, world)
-            if before_update is not None:
-                before_update()
-            grad_norm = engine.step()
-            state["nonfinite_streak"] = 0
-        except NonFiniteLoss:
-            engine.zero_grad()
-            state["nonfinite_streak"] += 1
-            state["nonfinite_steps"] += 1
-            logger.warning(f"step {step}: non-finite loss; step skipped, weights unchanged")
-            sinks.write({"step": step, "epoch": epoch, "nonfinite_loss": 1})
-            if state["nonfinite_streak"] >= MAX_CONSECUTIVE_NONFINITE:
-                raise UserError(
-                    f"the loss was non-finite for {MAX_CONSECUTIVE_NONFINITE} steps in a row "
-                    f"(last at step {step}); lower --lr, add --grad-clip-norm or use "
-                    f"--precision amp_bf16/fp32"
-                ) from None
-            loss_value, grad_norm = float("nan"), float("nan")
-        micro = []
-        state["step"] += 1
-        state["samples_seen"] += samples_per_step
-        step_in_epoch += 1
-        state["batches_in_epoch"] = step_in_epoch * cfg.accum_freq
-        batch_time.update(time.perf_counter() - end)
-        end = time.perf_counter()
-        if math.isfinite(loss_value):
-            loss_meter.update(loss_value, cfg.batch_size)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{engine.get_lr():.2e}")
-
-        due = step_in_epoch % cfg.log_every_n_steps == 0 or step_in_epoch == steps_per_epoch
-        if due and math.isfinite(loss_value):  # a skipped step already wrote its own record
-            samples_per_s = samples_per_step / max(batch_time.avg, 1e-9)
-            logit_scale = float(engine.model.logit_scale.detach().float().exp().mean())
-            seen_in_epoch = min(step_in_epoch * samples_per_step, samples_per_epoch)
-            line = train_line(
-                epoch,
-                seen_in_epoch,
-                samples_per_epoch,
-                data_time.avg,
-                batch_time.avg,
-                samples_per_s,
-                samples_per_s / world.world_size,
-                engine.get_lr(),
-                logit_scale,
-                loss_value,
-                loss_meter.avg,
-            )
-            (progress.write(line) if progress is not None else logger.info(line))
-            sinks.write(
-                {
-                    "step": state["step"],
-                    "epoch": epoch,
-                    "samples_seen": state["samples_seen"],
-                    "loss": loss_value,
-                    "lr": engine.get_lr(),
-                    "logit_scale": logit_scale,
-                    "grad_norm": grad_norm,
-                    "samples_per_s": samples_per_s,
-                    "samples_per_s_per_gpu": samples_per_s / world.world_size,
-                    "batch_time": batch_time.avg,
-                    "data_time": data_time.avg,
-                    "peak_memory_bytes": peak_memory_bytes(world.device),
-                }
-            )
-            batch_time.reset()
-            data_time.reset()
-        if on_step is not None:
-            on_step(state, epoch, step_in_epoch == steps_per_epoch)
-    if progress is not None:
-        progress.close()
-    state["batches_in_epoch"] = 0
-    _report_skipped(info, state, epoch, sinks, world)
-
-
-def _report_skipped(info, state: dict, epoch: int, sinks: MetricSinks, world: World) -> None:
-    """Bad samples are skipped, never fatal and never silent: totals over all ranks, once per epoch."""
-    counts = info.skipped()
-    totals = all_reduce_sum(torch.tensor([counts[k] for k in sorted(counts)], dtype=torch.float64), world)
-    skipped = {k: int(v) for k, v in zip(sorted(counts), totals.tolist()) if v}
-    if skipped:
-        detail = ", ".join(f"{k}: {v}" for k, v in skipped.items())
-        logger.warning(f"data: {sum(skipped.values())} bad sample(s) skipped so far ({detail})")
-        sinks.write({"step": state["step"], "epoch": epoch, **{f"data/skipped_{k}": v for k, v in skipped.items()}})
-
-
-def _progress_bar(total: int, epoch: int, world: World, cfg):
-    if not (world.is_main and sys.stdout.isatty()):
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
-
-
 # -------------------------------------------------------------------------------------------- a run
-def _report_eval(metrics: dict[str, float], state: dict, epoch: int, sinks: MetricSinks) -> None:
+def _report_eval(metrics: dict[str, float], state: TrainState, sinks: MetricSinks) -> None:
     if not metrics:
         return
     shown = "\t".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in metrics.items())
-    logger.info(f"Eval Epoch: {epoch} {shown}")
-    sinks.write({"step": state["step"], "epoch": epoch, **{f"eval/{k}": v for k, v in metrics.items()}})
+    logger.info(f"Eval Epoch: {state.epoch} {shown}")
+    sinks.write({"step": state.step, "epoch": state.epoch, **{f"eval/{k}": v for k, v in metrics.items()}})
 
 
 def _resolve_run_name(cfg, world: World) -> str:
@@ -343,16 +126,7 @@ def run(cfg, local_rank: int | None = None) -> int:
 def _run(cfg, world: World) -> int:
     name = _resolve_run_name(cfg, world)
     paths = run_paths(local_logs_dir(cfg), name)  # --logs s3://… writes locally and uploads (--remote-sync)
-    resuming = cfg.resume is not None
-    problem = None
-    if world.is_main:
-        try:
-            check_new_run(paths, resuming)
-        except UserError as e:
-            problem = str(e)
-    problem = broadcast_object(problem, world)  # every rank stops, or none does
-    if problem:
-        raise UserError(problem)
+    raise_together(world, lambda: check_new_run(paths, resuming=cfg.resume is not None))
     preflight(cfg, name, world)  # a remote store that cannot be written stops the run before any work
     active = world.is_main or (cfg.log_local and world.local_rank == 0)
     if world.is_main:
@@ -369,89 +143,71 @@ def _run(cfg, world: World) -> int:
     data, tokenizer = build_data(cfg, world, epoch=0)
     seed_everything(cfg.seed + world.rank)  # different augmentation / dropout per rank
 
-    state: dict[str, Any] = {
-        "step": 0,
-        "epoch": 0,
-        "samples_seen": 0,
-        "batches_in_epoch": 0,
-        "nonfinite_streak": 0,
-        "nonfinite_steps": 0,
-    }
-    ckpt = CheckpointSession(cfg, paths, name, engine, world, config_dict)
+    state = TrainState()
+    checkpointer = Checkpointer(cfg, paths, name, engine, world, config_dict)
+    sinks = MetricSinks(cfg, paths, active, config_dict)
     try:
-        ckpt.resume(state)
-        return _train(cfg, world, engine, loss_fn, data, tokenizer, state, ckpt, paths, active, config_dict)
+        checkpointer.resume(state)
+        metrics = _train(cfg, world, engine, loss_fn, data, tokenizer, state, checkpointer, sinks)
+        checkpointer.finish()
+        if state.nonfinite_steps:
+            logger.warning(f"{state.nonfinite_steps} step(s) were skipped for a non-finite loss")
+        _summarise(paths, metrics)
+        return 0
     finally:
-        ckpt.close()
+        sinks.close()
+        checkpointer.close()
         for info in data.values():
             if isinstance(info, DataInfo):
                 info.close()  # loader workers ignore SIGTERM: stop them here, not at interpreter exit
 
 
-def _train(cfg, world, engine, loss_fn, data, tokenizer, state, ckpt, paths, active, config_dict) -> int:
-    sinks = MetricSinks(cfg, paths, active, config_dict)
-    last_metrics: dict[str, float] = {}
-    try:
-        if "train" not in data:
-            raise UserError("no training data: pass --train-data, or --dataset-type synthetic")
-        steps_per_epoch = data["train"].num_batches // cfg.accum_freq
-        if steps_per_epoch == 0:
-            raise UserError(
-                f"--batch-size {cfg.batch_size}: larger than one epoch of data per process "
-                f"({data['train'].num_samples} samples over {world.world_size} processes "
-                f"x --accum-freq {cfg.accum_freq}); lower it"
-            )
-        from bigclip.schedule import build_schedule
+def _train(cfg, world, engine, loss_fn, data, tokenizer, state, checkpointer, sinks) -> dict[str, float]:
+    """Epochs from state.epoch to --epochs: train, evaluate, checkpoint. Returns the last evaluation's metrics.
+    Ends early, after a final checkpoint, when SIGTERM asks the run to stop."""
+    train_data = _training_data(cfg, data, world)
+    steps_per_epoch = train_data.num_batches // cfg.accum_freq
+    schedule = build_schedule(cfg, steps_per_epoch)
+    logger.info(
+        f"training {cfg.epochs} epochs x {steps_per_epoch} steps on {world.world_size} "
+        f"process(es), engine {engine.name}, device {world.device}, precision {cfg.precision}"
+    )
+    metrics: dict[str, float] = {}
+    while state.epoch < cfg.epochs:
+        samples = train_data.num_samples
+        progress = EpochProgress(cfg, engine, sinks, world, steps_per_epoch, samples, state)
+        stop = train_one_epoch(cfg, engine, loss_fn, train_data, state, schedule, checkpointer, progress, world)
+        progress.close(state, train_data)
+        if stop:
+            break
+        state.finish_epoch()
+        new = evaluate(engine, data, tokenizer, cfg, state.epoch, world)
+        _report_eval(new, state, sinks)
+        metrics.update(new)
+        checkpointer.after_epoch(state)
+    return metrics
 
-        schedule = build_schedule(cfg, steps_per_epoch)
-        logger.info(
-            f"training {cfg.epochs} epochs x {steps_per_epoch} steps on {world.world_size} "
-            f"process(es), engine {engine.name}, device {world.device}, precision {cfg.precision}"
+
+def _training_data(cfg, data: dict, world: World):
+    if "train" not in data:
+        raise UserError("no training data: pass --train-data, or --dataset-type synthetic")
+    train_data = data["train"]
+    if train_data.num_batches // cfg.accum_freq == 0:
+        raise UserError(
+            f"--batch-size {cfg.batch_size}: larger than one epoch of data per process "
+            f"({train_data.num_samples} samples over {world.world_size} processes "
+            f"x --accum-freq {cfg.accum_freq}); lower it"
         )
-        preempted = None
-        try:
-            for epoch in range(state["epoch"], cfg.epochs):
-                train_one_epoch(
-                    cfg,
-                    engine,
-                    loss_fn,
-                    data,
-                    epoch,
-                    state,
-                    schedule,
-                    sinks,
-                    world,
-                    skip_batches=state.pop("batches_in_epoch", 0) if epoch == state["epoch"] else 0,
-                    on_step=ckpt.after_step,
-                    before_update=ckpt.before_update,
-                )
-                state["epoch"] = completed = epoch + 1
-                metrics = evaluate(engine, data, tokenizer, cfg, completed, world)
-                _report_eval(metrics, state, completed, sinks)
-                last_metrics.update(metrics)
-                ckpt.after_epoch(state, completed)
-        except Preempted as stop:  # SIGTERM: the final checkpoint is on its way; wait for it below
-            preempted = stop
-        ckpt.finish(preempted)
-        if state["nonfinite_steps"]:
-            logger.warning(f"{state['nonfinite_steps']} step(s) were skipped for a non-finite loss")
-        _summarise(cfg, paths, data, last_metrics)
-    finally:
-        sinks.close()
-    return 0
+    return train_data
 
 
 def _announce_config(cfg, config_dict: dict, paths, world: World) -> None:
-    import yaml
-
     if not world.is_main:
         return
     logger.info("bigclip config:\n" + "\n".join(f"  {k}: {v!r}" for k, v in sorted(config_dict.items())))
     with open(paths.params, "w") as f:
         yaml.safe_dump(config_dict, f, sort_keys=True)
     if cfg.copy_codebase:
-        import shutil
-
         package = os.path.dirname(os.path.abspath(__file__))
         shutil.copytree(
             package,
@@ -461,7 +217,7 @@ def _announce_config(cfg, config_dict: dict, paths, world: World) -> None:
         )
 
 
-def _summarise(cfg, paths, data: dict, metrics: dict[str, float]) -> None:
+def _summarise(paths, metrics: dict[str, float]) -> None:
     if "zeroshot_top1" in metrics:
         logger.info(
             f"zero-shot top-1 accuracy on {metrics['zeroshot_samples']} held-out images: "

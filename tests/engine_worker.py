@@ -23,9 +23,10 @@ from bigclip.config import resolve
 from bigclip.dist import init_distributed
 from bigclip.engine import build_engine, build_model
 from bigclip.engine.memory import peak_rss_bytes
+from bigclip.loop import forward_backward, optimizer_step
 from bigclip.model import create_model, get_model_config
 from bigclip.schedule import build_schedule
-from bigclip.train import build_loss_fn, forward_backward
+from bigclip.train import build_loss_fn
 
 
 def current_rss() -> int:
@@ -127,7 +128,7 @@ def run_one(spec: dict, world) -> dict:
         if spec.get("clamp_check") and step == 0:
             _set_logit_scale_master(engine, 10.0)
         loss, _ = forward_backward(engine, loss_fn, micro, world)
-        out["norms"].append(engine.step())
+        out["norms"].append(optimizer_step(engine))
         out["losses"].append(loss)
         if spec.get("clamp_check"):
             with torch.no_grad(), engine.autocast():

@@ -136,7 +136,8 @@ from bigclip.config import resolve
 from bigclip.dist import init_distributed
 from bigclip.engine import build_engine, build_model
 from bigclip.model import create_model
-from bigclip.train import build_loss_fn, forward_backward
+from bigclip.loop import forward_backward, optimizer_step
+from bigclip.train import build_loss_fn
 from bigclip.ckpt import CheckpointManager
 
 def batch(step, rank):
@@ -151,7 +152,7 @@ def train(engine, loss_fn, world, steps, before_update=lambda: None):
         engine.set_lr(1e-3)
         loss, _ = forward_backward(engine, loss_fn, [batch(step, world.rank)], world)
         before_update()  # what the loop does: an asynchronous save finishes copying before the update
-        engine.step()
+        optimizer_step(engine)
         losses.append(mean_over_ranks(loss))
     return losses
 
@@ -241,7 +242,8 @@ from bigclip.config import resolve
 from bigclip.dist import init_distributed
 from bigclip.engine import build_engine, build_model
 from bigclip.model import create_model
-from bigclip.train import build_loss_fn, forward_backward
+from bigclip.loop import forward_backward, optimizer_step
+from bigclip.train import build_loss_fn
 from bigclip.ckpt import CheckpointManager
 from bigclip.errors import UserError
 
@@ -285,7 +287,7 @@ for name, config in spec.items():
     for step in (2, 3):
         engine.set_lr(1e-3)
         loss, _ = forward_backward(engine, loss_fn, [my_share(step, world)], world)
-        engine.step()
+        optimizer_step(engine)
         losses.append(mean_over_ranks(loss, world))
     manager.close()
     results[name] = {"step": state["step"], "losses": losses}

@@ -8,7 +8,7 @@ import torch
 import yaml
 from helpers import TINY_SYNTHETIC, read_metrics, step_losses
 
-from bigclip import cli, train
+from bigclip import cli, loop, train
 from bigclip.config import resolve
 from bigclip.dist import World
 from bigclip.engine import build_engine
@@ -73,9 +73,9 @@ def test_accumulation_gives_the_big_batch_gradient():
     accum.model.load_state_dict(big.model.state_dict())
     loss_fn = ClipLoss()
 
-    loss_big, _ = train.forward_backward(big, loss_fn, [(images, texts)], World())
+    loss_big, _ = loop.forward_backward(big, loss_fn, [(images, texts)], World())
     micro = [(images[i : i + 8], texts[i : i + 8]) for i in range(0, 32, 8)]
-    loss_acc, _ = train.forward_backward(accum, loss_fn, micro, World())
+    loss_acc, _ = loop.forward_backward(accum, loss_fn, micro, World())
 
     assert loss_acc == pytest.approx(loss_big, rel=1e-6)
     grads_big = {n: p.grad for n, p in big.model.named_parameters() if p.grad is not None}

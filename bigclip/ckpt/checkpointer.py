@@ -1,4 +1,10 @@
-"""What the training loop asks of checkpoints, in four calls: resume, after_step, after_epoch, finish.
+"""The Checkpointer: what the training loop asks of checkpoints, by name.
+
+    checkpointer.resume(state)             before training: restore the engine and the TrainState, if asked
+    checkpointer.wait_for_staging()        right before each optimizer step: a save in flight has its copy
+    checkpointer.after_step(state) -> stop after each step: save when due; True when the run must stop (SIGTERM)
+    checkpointer.after_epoch(state)        at each epoch's end: the epoch checkpoint, when due
+    checkpointer.finish()                  wait for the last save to commit, copy the logs a last time
 
 Built from the config: where checkpoints go (local <logs>/<name>/checkpoints, and with --remote-sync also
 <remote>/<name>/checkpoints), the cadence (--save-frequency epochs, --save-every-n-steps,
@@ -8,6 +14,7 @@ periodic copy of logs (--remote-sync-frequency).
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import logging
 import os
@@ -16,9 +23,12 @@ from typing import Any
 
 from bigclip.ckpt.cadence import SaveCadence
 from bigclip.ckpt.manager import CheckpointManager
-from bigclip.ckpt.preemption import Preempted, PreemptionFlag
+from bigclip.ckpt.preemption import PreemptionFlag
 from bigclip.ckpt.remote_sync import RemoteSync
 from bigclip.ckpt.storage import Storage, is_url, join, parse_storage_options, redact_url
+from bigclip.dist import raise_together
+from bigclip.errors import UserError
+from bigclip.train_state import TrainState
 
 logger = logging.getLogger("bigclip")
 
@@ -43,31 +53,23 @@ def remote_run_root(cfg, name: str) -> str | None:
 def preflight(cfg, name: str, world) -> None:
     """Before any model is built: can the remote store be written? Bad credentials, a missing bucket or an
     unreachable endpoint stop every rank here with one line. Collective."""
-    from bigclip.ckpt.storage import StorageError, StorageUnavailable
-    from bigclip.dist import broadcast_object
-    from bigclip.errors import UserError
-
     root = remote_run_root(cfg, name)
-    problem = None
-    if root and world.is_main:
-        try:
-            store = Storage(root, parse_storage_options(cfg.storage_options), retry_seconds=30)
-            store.check_writable()
-            if cfg.resume is None and store.exists("params.yaml"):
-                problem = (
-                    f"--name {name}: {store.display} already holds a run; pass a new --name, or "
-                    f"--resume latest to continue that run"
-                )
-        except (StorageError, UserError) as e:
-            problem = str(e)
-        except StorageUnavailable as e:
-            problem = f"{e}; check the endpoint (AWS_ENDPOINT_URL / --storage-options) and the network"
-    problem = broadcast_object(problem, world)
-    if problem:
-        raise UserError(problem)
+    if not root:
+        return
+
+    def check() -> None:
+        store = Storage(root, parse_storage_options(cfg.storage_options), retry_seconds=30)
+        store.check_writable()
+        if cfg.resume is None and store.exists("params.yaml"):
+            raise UserError(
+                f"--name {name}: {store.display} already holds a run; pass a new --name, or "
+                f"--resume latest to continue that run"
+            )
+
+    raise_together(world, check)
 
 
-class CheckpointSession:
+class Checkpointer:
     def __init__(self, cfg, paths, name: str, engine, world, config_dict: dict[str, Any]):
         self.cfg = cfg
         self.world = world
@@ -88,6 +90,7 @@ class CheckpointSession:
         self.preemption = PreemptionFlag()
         self.preemption.install()
         self.sync = None
+        self._stopped_at: int | None = None  # the step after which SIGTERM stopped the run
         if self.remote_root and world.is_main:
             self.sync = RemoteSync(paths.root, Storage(self.remote_root, options), cfg.remote_sync_frequency)
             self.sync.sync_once()  # params.yaml and the log so far, before any training
@@ -95,77 +98,72 @@ class CheckpointSession:
         self._where = paths.checkpoints + (f" and {redact_url(self.manager.remote.root)}" if self.remote_root else "")
 
     # -- resume
-    def resume(self, state: dict[str, Any]) -> None:
+    def resume(self, state: TrainState) -> None:
+        """--resume: restore the engine (and this rank's RNG) and `state` from the checkpoint it names."""
         spec = self.cfg.resume
         found = self.manager.resume(spec)
         if spec == "latest" and found is None:
             logger.info(f"--resume latest: no committed checkpoint in {self._where}; starting fresh")
         if found is None:
             return
-        location, saved = found
-        state.update({k: saved[k] for k in ("step", "epoch", "samples_seen", "batches_in_epoch") if k in saved})
-        where = f"epoch {state['epoch']}" + (
-            f" (+{state['batches_in_epoch']} batches)" if state.get("batches_in_epoch") else ""
-        )
-        logger.info(f"resumed from {redact_url(location)} at {where}, step {state['step']}")
+        location, record = found
+        restored = TrainState.from_record(record)
+        for f in dataclasses.fields(TrainState):
+            setattr(state, f.name, getattr(restored, f.name))
+        where = f"epoch {state.epoch}" + (f" (+{state.batches_in_epoch} batches)" if state.batches_in_epoch else "")
+        logger.info(f"resumed from {redact_url(location)} at {where}, step {state.step}")
 
     # -- saving
-    def _record(self, state: dict[str, Any], epoch: int, batches_in_epoch: int) -> dict[str, Any]:
-        return {
-            "step": state["step"],
-            "epoch": epoch,
-            "samples_seen": state["samples_seen"],
-            "batches_in_epoch": batches_in_epoch,
-            "config": self.config_dict,
-        }
-
-    def _save(self, tag: str, record: dict[str, Any], aliases: list[str] = ()) -> None:
-        self.manager.save(tag, record, aliases=list(aliases))
-        self.cadence.saved()
-
-    def before_update(self) -> None:
-        """Called by the loop right before the optimizer step: a save in flight must hold its copy first."""
+    def wait_for_staging(self) -> None:
+        """Right before the optimizer step: a save in flight must hold its own copy of the state first."""
         self.manager.wait_staged()
 
-    def after_step(self, state: dict[str, Any], epoch: int, last_in_epoch: bool) -> None:
-        """Called by the loop after every optimizer step (collective in multi-process runs)."""
-        save, stop = self.cadence.after_step(state["step"], self.preemption.requested)
-        if save and not stop and last_in_epoch and self.cadence.epoch_due(epoch + 1):
+    def after_step(self, state: TrainState, end_of_epoch: bool) -> bool:
+        """After every optimizer step (collective): save a step/minute/SIGTERM checkpoint when one is due.
+        Returns True when the run must stop now (SIGTERM on any rank); its final checkpoint is then on its
+        way, and finish() waits for it."""
+        save, stop = self.cadence.after_step(state.step, self.preemption.requested)
+        if save and not stop and end_of_epoch and self.cadence.epoch_due(state.epoch + 1):
             save = False  # the epoch-end checkpoint, a moment later, covers this step
-        if save and self.manager.last_saved_step != state["step"]:
-            tag = f"step_{state['step']}"
+        if save and self.manager.last_saved_step != state.step:
+            tag = f"step_{state.step}"
             if not stop and self.manager.stalled():
                 # A new save normally waits for the previous one; but while that one is stuck retrying an
                 # unreachable store, waiting would stop training, so a step/minute checkpoint is skipped.
                 if self.world.is_main:
                     logger.warning(f"checkpoint {tag} skipped: the previous checkpoint is still retrying its upload")
             else:
-                aliases = ["epoch_latest"] if self.cfg.save_most_recent else []
-                self._save(tag, self._record(state, epoch, state["batches_in_epoch"]), aliases)
+                self._save(tag, state, ["epoch_latest"] if self.cfg.save_most_recent else [])
         if stop:
-            raise Preempted(state["step"])
+            self._stopped_at = state.step
+        return stop
 
-    def after_epoch(self, state: dict[str, Any], completed: int) -> None:
-        tags = [f"epoch_{completed}"] if self.cadence.epoch_due(completed) else []
+    def after_epoch(self, state: TrainState) -> None:
+        """After an epoch has finished (state.epoch is the number of completed epochs)."""
+        tags = [f"epoch_{state.epoch}"] if self.cadence.epoch_due(state.epoch) else []
         if self.cfg.save_most_recent:
             tags.append("epoch_latest")
         if tags:
-            self._save(tags[0], self._record(state, completed, 0), tags[1:])
+            self._save(tags[0], state, tags[1:])
+
+    def _save(self, tag: str, state: TrainState, aliases: list[str]) -> None:
+        self.manager.save(tag, {**state.to_record(), "config": self.config_dict}, aliases=aliases)
+        self.cadence.saved()
 
     # -- the end
-    def finish(self, preempted: Preempted | None = None) -> None:
+    def finish(self) -> None:
         """Wait for the last checkpoint to commit, copy the logs one last time, restore SIGTERM."""
         try:
             self.manager.wait()
             last = self.manager.results[-1] if self.manager.results else None
-            if preempted is not None:
+            if self._stopped_at is not None:
                 committed = (
                     f"checkpoint {last.tag} committed"
                     if last and last.error is None
                     else "no checkpoint could be committed"
                 )
                 logger.info(
-                    f"stopped by SIGTERM at step {preempted.step}: {committed}; continue with "
+                    f"stopped by SIGTERM at step {self._stopped_at}: {committed}; continue with "
                     f"--resume latest --name <this run>"
                 )
             if self.sync is not None:

@@ -21,6 +21,7 @@ The save is split in two so the loop is blocked only by the first part:
 from __future__ import annotations
 
 import os
+import queue
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -31,11 +32,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from bigclip.ckpt.upload import FileSink
-from bigclip.errors import UserError
+from bigclip.ckpt.layout import CheckpointLayout, FileSubmitter
+from bigclip.ckpt.upload import BACKGROUND_NICE
+from bigclip.errors import UserError, first_line
 
 FILE_TARGET_BYTES = 128 * 2**20  # files per rank ~ bytes / this: small enough to pipeline uploads
 MAX_FILES_PER_RANK = 16
@@ -50,17 +53,8 @@ def _quiet_single_process():
         yield
 
 
-def engine_parts(engine) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
-    model = getattr(engine, "model", None)
-    optimizer = getattr(engine, "optimizer", None)
-    if model is None or optimizer is None:
-        raise TypeError(f"engine {engine.name!r} exposes no .model/.optimizer for DCP checkpoints")
-    return model, optimizer, getattr(engine, "scaler", None)
-
-
-def engine_state(engine) -> dict[str, Any]:
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> dict[str, Any]:
     """FQN-keyed model and optimizer state (DTensor shards under FSDP) plus the grad scaler."""
-    model, optimizer, scaler = engine_parts(engine)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     if scaler is not None:
@@ -132,8 +126,6 @@ class _ChunkedWriter(FileSystemWriter):
             from torch.distributed.checkpoint.planner import WriteItemType
         except ImportError:  # private helpers moved: fall back to DCP's own split
             return super().write_data(plan, planner)
-        import queue
-
         total = sum(_item_size(i) for i in plan.items if i.type != WriteItemType.BYTE_IO)
         files = max(1, min(MAX_FILES_PER_RANK, -(-total // FILE_TARGET_BYTES)))
         file_queue: queue.Queue = queue.Queue()
@@ -166,17 +158,27 @@ class _AlreadyStaged:
         pass
 
 
-class DCPLayout:
-    layout = "dcp"
-    writes_while_staging = False
+class DCPLayout(CheckpointLayout):
+    name = "dcp"
 
-    def __init__(self, engine, world, group, mode: str = "thread"):
-        self.engine = engine
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler,
+        world,
+        group,
+        mode: str = "thread",
+        replicated: bool = True,
+    ):
+        """replicated: every rank holds the whole state (DDP), so ranks split the writing; False: each rank
+        holds its own shards (FSDP2's DTensors)."""
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.world = world
         self.group = group
         # The process writer needs a process group to hand to its daemon; a single process uses the thread.
         self.mode = "thread" if (mode == "process" and group is None) else mode
-        self.replicated = not getattr(engine, "sharded_state", False)
+        self.replicated = replicated
         # Staging copies in a background thread (a side stream on CUDA): the loop goes on with the next
         # forward and backward, which do not change parameters or optimizer state, and waits for the copy
         # only before the next optimizer step (CheckpointManager.wait_staged).
@@ -195,7 +197,7 @@ class DCPLayout:
     def stage(self, directory: str) -> Future:
         """This rank's share of the state (collected here, in the loop's thread), copied into the reused host
         buffers in the background: a future of the staged dict."""
-        state = engine_state(self.engine)
+        state = training_state(self.model, self.optimizer, self.scaler)
         if self.replicated:
             state = split_replicated(state, self.world.rank, self.world.world_size)
         staged = self._stager.stage(state)
@@ -205,7 +207,7 @@ class DCPLayout:
             staged = done
         return staged
 
-    def write(self, staging: Future, directory: str, sink: FileSink) -> None:
+    def write(self, staging: Future, directory: str, sink: FileSubmitter) -> None:
         """Background: write this rank's files into `directory`, handing each finished file to `sink`."""
         staged = staging.result()
         os.makedirs(directory, exist_ok=True)
@@ -239,19 +241,16 @@ class DCPLayout:
         try:
             from torch.distributed.checkpoint import _async_process_executor as executor
 
-            from bigclip.ckpt.upload import BACKGROUND_NICE
-
             os.setpriority(os.PRIO_PROCESS, executor._CHECKPOINT_PROCESS._save_process.pid, BACKGROUND_NICE)
         except (ImportError, AttributeError, OSError):
             pass
 
     # -- loading
-    def describe(self) -> dict:
-        return {}  # DCP state loads into DDP and FSDP alike
+    # describe(): nothing beyond the name; DCP state loads into DDP and FSDP alike, at any world size.
 
-    def load(self, directory: str, saved_world_size: int | None = None, saved: dict | None = None) -> None:
-        model, optimizer, scaler = engine_parts(self.engine)
-        state = engine_state(self.engine)  # the structure to fill (optimizer state is initialised for it)
+    def load(self, directory: str, saved_world_size: int = 0, saved_extra: dict | None = None) -> None:
+        # The structure to fill (optimizer state is initialised for it); DCP reshards into it.
+        state = training_state(self.model, self.optimizer, self.scaler)
         try:
             with _quiet_single_process():
                 dcp.load(
@@ -260,34 +259,32 @@ class DCPLayout:
                     process_group=self.group,
                     no_dist=self.group is None,
                 )
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            )
         except Exception as e:  # DCP wraps per-rank failures in CheckpointException
-            first = str(e).strip().splitlines()
             raise UserError(
-                f"checkpoint {directory}: does not fit this model/optimizer "
-                f"({first[0][:300] if first else type(e).__name__}); resume with the flags "
-                f"(--model, --engine, optimizer) the run was started with"
+                f"checkpoint {directory}: does not fit this model/optimizer ({first_line(e)}); resume with the "
+                f"flags (--model, --engine, optimizer) the run was started with"
             ) from None
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
 
     def close(self) -> None:
         self._stager.close()
 
-
-def read_model_state(directory: str) -> dict[str, torch.Tensor]:
-    """The full model weights of a DCP checkpoint, in one process, without the training world size."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = FileSystemReader(directory)
-    metadata = reader.read_metadata()
-    flat = {
-        key: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
-    }
-    if not flat:
-        raise UserError(f"checkpoint {directory}: holds no model tensors")
-    with _quiet_single_process():
-        dcp.load(flat, storage_reader=reader, no_dist=True)
-    return {key[len("model.") :]: value for key, value in flat.items()}
+    @staticmethod
+    def read_model_state(directory: str) -> dict[str, torch.Tensor]:
+        """The full model weights of a DCP checkpoint, in one process, without the training world size."""
+        reader = FileSystemReader(directory)
+        metadata = reader.read_metadata()
+        flat = {
+            key: torch.empty(md.size, dtype=md.properties.dtype)
+            for key, md in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+        }
+        if not flat:
+            raise UserError(f"checkpoint {directory}: holds no model tensors")
+        with _quiet_single_process():
+            dcp.load(flat, storage_reader=reader, no_dist=True)
+        return {key[len("model.") :]: value for key, value in flat.items()}

@@ -1,6 +1,6 @@
 """Engine state for DeepSpeed: DeepSpeed's own ZeRO checkpoint files, written and uploaded in the background.
 
-`engine.save_checkpoint(dir, tag)` is DeepSpeed's save: collective on the training group, every rank producing
+`ds.save_checkpoint(dir, tag)` is DeepSpeed's save: collective on the training group, every rank producing
 its optimizer partitions (and at ZeRO-3 its parameter partitions). It must run on the main thread, but its
 file writes go through a checkpoint engine, and bigclip installs one that only collects each file's state
 dict (deepspeed_staging.py). Their tensors are copied into reused host buffers on a staging thread while the
@@ -20,29 +20,31 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from argparse import Namespace
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from bigclip.ckpt.upload import FileSink
-from bigclip.errors import UserError
+from bigclip.ckpt.layout import CheckpointLayout, FileSubmitter
+from bigclip.dist import raise_together
+from bigclip.errors import UserError, first_line
 
 ENGINE_DIR = "engine_state"
 _DS_TOP_LEVEL = ("latest", "zero_to_fp32.py")
 
 
-class DeepSpeedLayout:
-    layout = "deepspeed"
+class DeepSpeedLayout(CheckpointLayout):
+    name = "deepspeed"
     writes_while_staging = True
 
-    def __init__(self, engine, world, group, mode: str = "thread"):
+    def __init__(self, ds, world, group):
+        """ds: the deepspeed.DeepSpeedEngine. Its checkpoint engine is replaced by one that stages instead of
+        writing (DeepSpeed's own still reads); the files are then written by the save thread."""
         from bigclip.ckpt.deepspeed_staging import StagingCheckpointEngine
 
-        self.engine = engine
+        self.ds = ds
         self.world = world
         self.group = group
-        self.mode = "thread"
-        ds = engine.ds
         self.stager = StagingCheckpointEngine(ds.checkpoint_engine)
         ds.checkpoint_engine = self.stager
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="bigclip-stage")
@@ -51,10 +53,10 @@ class DeepSpeedLayout:
         """Collective: DeepSpeed hands this rank's files for directory/engine_state/ to the stager (its small
         companions, `latest` and zero_to_fp32.py, are written right away); their tensors are copied on the
         staging thread. The returned future holds the copies; wait for it before the next optimizer step."""
-        self.engine.save_checkpoint(directory, ENGINE_DIR)
+        self.ds.save_checkpoint(directory, tag=ENGINE_DIR, save_latest=False)
         return self._copier.submit(self.stager.copy, self.stager.take())
 
-    def write(self, handle: Future, directory: str, sink: FileSink) -> None:
+    def write(self, handle: Future, directory: str, sink: FileSubmitter) -> None:
         for path, state in handle.result():
             tmp = f"{path}.tmp{os.getpid()}"
             torch.save(state, tmp)
@@ -69,10 +71,10 @@ class DeepSpeedLayout:
 
     def describe(self) -> dict:
         """What a resuming run must match, recorded in the manifest."""
-        return {"zero_stage": int(self.engine.ds.zero_optimization_stage())}
+        return {"zero_stage": int(self.ds.zero_optimization_stage())}
 
-    def load(self, directory: str, saved_world_size: int | None = None, saved: dict | None = None) -> None:
-        stage, saved_stage = self.describe()["zero_stage"], (saved or {}).get("zero_stage")
+    def load(self, directory: str, saved_world_size: int = 0, saved_extra: dict | None = None) -> None:
+        stage, saved_stage = self.describe()["zero_stage"], (saved_extra or {}).get("zero_stage")
         if saved_stage is not None and saved_stage != stage:
             raise UserError(
                 f"checkpoint {directory}: saved with DeepSpeed ZeRO stage {saved_stage}, this run uses "
@@ -80,29 +82,39 @@ class DeepSpeedLayout:
                 f"it and start from the weights with --pretrained"
             )
         try:
-            if saved_world_size is not None and saved_world_size != self.world.world_size:
+            if saved_world_size and saved_world_size != self.world.world_size:
                 self._load_universal(directory, saved_world_size)
             else:
-                self.engine.load_checkpoint(directory, ENGINE_DIR)
+                self._load_same_world(directory)
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 — DeepSpeed's loaders fail with bare asserts and KeyErrors
             raise UserError(
                 f"checkpoint {directory}: DeepSpeed could not load it into this run "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}); resume "
+                f"({first_line(e)}); resume "
                 f"with the DeepSpeed config (ZeRO stage, precision) it was saved with"
             ) from None
+
+    def _load_same_world(self, directory: str) -> None:
+        path, _ = self.ds.load_checkpoint(
+            directory, tag=ENGINE_DIR, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise UserError(
+                f"checkpoint {directory}: no DeepSpeed state '{ENGINE_DIR}' inside; resume with the engine and "
+                f"DeepSpeed config the run was saved with"
+            )
 
     def _load_universal(self, directory: str, saved_world_size: int) -> None:
         """ZeRO files are partitioned for the world size that wrote them: convert to DeepSpeed's universal
         format (rank 0, once), then load that at this world size."""
-        import torch.distributed as dist
-
         universal = os.path.join(directory, ENGINE_DIR + "_universal")
-        problem = None
-        # One converter per node (a downloaded checkpoint is a per-node copy); on a shared file system the
-        # nodes race, so each converts into its own temporary folder and the first rename wins.
-        if self.world.local_rank == 0 and not os.path.isdir(universal):
+
+        def convert() -> None:
+            # One converter per node (a downloaded checkpoint is a per-node copy); on a shared file system the
+            # nodes race, so each converts into its own temporary folder and the first rename wins.
+            if os.path.isdir(universal):
+                return
             scratch = f"{universal}.tmp-{socket.gethostname()}-{os.getpid()}"
             try:
                 _convert_to_universal(os.path.join(directory, ENGINE_DIR), scratch)
@@ -112,18 +124,14 @@ class DeepSpeedLayout:
                     shutil.rmtree(scratch, ignore_errors=True)
             except Exception as e:  # noqa: BLE001 — DeepSpeed's converter raises assorted types
                 shutil.rmtree(scratch, ignore_errors=True)
-                problem = f"{type(e).__name__}: {e}"
-        if dist.is_initialized():
-            problems: list = [None] * dist.get_world_size()
-            dist.all_gather_object(problems, problem)
-            problem = next((p for p in problems if p), None)
-        if problem:
-            raise UserError(
-                f"checkpoint {directory}: saved by {saved_world_size} DeepSpeed ranks, and converting "
-                f"it for {self.world.world_size} failed ({problem}); resume with "
-                f"{saved_world_size} processes"
-            )
-        ds = self.engine.ds
+                raise UserError(
+                    f"checkpoint {directory}: saved by {saved_world_size} DeepSpeed ranks, and converting it for "
+                    f"{self.world.world_size} failed ({first_line(e)}); resume with {saved_world_size} "
+                    f"processes"
+                ) from None
+
+        raise_together(self.world, convert, runs_here=self.world.local_rank == 0)
+        ds = self.ds
         # Two repairs after DeepSpeed 0.19's ZeRO-3 universal load (found by the resharded-resume test):
         # it copies the first param group's hyperparameters onto every group, so the decay group would resume
         # with the no-decay group's weight_decay 0 (the resumed run's own groups, from its config, are put
@@ -149,6 +157,13 @@ class DeepSpeedLayout:
     def close(self) -> None:
         self._copier.shutdown(wait=True)
 
+    @staticmethod
+    def read_model_state(directory: str) -> dict[str, torch.Tensor]:
+        """Full fp32 model weights of a DeepSpeed checkpoint, in one process (DeepSpeed's zero_to_fp32)."""
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return dict(get_fp32_state_dict_from_zero_checkpoint(directory, tag=ENGINE_DIR))
+
 
 def _base_optimizer(ds):
     """The torch optimizer under DeepSpeed's ZeRO wrapper."""
@@ -156,8 +171,6 @@ def _base_optimizer(ds):
 
 
 def _convert_to_universal(src: str, dst: str) -> None:
-    from argparse import Namespace
-
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     ds_to_universal(
@@ -171,10 +184,3 @@ def _convert_to_universal(src: str, dst: str) -> None:
             inject_missing_state=True,
         )
     )
-
-
-def read_model_state(directory: str) -> dict:
-    """Full fp32 model weights of a DeepSpeed checkpoint, in one process (DeepSpeed's zero_to_fp32)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    return dict(get_fp32_state_dict_from_zero_checkpoint(directory, tag=ENGINE_DIR))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -32,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from bigclip.ckpt.manifest import MANIFEST, TRAIN_STATE, Manifest, check_sizes, rng_file
@@ -39,8 +41,8 @@ from bigclip.ckpt.rng import load_rng_file, rng_bytes
 from bigclip.ckpt.storage import Storage, StorageError, StorageUnavailable, _write_durably, fsync_dir, is_url
 from bigclip.ckpt.upload import FileSink, lower_priority
 from bigclip.ckpt.verify import CorruptCheckpoint, fetch_verified, read_local_manifest, verify_local
-from bigclip.dist import World, barrier, broadcast_object
-from bigclip.errors import UserError
+from bigclip.dist import World, barrier, broadcast_object, raise_together
+from bigclip.errors import UserError, first_line
 
 logger = logging.getLogger("bigclip")
 
@@ -111,7 +113,10 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         # stalled() is asked from the main thread while the save thread may be in a collective on self.group.
         self._control_group = dist.new_group(backend="gloo") if self.group is not None else None
-        self.layout = make_layout(engine, world, self.group, async_mode)
+        # The engine names its checkpoint layout; the writer defaults to a thread for every layout (chosen by
+        # bench/checkpoint_stall.py: DCP's file writes, hashing and uploads release the GIL; a process costs a
+        # shared-memory copy of the state and a second interpreter).
+        self.layout = engine.checkpoint_layout(self.group, "thread" if async_mode in ("auto", "off") else async_mode)
         self.mode = "off" if async_mode == "off" else self.layout.mode
         self._save_thread = ThreadPoolExecutor(1, thread_name_prefix="bigclip-ckpt", initializer=lower_priority)
         self._io = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="bigclip-upload", initializer=lower_priority)
@@ -133,8 +138,6 @@ class CheckpointManager:
         return stalled if self.group is None else self._any(stalled)
 
     def _any(self, flag: bool) -> bool:
-        import torch
-
         t = torch.tensor([float(flag)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control_group)
         return bool(t.item())
@@ -234,16 +237,16 @@ class CheckpointManager:
 
     def _stage_in_place(self, tag: str):
         # Layouts that write files while staging (DeepSpeed) need the clean .partial directory first.
-        problem = None
-        if self.world.is_main:
-            try:
-                self._prepare(tag)
-            except Exception as e:  # noqa: BLE001
-                problem = str(e)
-        problem = broadcast_object(problem, self.world)
-        if problem:
-            raise UserError(problem)
+        raise_together(self.world, lambda: self._prepare_or_explain(tag))
         return self.layout.stage(self._partial(tag))
+
+    def _prepare_or_explain(self, tag: str) -> None:
+        try:
+            self._prepare(tag)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 — a full disk, a read-only folder: every rank stops with it
+            raise UserError(f"checkpoint {tag}: cannot prepare {self._partial(tag)} ({first_line(e)})") from None
 
     def _prepare(self, tag: str) -> None:
         """Rank 0, before any rank writes: a clean .partial directory, and an existing checkpoint of the
@@ -320,7 +323,7 @@ class CheckpointManager:
             step=step,
             epoch=epoch,
             engine=self.engine.name,
-            layout=self.layout.layout,
+            layout=self.layout.name,
             world_size=self.world.world_size,
             files=files,
             extra=self.layout.describe(),
@@ -417,17 +420,8 @@ class CheckpointManager:
 
     # --------------------------------------------------------------------------- finding what to resume
     def _check_remote(self) -> None:
-        problem = None
-        if self.remote is not None and self.world.is_main:
-            try:
-                self.remote.check_writable()
-            except (StorageError, UserError) as e:
-                problem = str(e)
-            except StorageUnavailable as e:
-                problem = f"{e}; check the endpoint (AWS_ENDPOINT_URL / --storage-options) and the network"
-        problem = broadcast_object(problem, self.world)
-        if problem:
-            raise UserError(problem)
+        if self.remote is not None:
+            raise_together(self.world, self.remote.check_writable)
 
     def _candidates(self, local: bool = True, remote: bool = True, check: bool = True) -> list[Candidate]:
         out: list[Candidate] = []
@@ -500,33 +494,22 @@ class CheckpointManager:
         directory = location
         if remote:
             directory = os.path.join(self.directory, f".download-{_basename(location)}-{socket.gethostname()}")
-        problem, manifest = None, None
+        # Remote: every node downloads its own copy (local rank 0); local: rank 0 verifies. Any failure stops
+        # every rank; everyone then has rank 0's manifest.
         downloader = self.world.local_rank == 0 if remote else self.world.is_main
-        if downloader:
-            try:
-                manifest = (
-                    fetch_verified(location, directory, self.storage_options, self._io)
-                    if remote
-                    else verify_local(directory)
-                )
-            except CorruptCheckpoint as e:
-                problem = ("corrupt", str(e))
-            except UserError as e:
-                problem = ("user", str(e))
-        if remote:  # every node downloaded its own copy; any failure stops every rank
-            problems: list[Any] = [problem]
-            if self.world.distributed:
-                problems = [None] * self.world.world_size
-                dist.all_gather_object(problems, problem)
-            problem = next((p for p in problems if p), None)
-            shared = broadcast_object(manifest, self.world)
-            manifest = manifest or shared
-        else:
-            problem, manifest = broadcast_object((problem, manifest), self.world)
-        if problem:
+
+        def fetch() -> Manifest:
+            if remote:
+                return fetch_verified(location, directory, self.storage_options, self._io)
+            return verify_local(directory)
+
+        try:
+            manifest = raise_together(self.world, fetch, runs_here=downloader)
+        except UserError:
             if remote and downloader:
                 shutil.rmtree(directory, ignore_errors=True)
-            raise (CorruptCheckpoint if problem[0] == "corrupt" else UserError)(problem[1])
+            raise
+        manifest = broadcast_object(manifest, self.world)
         try:
             return self._restore(directory, manifest)
         finally:
@@ -536,13 +519,13 @@ class CheckpointManager:
                     shutil.rmtree(directory, ignore_errors=True)
 
     def _restore(self, directory: str, manifest: Manifest) -> dict[str, Any]:
-        if manifest.layout != self.layout.layout:
+        if manifest.layout != self.layout.name:
             raise UserError(
                 f"checkpoint {directory}: written by engine {manifest.engine} ({manifest.layout} "
                 f"layout); resume it with --engine {manifest.engine}, or export it with "
                 f"`bigclip export` and start from the weights with --pretrained"
             )
-        self.layout.load(directory, manifest.world_size, manifest.extra)
+        self.layout.load(directory, manifest.world_size, manifest.extra or {})
         own_rng = os.path.join(directory, rng_file(self.world.rank))
         if os.path.exists(own_rng):
             load_rng_file(own_rng)
@@ -555,29 +538,9 @@ class CheckpointManager:
             return json.load(f)
 
 
-def make_layout(engine, world: World, group, async_mode: str):
-    """The engine's checkpoint layout. Async writer per engine, chosen by bench/checkpoint_stall.py:
-    a thread for DCP (its file writes, hashing and uploads release the GIL; a process costs a shared-memory
-    copy of the state and a second interpreter), and a thread for DeepSpeed (its staged files are torch.saved
-    by the save thread; a process would need them copied once more into shared memory)."""
-    mode = "thread" if async_mode in ("auto", "off") else async_mode
-    if engine.name == "deepspeed":
-        from bigclip.ckpt.deepspeed_layout import DeepSpeedLayout
-
-        if mode == "process" and world.is_main:
-            logger.info("--checkpoint-async process: the DeepSpeed engine writes its checkpoints from a thread")
-
-        return DeepSpeedLayout(engine, world, group, mode)
-    from bigclip.ckpt.dcp_layout import DCPLayout
-
-    return DCPLayout(engine, world, group, mode)
-
-
 def _picklable(value: Any) -> Any:
     if isinstance(value, BaseException):
         try:
-            import pickle
-
             pickle.dumps(value)
             return value
         except Exception:  # noqa: BLE001

@@ -35,11 +35,3 @@ class PreemptionFlag:
             os._exit(128 + signum)
         self.requested = True
         logger.warning("SIGTERM received: saving a final checkpoint at the next step, then exiting")
-
-
-class Preempted(Exception):
-    """Raised out of the epoch loop after the final checkpoint of a SIGTERM was started."""
-
-    def __init__(self, step: int):
-        super().__init__(f"stopped by SIGTERM at step {step}")
-        self.step = step

@@ -29,7 +29,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from bigclip.errors import UserError
+import fsspec
+
+from bigclip.errors import UserError, first_line
 
 logger = logging.getLogger("bigclip")
 T = TypeVar("T")
@@ -139,11 +141,6 @@ def _is_permanent(err: BaseException) -> bool:
     )
 
 
-def _reason(err: BaseException) -> str:
-    text = str(err).splitlines()[0] if str(err) else ""
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
-
-
 class Storage:
     """A root directory or URL. Picklable (the fsspec filesystem is rebuilt on first use)."""
 
@@ -191,8 +188,6 @@ class Storage:
     def fs(self):
         with self._lock:
             if self._fs is None:
-                import fsspec
-
                 try:
                     # Own instance: fsspec's instance cache would hand back a filesystem whose credentials
                     # were resolved earlier (another run in the same process, a rotated key).
@@ -224,17 +219,17 @@ class Storage:
         where = self.display
         if isinstance(err, PermissionError) or type(err).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
             return (
-                f"{where}: access denied while trying to {what} ({_reason(err)}); check the credentials "
+                f"{where}: access denied while trying to {what} ({first_line(err)}); check the credentials "
                 f"(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or --storage-options) and "
                 f"that they may write there"
             )
         if isinstance(err, FileNotFoundError) and self.remote:
             bucket = urlsplit(self.root).netloc
             return (
-                f"{where}: not found while trying to {what} ({_reason(err)}); check that the bucket "
+                f"{where}: not found while trying to {what} ({first_line(err)}); check that the bucket "
                 f"'{bucket}' exists and the path is right"
             )
-        return f"{where}: could not {what} ({_reason(err)})"
+        return f"{where}: could not {what} ({first_line(err)})"
 
     def retry(self, what: str, fn: Callable[[], T]) -> T:
         """Run fn, retrying transient errors with exponential backoff (0.5 s doubling to 30 s, jittered)."""
@@ -255,11 +250,11 @@ class Storage:
                 if time.monotonic() + delay > deadline:
                     raise StorageUnavailable(
                         f"{self.display}: {what} still failing after {attempt} attempts "
-                        f"over {self.retry_seconds:.0f} s ({_reason(err)})"
+                        f"over {self.retry_seconds:.0f} s ({first_line(err)})"
                     ) from None
                 if attempt == 1 or attempt % 5 == 0:
                     logger.warning(
-                        f"storage: {what} failed ({_reason(err)}); retrying with backoff "
+                        f"storage: {what} failed ({first_line(err)}); retrying with backoff "
                         f"for up to {self.retry_seconds:.0f} s"
                     )
                 time.sleep(delay * (0.75 + 0.5 * random.random()))
@@ -406,7 +401,8 @@ class Storage:
         self.retry(f"delete {rel}", remove)
 
     def check_writable(self) -> None:
-        """Fail now, with one line, when the store cannot be written (bad credentials, missing bucket)."""
+        """Fail now, with one line, when the store cannot be written (bad credentials, missing bucket, an
+        endpoint that does not answer within the retry deadline)."""
         probe = f".bigclip-write-test-{os.getpid()}-{random.randrange(1 << 30)}"
         if not self.remote:
             try:
@@ -415,8 +411,13 @@ class Storage:
                 raise StorageError(
                     f"{self.display}: cannot create the directory ({e.strerror}); pick a writable path"
                 ) from None
-        self.put_bytes(probe, b"ok")
-        self.rm(probe)
+        try:
+            self.put_bytes(probe, b"ok")
+            self.rm(probe)
+        except StorageUnavailable as e:
+            raise StorageError(
+                f"{e}; check the endpoint (AWS_ENDPOINT_URL / --storage-options) and the network"
+            ) from None
 
 
 def _write_durably(path: str, data: bytes) -> None:

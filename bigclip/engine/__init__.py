@@ -24,8 +24,17 @@ from bigclip.engine.base import Engine
 from bigclip.engine.ddp import DDPEngine
 from bigclip.engine.deepspeed import DeepSpeedEngine
 from bigclip.engine.fsdp import FSDPEngine
+from bigclip.errors import UserError
 
-ENGINE_CLASSES: dict[str, type[Engine]] = {"ddp": DDPEngine, "fsdp": FSDPEngine, "deepspeed": DeepSpeedEngine}
+ENGINE_CLASSES: dict[str, type[Engine]] = {cls.name: cls for cls in (DDPEngine, FSDPEngine, DeepSpeedEngine)}
+
+
+def check_config(cfg) -> None:
+    """Flag validation's engine part: the chosen engine exists, and every engine checks the flags it owns."""
+    if cfg.engine not in ENGINE_CLASSES:
+        raise UserError(f"--engine {cfg.engine!r}: choose one of {', '.join(ENGINE_CLASSES)}")
+    for cls in ENGINE_CLASSES.values():
+        cls.check_config(cfg)
 
 
 def build_model(cfg, world: World, factory) -> nn.Module:
@@ -63,4 +72,13 @@ def build_engine(cfg, model: nn.Module, world: World) -> Engine:
     return ENGINE_CLASSES[cfg.engine](cfg, model, world)
 
 
-__all__ = ["Engine", "DDPEngine", "FSDPEngine", "DeepSpeedEngine", "build_engine", "build_model", "ENGINE_CLASSES"]
+__all__ = [
+    "Engine",
+    "DDPEngine",
+    "FSDPEngine",
+    "DeepSpeedEngine",
+    "build_engine",
+    "build_model",
+    "check_config",
+    "ENGINE_CLASSES",
+]

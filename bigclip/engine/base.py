@@ -1,31 +1,30 @@
-"""The Engine contract: everything the loop may ask of DDP, FSDP2 or DeepSpeed, and nothing more.
+"""The Engine contract: everything the loop, evaluation and checkpoints may ask of DDP, FSDP2 or DeepSpeed.
 
-An engine is built from (config, model, world). It owns the wrapped model, the optimizer, loss scaling
-and gradient synchronisation. The loop only calls:
+An engine is built from (config, model, world). It owns the wrapped model, the optimizer, loss scaling,
+gradient synchronisation and the on-disk format of its state. Callers use only:
 
-    engine.module(images=..., texts=...)   forward (features dict), also for eval
+    Engine.check_config(cfg)               classmethod, at flag validation: the rules of the flags this engine
+                                           owns (every engine is asked, so --fsdp-* flags under DDP are refused)
+    Engine.build_model(cfg, world, factory)
+                                           classmethod, before the engine exists: where the model is built. The
+                                           default calls factory() (a real, initialised model); sharding engines
+                                           may return factory(device="meta") for giant models and materialise
+                                           the shards themselves.
+    engine.module(images=..., texts=...)   forward (features dict), also for eval; a collective when sharded
+    engine.model                           the unwrapped model (named parameters, constraints, logging)
+    engine.train() / engine.eval()
     with engine.autocast(): ...            the precision context for forward and loss
     with engine.no_sync(): ...             micro-batches whose gradients are not synchronised yet
     engine.backward(loss)
-    engine.step() -> grad norm             unscale, clip, optimizer step, zero grads, clamp logit scale
-    engine.set_lr(lr)
-    engine.state_dict() / load_state_dict(state)   for the checkpoint manager
-    engine.world                           rank, world size, device
-
-Additions for sharding engines (FSDP2, DeepSpeed):
-
-    Engine.build_model(cfg, world, factory)   classmethod, called before the engine exists: where the model
-                                           is built. The default calls factory() (a real, initialised model);
-                                           sharding engines may return factory(device="meta") for giant
-                                           models and materialise the shards themselves.
-    engine.sharded_state                   False: state_dict() is the whole state, rank 0 may save it alone.
-                                           True: every rank holds a part; every rank must take part in saving.
-                                           FSDP's state_dict() holds DTensors (for DCP).
-    engine.save_checkpoint(dir, tag) / load_checkpoint(dir, tag)
-                                           collective; write/read this engine's state under dir. The default
-                                           torch-saves state_dict() from rank 0; FSDP writes a DCP directory;
-                                           DeepSpeed writes its own files (its state_dict() raises).
+    engine.step() -> grad norm             unscale, clip, optimizer step, zero grads (inf/nan: step skipped)
+    engine.update_parameter_(p, fix)       after step(): apply an in-place elementwise fix to every copy of p the
+                                           engine keeps (the one its optimizer updates and the one the forward
+                                           sees); how the model's constraints (CLIP's temperature) are enforced
+    engine.zero_grad(), set_lr(lr), get_lr()
+    engine.checkpoint_layout(group, mode)  the CheckpointLayout (ckpt/layout.py) that saves and loads this
+                                           engine's state: DCP for DDP and FSDP2, DeepSpeed's files for ZeRO
     engine.state_bytes()                   bytes of parameters, gradients and optimizer state on this rank
+    engine.name, engine.world, engine.precision
 """
 
 from __future__ import annotations
@@ -33,19 +32,27 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-import os
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from bigclip.ckpt.dcp_layout import DCPLayout
+from bigclip.ckpt.layout import CheckpointLayout
 from bigclip.dist import World
+from bigclip.engine.memory import tensor_bytes
 from bigclip.precision import Precision, resolve_precision
+
+ParameterFix = Callable[[torch.Tensor], object]
 
 
 class Engine(abc.ABC):
     name: str = "base"
-    sharded_state: bool = False
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Raise a UserError for a flag this engine owns that the run cannot honour."""
 
     @classmethod
     def build_model(cls, cfg, world: World, factory) -> nn.Module:
@@ -66,7 +73,7 @@ class Engine(abc.ABC):
     @property
     @abc.abstractmethod
     def model(self) -> nn.Module:
-        """The unwrapped CLIP model (for attribute access such as logit_scale)."""
+        """The unwrapped CLIP model."""
 
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)
@@ -91,6 +98,10 @@ class Engine(abc.ABC):
         step was skipped because gradients were not finite)."""
 
     @abc.abstractmethod
+    def update_parameter_(self, param: nn.Parameter, fix: ParameterFix) -> None:
+        """Apply `fix` (in place, elementwise) to every copy of `param` this engine keeps."""
+
+    @abc.abstractmethod
     def zero_grad(self) -> None: ...
 
     @abc.abstractmethod
@@ -99,33 +110,43 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def get_lr(self) -> float: ...
 
-    # -- state for checkpoints
+    # -- checkpoints and memory
     @abc.abstractmethod
-    def state_dict(self) -> dict[str, Any]: ...
+    def checkpoint_layout(self, group, mode: str) -> CheckpointLayout:
+        """The layout that stages, writes and loads this engine's state. `group`: the checkpoint's own gloo
+        group (None in one process); `mode`: the writer asked for (thread or process)."""
 
     @abc.abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-    def save_checkpoint(self, directory: str, tag: str | None = None) -> None:
-        """Collective: write this engine's state under `directory` (rank 0 alone for unsharded state)."""
-        if self.world.is_main:
-            torch.save(self.state_dict(), os.path.join(directory, f"{tag or 'engine_state'}.pt"))
-
-    def load_checkpoint(self, directory: str, tag: str | None = None) -> None:
-        path = os.path.join(directory, f"{tag or 'engine_state'}.pt")
-        self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
-
     def state_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds (see engine/memory.py)."""
-        from bigclip.engine.memory import tensor_bytes
-
-        return tensor_bytes(self.model, getattr(self, "optimizer", None))
 
 
 class TorchOptimizerEngine(Engine):
-    """An engine whose optimizer is a plain torch optimizer in `self.optimizer` (DDP, FSDP2)."""
+    """An engine whose optimizer is a plain torch optimizer over the model's own parameters (DDP, FSDP2):
+    the parameters are what the optimizer updates, and DCP saves them with the optimizer and grad scaler."""
 
     optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    # True when every rank holds the whole state (DDP): the DCP layout then splits the writing between ranks.
+    replicated_state: bool = True
+
+    # Parameters the optimizer updates, for the grad norm and clipping; set by the subclass's __init__.
+    _params: list[torch.Tensor]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self) -> float:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        norm = clip_and_measure(self._params, self.cfg.grad_clip_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skips the update itself when gradients overflowed
+            self.scaler.update()
+        elif math.isfinite(norm):
+            self.optimizer.step()
+        self.zero_grad()
+        return norm
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -137,13 +158,25 @@ class TorchOptimizerEngine(Engine):
     def get_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
+    @torch.no_grad()
+    def update_parameter_(self, param: nn.Parameter, fix: ParameterFix) -> None:
+        fix(param)  # elementwise, so under FSDP2 it applies to each rank's shard as is
+
+    def checkpoint_layout(self, group, mode: str) -> CheckpointLayout:
+        return DCPLayout(self.model, self.optimizer, self.scaler, self.world, group, mode, self.replicated_state)
+
+    def state_bytes(self) -> dict[str, int]:
+        return tensor_bytes(self.model, self.optimizer)
+
 
 def clip_and_measure(params: list[torch.Tensor], max_norm: float | None) -> float:
-    """Global grad norm of `params`, clipping in place when max_norm is set."""
+    """Global grad norm of `params` (plain or sharded gradients), clipping in place when max_norm is set."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
     total = nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # FSDP2: the per-shard partial norms, reduced over the shards
     if max_norm is not None and math.isfinite(max_norm):
         nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return float(total)

@@ -6,7 +6,6 @@ On CPU no device_ids are passed (DDP rejects them for CPU modules).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -15,11 +14,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bigclip import optim
 from bigclip.dist import World
-from bigclip.engine.base import TorchOptimizerEngine, clip_and_measure
+from bigclip.engine.base import TorchOptimizerEngine
+from bigclip.errors import UserError
 
 
 class DDPEngine(TorchOptimizerEngine):
     name = "ddp"
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.engine == cls.name and cfg.sharded_init == "always":
+            raise UserError(
+                "--sharded-init always: needs an engine that shards parameters (--engine fsdp, or "
+                "deepspeed with ZeRO stage 3)"
+            )
 
     def __init__(self, cfg, model: nn.Module, world: World):
         super().__init__(cfg, model, world)
@@ -48,35 +56,3 @@ class DDPEngine(TorchOptimizerEngine):
         if isinstance(self._module, DistributedDataParallel):
             return self._module.no_sync()
         return super().no_sync()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()
-
-    def step(self) -> float:
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        norm = clip_and_measure(self._params, self.cfg.grad_clip_norm)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)  # skips the step itself when gradients overflowed
-            self.scaler.update()
-        elif math.isfinite(norm):
-            self.optimizer.step()
-        self.zero_grad()
-        self._model.clamp_logit_scale_()
-        return norm
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self._model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler is not None and state.get("scaler") is not None:
-            self.scaler.load_state_dict(state["scaler"])

@@ -30,17 +30,21 @@ No rank ever holds more than its shards plus one module's parameters.
 from __future__ import annotations
 
 import contextlib
-import math
+import logging
 import os
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from bigclip import optim
+from bigclip.ckpt.deepspeed_layout import DeepSpeedLayout
+from bigclip.ckpt.layout import CheckpointLayout
 from bigclip.dist import World
 from bigclip.engine import ds_config as dsc
 from bigclip.engine.base import Engine, clip_and_measure
+from bigclip.engine.memory import tensor_bytes
 from bigclip.engine.sharded_init import (
     build_for_sharding,
     is_meta,
@@ -49,8 +53,9 @@ from bigclip.engine.sharded_init import (
     shard_meta_params,
 )
 from bigclip.engine.single import ensure_process_group
+from bigclip.errors import UserError
 
-LOGIT_SCALE_MAX = math.log(100.0)  # CLIP.clamp_logit_scale_'s bound, applied to DeepSpeed's fp32 masters
+logger = logging.getLogger("bigclip")
 
 
 def _prepare_environment(world: World) -> None:
@@ -65,12 +70,6 @@ def widest_tower(model: nn.Module) -> int | None:
     widths = [getattr(model.visual, "width", None), getattr(model.text, "width", None)]
     widths = [w for w in widths if w]
     return max(widths) if widths else None
-
-
-def resolve_config(cfg, world: World, model: nn.Module | None = None) -> dict[str, Any]:
-    return dsc.resolve(
-        cfg, world.world_size, world.device.type, hidden_size=widest_tower(model) if model is not None else None
-    )
 
 
 def _param_dtype(ds: dict[str, Any]) -> torch.dtype:
@@ -90,7 +89,6 @@ def _named_groups(model: nn.Module, weight_decay: float) -> list[tuple[list[str]
 def partition_meta_model(model: nn.Module, ds: dict[str, Any], world: World, seed: int) -> None:
     """Initialise a meta model shard by shard and convert it to ZeRO-3 parameters, module by module."""
     import deepspeed
-    from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(world.device.type, (world.world_size,))
     shard_meta_params(model, mesh)
@@ -124,19 +122,32 @@ def mark_blocks_as_leaves(model: nn.Module) -> None:
 
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
-    sharded_state = True  # ZeRO partitions optimizer state (and at stage 3 parameters): every rank saves
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Read the --ds_config JSON once and fill what the flags decide; contradictions and bad JSON stop the
+        run here, before any work. The result is kept on the config for the engine to complete."""
+        if cfg.engine != cls.name:
+            return
+        device = "cuda" if cfg.device.startswith("cuda") and torch.cuda.is_available() else "cpu"
+        cfg.ds_config_values = dsc.resolve_flags(cfg, device)
+        dsc.for_run(cfg.ds_config_values, cfg, None, None)  # nothing but world- and model-sized "auto" left
+        if cfg.sharded_init == "always" and dsc.stage(cfg.ds_config_values) != 3:
+            raise UserError(
+                f"--sharded-init always: DeepSpeed partitions parameters only at ZeRO stage 3, "
+                f"and {cfg.ds_config or 'the default config'} has stage {dsc.stage(cfg.ds_config_values)}"
+            )
+
+    @staticmethod
+    def _flag_values(cfg, world: World) -> dict[str, Any]:
+        # A config built by hand (not through config.resolve) has not been checked yet.
+        if cfg.ds_config_values is None:
+            cfg.ds_config_values = dsc.resolve_flags(cfg, world.device.type)
+        return cfg.ds_config_values
 
     @classmethod
     def build_model(cls, cfg, world: World, factory) -> nn.Module:
-        ds = dsc.resolve(cfg, world.world_size, world.device.type)
-        if cfg.sharded_init == "always" and dsc.stage(ds) != 3:
-            from bigclip.errors import UserError
-
-            raise UserError(
-                f"--sharded-init always: DeepSpeed partitions parameters only at ZeRO stage 3, "
-                f"and {cfg.ds_config or 'the default config'} has stage {dsc.stage(ds)}"
-            )
-        return build_for_sharding(cfg, factory, shards_params=dsc.stage(ds) == 3)
+        return build_for_sharding(cfg, factory, shards_params=dsc.stage(cls._flag_values(cfg, world)) == 3)
 
     def __init__(self, cfg, model: nn.Module, world: World):
         super().__init__(cfg, model, world)
@@ -147,7 +158,7 @@ class DeepSpeedEngine(Engine):
         backend = world.backend or ("nccl" if world.device.type == "cuda" else "gloo")
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
-        self.ds_config = resolve_config(cfg, world, model)
+        self.ds_config = dsc.for_run(self._flag_values(cfg, world), cfg, world.world_size, widest_tower(model))
         self.stage = dsc.stage(self.ds_config)
         groups_by_name = _named_groups(model, cfg.wd)
         if is_meta(model):
@@ -228,7 +239,6 @@ class DeepSpeedEngine(Engine):
         if norm is None:
             norm = fallback if fallback is not None else float("nan")
         norm = float(norm)
-        self._clamp_logit_scale()
         if not applied:  # fp16 overflow: DeepSpeed skipped the update and lowered the loss scale
             return float("inf")
         return norm
@@ -242,25 +252,24 @@ class DeepSpeedEngine(Engine):
         if buffer is not None:
             buffer.zero_()
 
-    def _clamp_logit_scale(self) -> None:
-        """CLIP's temperature clamp, applied to the copy DeepSpeed updates (its fp32 master) as well as to
-        the working copy; clamping only the working copy would be undone by the next step."""
+    @torch.no_grad()
+    def update_parameter_(self, param: nn.Parameter, fix) -> None:
+        """`fix` applied to the copy DeepSpeed updates (its fp32 master, or this rank's partition of it) as well
+        as to the working copy; fixing only the working copy would be undone by the next step."""
         from deepspeed.utils import safe_get_local_fp32_param, safe_set_local_fp32_param
 
-        with torch.no_grad():
-            for p in (self._model.logit_scale,):
-                if hasattr(p, "ds_id"):  # ZeRO-3: local partitions of the master and of the working copy
-                    local = safe_get_local_fp32_param(p) if p.requires_grad else None
-                    if local is not None and local.numel():
-                        safe_set_local_fp32_param(p, local.clamp(0, LOGIT_SCALE_MAX))
-                    p.ds_tensor.clamp_(0, LOGIT_SCALE_MAX)
-                else:
-                    # ZeRO-1/2 and bf16: the fragment of the fp32 master this rank owns
-                    mapping = getattr(p, "_hp_mapping", None)
-                    if mapping is not None:
-                        mapping.get_hp_fragment().clamp_(0, LOGIT_SCALE_MAX)
-                if p.data.numel():
-                    p.data.clamp_(0, LOGIT_SCALE_MAX)
+        if hasattr(param, "ds_id"):  # ZeRO-3: local partitions of the master and of the working copy
+            local = safe_get_local_fp32_param(param) if param.requires_grad else None
+            if local is not None and local.numel():
+                fix(local)
+                safe_set_local_fp32_param(param, local)
+            fix(param.ds_tensor)
+        else:  # ZeRO-1/2 with bf16/fp16: the fragment of the fp32 master this rank owns
+            mapping = getattr(param, "_hp_mapping", None)
+            if mapping is not None:
+                fix(mapping.get_hp_fragment())
+        if param.data.numel():
+            fix(param.data)
 
     def zero_grad(self) -> None:
         self.ds.zero_grad()
@@ -274,32 +283,11 @@ class DeepSpeedEngine(Engine):
     def get_lr(self) -> float:
         return self.ds.optimizer.param_groups[0]["lr"]
 
-    # -- state: DeepSpeed's own checkpoint files (every rank writes its partitions)
-    def save_checkpoint(self, directory: str, tag: str | None = None) -> None:
-        self.ds.save_checkpoint(directory, tag=tag or "engine_state", save_latest=False)
-
-    def load_checkpoint(self, directory: str, tag: str | None = None) -> None:
-        path, _ = self.ds.load_checkpoint(
-            directory, tag=tag or "engine_state", load_optimizer_states=True, load_lr_scheduler_states=False
-        )
-        if path is None:
-            from bigclip.errors import UserError
-
-            raise UserError(
-                f"checkpoint {directory}: no DeepSpeed state '{tag or 'engine_state'}' inside; "
-                f"resume with the engine and DeepSpeed config the run was saved with"
-            )
-
-    def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(
-            "the DeepSpeed engine saves with save_checkpoint(directory, tag): its "
-            "optimizer (and at ZeRO-3 its parameters) are partitioned across ranks"
-        )
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError("the DeepSpeed engine loads with load_checkpoint(directory, tag)")
+    # -- checkpoints and memory
+    def checkpoint_layout(self, group, mode: str) -> CheckpointLayout:
+        if mode == "process" and self.world.is_main:
+            logger.info("--checkpoint-async process: the DeepSpeed engine writes its checkpoints from a thread")
+        return DeepSpeedLayout(self.ds, self.world, group)
 
     def state_bytes(self) -> dict[str, int]:
-        from bigclip.engine.memory import tensor_bytes
-
         return tensor_bytes(self._model, self.ds.optimizer)

@@ -23,7 +23,11 @@ import json
 import os
 from typing import Any
 
+import torch
+
 from bigclip.errors import UserError
+from bigclip.optim import hyperparameters
+from bigclip.precision import resolve_precision
 
 AUTO = "auto"
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ds_configs")
@@ -57,10 +61,6 @@ def read(path: str, flag: str = "--ds_config") -> dict[str, Any]:
 
 def precision_flags(cfg, device_type: str) -> tuple[bool, bool]:
     """(bf16, fp16) as DeepSpeed should run for --precision on this device."""
-    import torch
-
-    from bigclip.precision import resolve_precision
-
     p = resolve_precision(cfg.precision, torch.device(device_type))
     low = {p.autocast_dtype, p.param_dtype}
     return torch.bfloat16 in low, torch.float16 in low
@@ -110,9 +110,15 @@ def resolve(
 ) -> dict[str, Any]:
     """The config DeepSpeed receives: the file (or DEFAULT_CONFIG) with every "auto" filled.
 
-    world_size None checks everything except train_batch_size (used at flag-validation time, before
-    the launcher's world is known). hidden_size (the model's widest tower) fills the bucket sizes.
+    world_size None checks everything except train_batch_size (as at flag-validation time, before the
+    launcher's world is known). hidden_size (the model's widest tower) fills the bucket sizes.
     """
+    return for_run(resolve_flags(cfg, device_type, raw), cfg, world_size, hidden_size)
+
+
+def resolve_flags(cfg, device_type: str, raw: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The file (read once, here) with every value that depends on flags alone filled and checked: what
+    flag validation computes and the engine later completes with for_run()."""
     path = cfg.ds_config or "the default DeepSpeed config"
     ds = copy.deepcopy(raw if raw is not None else (read(cfg.ds_config) if cfg.ds_config else DEFAULT_CONFIG))
 
@@ -132,16 +138,6 @@ def resolve(
         f"--accum-freq {cfg.accum_freq}",
         path,
     )
-    if world_size is not None:
-        total = cfg.batch_size * cfg.accum_freq * world_size
-        _fill(
-            ds,
-            "train_batch_size",
-            total,
-            "train_batch_size",
-            f"--batch-size {cfg.batch_size} x --accum-freq {cfg.accum_freq} x {world_size} processes",
-            path,
-        )
     clip = cfg.grad_clip_norm if cfg.grad_clip_norm is not None else 0.0
     _fill(
         ds,
@@ -183,6 +179,27 @@ def resolve(
     zero = ds.setdefault("zero_optimization", {})
     if not isinstance(zero, dict) or zero.get("stage", 0) not in (0, 1, 2, 3):
         raise UserError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3")
+    ds.setdefault("steps_per_print", 10**9)  # bigclip logs progress itself
+    ds.setdefault("wall_clock_breakdown", False)
+    return ds
+
+
+def for_run(flag_values: dict[str, Any], cfg, world_size: int | None, hidden_size: int | None) -> dict[str, Any]:
+    """resolve_flags()'s dict completed with what the run adds: train_batch_size from the world size, bucket
+    sizes from the model's width. Any "auto" left after that is an error."""
+    ds = copy.deepcopy(flag_values)
+    path = cfg.ds_config or "the default DeepSpeed config"
+    zero = ds["zero_optimization"]
+    if world_size is not None:
+        total = cfg.batch_size * cfg.accum_freq * world_size
+        _fill(
+            ds,
+            "train_batch_size",
+            total,
+            "train_batch_size",
+            f"--batch-size {cfg.batch_size} x --accum-freq {cfg.accum_freq} x {world_size} processes",
+            path,
+        )
     if hidden_size is not None:
         # The Hugging Face integration's rule of thumb for these sizes.
         for key, value in (
@@ -192,18 +209,17 @@ def resolve(
         ):
             if zero.get(key) == AUTO:
                 zero[key] = value
-    ds.setdefault("steps_per_print", 10**9)  # bigclip logs progress itself
-    ds.setdefault("wall_clock_breakdown", False)
-
-    leftover = _find_auto({k: v for k, v in ds.items() if k != "zero_optimization"} if hidden_size is None else ds)
+    # Before the world (or the model) is known, what only it can fill may still be "auto".
+    unknown = ({"train_batch_size"} if world_size is None else set()) | (
+        {"zero_optimization"} if hidden_size is None else set()
+    )
+    leftover = _find_auto({k: v for k, v in ds.items() if k not in unknown})
     if leftover:
         raise UserError(f'{path}: {leftover} is "auto" but bigclip cannot fill it; give a value')
     return ds
 
 
 def _fill_optimizer(section: dict, cfg, path: str) -> None:
-    from bigclip.optim import hyperparameters
-
     kind = str(section.get("type", "")).lower()
     if kind not in ("adam", "adamw"):
         raise UserError(

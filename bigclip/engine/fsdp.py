@@ -20,24 +20,23 @@ the R groups (HSDP): all-gathers stay inside a node, only one all-reduce of grad
 from __future__ import annotations
 
 import contextlib
-import math
-import os
-from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from bigclip import optim
 from bigclip.dist import World
 from bigclip.engine.base import TorchOptimizerEngine
+from bigclip.engine.memory import tensor_bytes
 from bigclip.engine.sharded_init import build_for_sharding, is_meta, materialise
 from bigclip.engine.single import ensure_process_group
 from bigclip.errors import UserError
 
 
 def build_mesh(cfg, world: World):
-    from torch.distributed.device_mesh import init_device_mesh
-
     replicate = cfg.fsdp_replicate_degree or 1
     if cfg.fsdp_hybrid:
         replicate = max(1, world.world_size // max(1, world.local_world_size))
@@ -52,8 +51,6 @@ def build_mesh(cfg, world: World):
 
 
 def mixed_precision_policy(precision):
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     if precision.autocast_dtype is None:  # fp32, or pure bf16/fp16 weights: compute in the stored dtype
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
@@ -61,7 +58,24 @@ def mixed_precision_policy(precision):
 
 class FSDPEngine(TorchOptimizerEngine):
     name = "fsdp"
-    sharded_state = True  # state_dict() holds this rank's shards: every rank saves and loads
+    replicated_state = False  # each rank holds and saves its own shards
+
+    # Flags only this engine honours; under another engine they would silently do nothing.
+    OWN_FLAGS = ("fsdp_offload_cpu", "fsdp_no_reshard_after_forward", "fsdp_hybrid")
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if not isinstance(cfg.fsdp_replicate_degree, int) or cfg.fsdp_replicate_degree < 1:
+            raise UserError(f"--fsdp-replicate-degree {cfg.fsdp_replicate_degree!r}: must be a positive integer")
+        if cfg.engine == cls.name:
+            return
+        for name in cls.OWN_FLAGS:
+            if getattr(cfg, name):
+                raise UserError(
+                    f"--{name.replace('_', '-')}: only applies to --engine fsdp (the engine is {cfg.engine})"
+                )
+        if cfg.fsdp_replicate_degree != 1:
+            raise UserError(f"--fsdp-replicate-degree: only applies to --engine fsdp (the engine is {cfg.engine})")
 
     @classmethod
     def build_model(cls, cfg, world: World, factory) -> nn.Module:
@@ -69,7 +83,6 @@ class FSDPEngine(TorchOptimizerEngine):
 
     def __init__(self, cfg, model: nn.Module, world: World):
         super().__init__(cfg, model, world)
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         ensure_process_group(world)
         self.mesh = build_mesh(cfg, world)
@@ -103,8 +116,6 @@ class FSDPEngine(TorchOptimizerEngine):
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.scaler = None
         if self.precision.loss_scaling:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
             # Shards overflow independently; the sharded scaler agrees on "found inf" across ranks.
             self.scaler = ShardedGradScaler(world.device.type)
 
@@ -133,79 +144,8 @@ class FSDPEngine(TorchOptimizerEngine):
         finally:
             self._model.set_requires_gradient_sync(True)
 
-    # -- optimisation
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-
-    def step(self) -> float:
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        norm = grad_norm_and_clip(self._params, self.cfg.grad_clip_norm)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        elif math.isfinite(norm):
-            self.optimizer.step()
-        self.zero_grad()
-        self._model.clamp_logit_scale_()  # elementwise, so it applies to each local shard as is
-        return norm
-
-    def logit_scale(self) -> torch.Tensor:
-        return self._model.logit_scale.full_tensor().detach()
-
-    # -- state: sharded DTensors, for torch.distributed.checkpoint (every rank calls)
-    def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optim_state = get_state_dict(self._model, self.optimizer)
-        return {
-            "model": model_state,
-            "optimizer": optim_state,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(
-            self._model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-        )
-        if self.scaler is not None and state.get("scaler") is not None:
-            self.scaler.load_state_dict(state["scaler"])
-
-    def save_checkpoint(self, directory: str, tag: str | None = None) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self.state_dict(), checkpoint_id=os.path.join(directory, tag or "engine_state"))
-
-    def load_checkpoint(self, directory: str, tag: str | None = None) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        state = self.state_dict()  # the target layout: DCP reads each rank's shards into it in place
-        dcp.load(state, checkpoint_id=os.path.join(directory, tag or "engine_state"))
-        self.load_state_dict(state)
-
     def state_bytes(self) -> dict[str, int]:
-        from torch.distributed.fsdp import FSDPModule
-
-        from bigclip.engine.memory import tensor_bytes
-
         for m in self._model.modules():  # the root stays gathered after forward; count the shards only
             if isinstance(m, FSDPModule):
                 m.reshard()
         return tensor_bytes(self._model, self.optimizer)
-
-
-def grad_norm_and_clip(params: list[torch.Tensor], max_norm: float | None) -> float:
-    """Global grad norm of sharded gradients (reduced over all shards), clipping in place when asked."""
-    from torch.distributed.tensor import DTensor
-
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    total = nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()  # the per-shard partial norms, reduced
-    if max_norm is not None and math.isfinite(max_norm):
-        nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return float(total)

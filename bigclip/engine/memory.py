@@ -10,15 +10,16 @@ are "grads"; everything else reachable from the optimizer (moments, fp32 master 
 
 from __future__ import annotations
 
+import resource
+
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 MAX_DEPTH = 6
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:
-    from torch.distributed.tensor import DTensor
-
     if isinstance(t, DTensor):
         t = t.to_local()
     if t.is_meta:
@@ -99,6 +100,4 @@ def peak_rss_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

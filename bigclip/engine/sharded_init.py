@@ -19,10 +19,14 @@ the tracker is used and the result does not depend on the world size.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from bigclip.errors import UserError
 
 # Models from this size up are built on meta under engines that shard parameters (--sharded-init auto).
 # ViT-L-14 (428M) still builds comfortably on one host; ViT-H-14 (986M) and ViT-bigG-14 (2.5B) do not on
@@ -58,8 +62,6 @@ def build_for_sharding(cfg, factory, shards_params: bool) -> nn.Module:
     meta = factory(device="meta")
     if wants_sharded_init(cfg, count_params(meta)):
         if cfg.pretrained:
-            from bigclip.errors import UserError
-
             raise UserError(
                 f"--pretrained {cfg.pretrained}: loading weights into a model initialised shard "
                 f"by shard is not supported yet; add --sharded-init never"
@@ -69,8 +71,6 @@ def build_for_sharding(cfg, factory, shards_params: bool) -> nn.Module:
 
 
 def _has_dtensor_rng(model: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
     for p in model.parameters():
         if isinstance(p, DTensor):
             device_type = p.device_mesh.device_type
@@ -96,8 +96,6 @@ def materialise(model: nn.Module, device: torch.device, seed: int, rank: int) ->
 
     `rank` is the rank within the shard group: replicas of a shard (HSDP) must draw the same numbers.
     """
-    import warnings
-
     model.to_empty(device=device)
     with _rank_distinct_rng(seed, rank, needed=not _has_dtensor_rng(model)), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
@@ -108,8 +106,6 @@ def materialise(model: nn.Module, device: torch.device, seed: int, rank: int) ->
 
 def shard_meta_params(model: nn.Module, mesh) -> None:
     """Replace every meta parameter by an (unallocated, meta) DTensor sharded along dim 0 on `mesh`."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             dt = distribute_tensor(p.detach(), mesh, [Shard(0)])  # on meta: metadata only, no copy

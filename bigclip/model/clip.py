@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from bigclip.model.vision import VisionTower
 
 CLIP_INIT_LOGIT_SCALE = math.log(1 / 0.07)
 SIGLIP_INIT_LOGIT_SCALE = math.log(10.0)
+MAX_LOGIT_SCALE = math.log(100.0)
 SIGLIP_INIT_LOGIT_BIAS = -10.0
 
 
@@ -74,6 +76,15 @@ class CLIP(nn.Module):
         """Keep the learned temperature in [1, max_scale] (call after each optimizer step)."""
         self.logit_scale.clamp_(0, math.log(max_scale))
 
+    def parameter_constraints(self) -> list[tuple[nn.Parameter, Callable[[torch.Tensor], object]]]:
+        """What must hold for parameters after every optimizer step, as (parameter, in-place elementwise fix).
+
+        CLIP clamps its temperature so the logits never exceed 100x the cosine similarity (OpenCLIP does the
+        same). The fix is elementwise so it can be applied to any copy or shard of the parameter: the loop
+        hands it to the engine, which applies it to the copy its optimizer updates (an fp32 master under
+        DeepSpeed) as well as to the weights the forward sees."""
+        return [(self.logit_scale, _clamp_to_max_logit_scale)]
+
     def set_grad_checkpointing(self, enable: bool = True, every: int = 1) -> None:
         """Recompute every `every`-th transformer block of both towers in backward."""
         if enable and every < 1:
@@ -91,3 +102,7 @@ class CLIP(nn.Module):
 
     def lock_text_tower(self, unlocked_layers: int = 0, freeze_layer_norm: bool = True) -> None:
         self.text.lock(unlocked_layers, freeze_layer_norm)
+
+
+def _clamp_to_max_logit_scale(t: torch.Tensor) -> None:
+    t.clamp_(0, MAX_LOGIT_SCALE)

@@ -15,6 +15,7 @@ from functools import cache
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from timm.layers import resample_abs_pos_embed
 
 from bigclip.errors import UserError
@@ -147,8 +148,6 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise UserError(f"--pretrained {path}: no such file; pass a local .pt or .safetensors state dict")
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
             state_dict = load_file(str(path))
         else:
             state_dict = torch.load(path, map_location="cpu", weights_only=True)

@@ -1,0 +1,65 @@
+"""The checkpoint-layout contract: how one engine's state becomes files, and files become its state again.
+
+The checkpoint manager owns everything around it (when to save, the .partial folder, RNG and train-state
+files, uploads, the manifest, retention, finding `latest`); a layout owns only the engine's own state. An
+engine names its layout (`engine.checkpoint_layout(group, mode)`), so the manager never asks which engine
+it has. Two exist: DCP (ckpt/dcp_layout.py, for DDP and FSDP2) and DeepSpeed's ZeRO files
+(ckpt/deepspeed_layout.py).
+
+One save:   handle = layout.stage(directory)            main thread, collective; returns quickly
+            ...the loop's next forward/backward runs...
+            handle.result()                             before the next optimizer step (the copy is taken)
+            layout.write(handle, directory, sink)       save thread, collective on the checkpoint group:
+                                                        writes this rank's files, sink.submit(path) for each
+One load:   layout.load(directory, saved_world_size, saved_extra)   collective; reshards or converts when
+                                                        the world size differs
+"""
+
+from __future__ import annotations
+
+import abc
+from concurrent.futures import Future
+from typing import Protocol
+
+import torch
+
+
+class FileSubmitter(Protocol):
+    def submit(self, path: str) -> None:
+        """Take a finished, closed file of the checkpoint (it is hashed, uploaded and listed in the manifest)."""
+
+
+class CheckpointLayout(abc.ABC):
+    name: str  # recorded in the manifest; a checkpoint loads only into an engine whose layout has this name
+    # True when stage() itself creates files in `directory` (DeepSpeed writes small companions there), so the
+    # manager prepares the directory before staging rather than in the save thread.
+    writes_while_staging: bool = False
+    mode: str = "thread"  # the writer actually used: "thread" or "process"
+
+    @abc.abstractmethod
+    def stage(self, directory: str) -> Future:
+        """Collective. Start copying this rank's state into host buffers; the future resolves when the copy
+        is complete (nothing may change parameters or optimizer state before that)."""
+
+    @abc.abstractmethod
+    def write(self, staged: Future, directory: str, sink: FileSubmitter) -> None:
+        """Collective on the checkpoint group, in the save thread: write this rank's files of the staged state
+        into `directory`, handing each to `sink` as soon as it is complete."""
+
+    def describe(self) -> dict:
+        """What a resuming run must match beyond the layout name (recorded in the manifest's `extra`)."""
+        return {}
+
+    @abc.abstractmethod
+    def load(self, directory: str, saved_world_size: int, saved_extra: dict) -> None:
+        """Collective: restore the engine's state from a verified local checkpoint directory, resharding (or
+        converting) when it was written by another number of ranks. UserError when it does not fit."""
+
+    def close(self) -> None:
+        """Release staging buffers and threads."""
+
+    @staticmethod
+    @abc.abstractmethod
+    def read_model_state(directory: str) -> dict[str, torch.Tensor]:
+        """The whole model's weights in a verified checkpoint of this layout, read in one process with no
+        process group and no engine (what `bigclip export` needs)."""

@@ -1,0 +1,140 @@
+"""The training loop: one optimizer step, and one epoch of them.
+
+It talks to the engine only through its contract (engine/base.py), to checkpoints only through the
+Checkpointer's named calls (ckpt/checkpointer.py), and keeps where the run is in one TrainState.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from bigclip.dist import World, all_reduce_min
+from bigclip.errors import UserError
+from bigclip.progress import EpochProgress
+from bigclip.train_state import TrainState
+
+MAX_CONSECUTIVE_NONFINITE = 10
+
+MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def forward_backward(engine, loss_fn, micro_batches: MicroBatches, world: World) -> tuple[float, dict | None]:
+    """Gradients for one optimizer step; returns (loss value, last forward outputs), or (nan, None) when the
+    loss was not finite on some rank: then no backward ran and the step must be skipped.
+
+    With several micro-batches this is OpenCLIP's --accum-freq: features of every micro-batch are first
+    computed without gradients, then each micro-batch is recomputed with gradients while the cached
+    features of the others serve as negatives. Summed over micro-batches this is the gradient of the
+    contrastive loss over the whole accumulated batch. The logit scale (and bias) keep their gradient
+    in the last micro-batch only, so their gradient is counted once rather than accum-freq times.
+    Gradients are synchronised only in the last micro-batch's backward.
+    """
+    if len(micro_batches) == 1:
+        images, texts = micro_batches[0]
+        with engine.autocast():
+            out = engine.module(images=images, texts=texts)
+            loss = _loss(loss_fn, out["image_features"], out["text_features"], out, keep_scale_grad=True)
+        if not _finite_on_all_ranks(loss, world):
+            return float("nan"), None
+        engine.backward(loss)
+        return loss.item(), out
+
+    cached_images, cached_texts = [], []
+    with torch.no_grad(), engine.autocast():
+        for images, texts in micro_batches:
+            out = engine.module(images=images, texts=texts)
+            cached_images.append(out["image_features"])
+            cached_texts.append(out["text_features"])
+
+    for j, (images, texts) in enumerate(micro_batches):
+        last = j == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else engine.no_sync():
+            with engine.autocast():
+                out = engine.module(images=images, texts=texts)
+                image_features = torch.cat(cached_images[:j] + [out["image_features"]] + cached_images[j + 1 :])
+                text_features = torch.cat(cached_texts[:j] + [out["text_features"]] + cached_texts[j + 1 :])
+                loss = _loss(loss_fn, image_features, text_features, out, keep_scale_grad=last)
+            if j == 0 and not _finite_on_all_ranks(loss, world):
+                return float("nan"), None  # every micro-batch sees the same loss: no gradient was taken yet
+            engine.backward(loss)
+    return loss.item(), out
+
+
+def _loss(loss_fn, image_features, text_features, out: dict[str, torch.Tensor], keep_scale_grad: bool):
+    scale = out["logit_scale"] if keep_scale_grad else out["logit_scale"].detach()
+    bias = out.get("logit_bias")
+    if bias is not None and not keep_scale_grad:
+        bias = bias.detach()
+    return loss_fn(image_features, text_features, scale, bias)
+
+
+def _finite_on_all_ranks(loss: torch.Tensor, world: World) -> bool:
+    # All ranks must agree, or one rank would skip a backward the others wait on.
+    return all_reduce_min(1.0 if bool(torch.isfinite(loss.detach()).all()) else 0.0, world) == 1.0
+
+
+def optimizer_step(engine) -> float:
+    """The update, then the model's constraints on its parameters (CLIP's temperature clamp), applied by the
+    engine to every copy it keeps. Returns the grad norm before clipping."""
+    grad_norm = engine.step()
+    for param, fix in engine.model.parameter_constraints():
+        engine.update_parameter_(param, fix)
+    return grad_norm
+
+
+def train_one_epoch(
+    cfg, engine, loss_fn, train_data, state: TrainState, schedule, checkpointer, progress: EpochProgress, world
+) -> bool:
+    """The steps of epoch `state.epoch` from `state.batches_in_epoch` on. Returns True when the run must stop
+    (SIGTERM; its final checkpoint is on its way), False when the epoch's steps are done."""
+    steps = train_data.num_batches // cfg.accum_freq
+    step_in_epoch = state.batches_in_epoch // cfg.accum_freq
+    samples_per_step = cfg.batch_size * cfg.accum_freq * world.world_size
+    train_data.set_epoch(state.epoch, skip_batches=state.batches_in_epoch)
+    engine.train()
+    for micro in _micro_batches(train_data.dataloader, cfg.accum_freq, steps - step_in_epoch, engine, world):
+        progress.data_ready()
+        engine.set_lr(schedule(state.step))
+        loss, out = forward_backward(engine, loss_fn, micro, world)
+        if out is None:
+            engine.zero_grad()
+            grad_norm = float("nan")
+            _count_nonfinite(state, progress)
+        else:
+            checkpointer.wait_for_staging()  # a save in flight must hold its copy before the update
+            grad_norm = optimizer_step(engine)
+            state.nonfinite_streak = 0
+        state.advance(samples_per_step, cfg.accum_freq)
+        step_in_epoch += 1
+        progress.step_done(state, step_in_epoch, loss, grad_norm)
+        if checkpointer.after_step(state, end_of_epoch=step_in_epoch == steps):
+            return True
+    return False
+
+
+def _micro_batches(loader, accum_freq: int, steps: int, engine, world: World) -> Iterator[MicroBatches]:
+    """At most `steps` groups of accum_freq (images, texts) batches, on the device, images in the weights'
+    dtype (pure bf16/fp16 runs)."""
+    group: MicroBatches = []
+    for images, texts in loader if steps > 0 else ():
+        images = images.to(world.device, dtype=engine.precision.param_dtype, non_blocking=True)
+        group.append((images, texts.to(world.device, non_blocking=True)))
+        if len(group) == accum_freq:
+            yield group
+            group, steps = [], steps - 1
+            if steps == 0:
+                return
+
+
+def _count_nonfinite(state: TrainState, progress: EpochProgress) -> None:
+    state.nonfinite_streak += 1
+    state.nonfinite_steps += 1
+    progress.step_skipped(state)
+    if state.nonfinite_streak >= MAX_CONSECUTIVE_NONFINITE:
+        raise UserError(
+            f"the loss was non-finite for {MAX_CONSECUTIVE_NONFINITE} steps in a row (last at step {state.step}); "
+            f"lower --lr, add --grad-clip-norm or use --precision amp_bf16/fp32"
+        )

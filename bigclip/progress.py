@@ -1,0 +1,100 @@
+"""EpochProgress: what the loop reports about its steps, kept out of the loop so the loop reads as the algorithm.
+
+Times each step (waiting for data vs the whole step), averages the loss, drives the progress bar on a
+terminal, and every --log-every-n-steps prints OpenCLIP's `Train Epoch: ...` line and writes one metrics
+record (metrics.jsonl, tensorboard, wandb).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from bigclip.dist import World, all_reduce_sum
+from bigclip.log import AverageMeter, MetricSinks, logger, peak_memory_bytes, train_line
+from bigclip.train_state import TrainState
+
+
+class EpochProgress:
+    def __init__(self, cfg, engine, sinks: MetricSinks, world: World, steps: int, samples: int, state: TrainState):
+        """steps: optimizer steps in the epoch; samples: samples in the epoch over all ranks."""
+        self.cfg, self.engine, self.sinks, self.world = cfg, engine, sinks, world
+        self.steps, self.samples = steps, samples
+        self.samples_per_step = cfg.batch_size * cfg.accum_freq * world.world_size
+        self.epoch = state.epoch
+        self.batch_time, self.data_time, self.loss = AverageMeter(), AverageMeter(), AverageMeter()
+        self.bar = None
+        if world.is_main and sys.stdout.isatty():
+            self.bar = tqdm(total=steps, desc=f"epoch {state.epoch}", leave=False, dynamic_ncols=True)
+        self._end = time.perf_counter()
+
+    def data_ready(self) -> None:
+        """The step's batches have arrived: the time since the last step ended was spent waiting for data."""
+        self.data_time.update(time.perf_counter() - self._end)
+
+    def step_skipped(self, state: TrainState) -> None:
+        """A step whose loss was non-finite on some rank (state.step: that step, not yet advanced)."""
+        logger.warning(f"step {state.step}: non-finite loss; step skipped, weights unchanged")
+        self.sinks.write({"step": state.step, "epoch": state.epoch, "nonfinite_loss": 1})
+
+    def step_done(self, state: TrainState, step_in_epoch: int, loss: float, grad_norm: float) -> None:
+        """After state.advance(); loss is nan for a skipped step (it wrote its own record)."""
+        self.batch_time.update(time.perf_counter() - self._end)
+        self._end = time.perf_counter()
+        if math.isfinite(loss):
+            self.loss.update(loss, self.cfg.batch_size)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{self.engine.get_lr():.2e}")
+        due = step_in_epoch % self.cfg.log_every_n_steps == 0 or step_in_epoch == self.steps
+        if due and math.isfinite(loss):
+            self._log(state, step_in_epoch, loss, grad_norm)
+
+    def _log(self, state: TrainState, step_in_epoch: int, loss: float, grad_norm: float) -> None:
+        per_s = self.samples_per_step / max(self.batch_time.avg, 1e-9)
+        per_gpu = per_s / self.world.world_size
+        logit_scale = float(self.engine.model.logit_scale.detach().float().exp().mean())
+        lr = self.engine.get_lr()
+        seen = min(step_in_epoch * self.samples_per_step, self.samples)
+        line = train_line(
+            self.epoch, seen, self.samples, self.data_time.avg, self.batch_time.avg, per_s, per_gpu, lr,
+            logit_scale, loss, self.loss.avg,
+        )  # fmt: skip
+        (self.bar.write(line) if self.bar is not None else logger.info(line))
+        self.sinks.write(
+            {
+                "step": state.step,
+                "epoch": self.epoch,
+                "samples_seen": state.samples_seen,
+                "loss": loss,
+                "lr": lr,
+                "logit_scale": logit_scale,
+                "grad_norm": grad_norm,
+                "samples_per_s": per_s,
+                "samples_per_s_per_gpu": per_gpu,
+                "batch_time": self.batch_time.avg,
+                "data_time": self.data_time.avg,
+                "peak_memory_bytes": peak_memory_bytes(self.world.device),
+            }
+        )
+        self.batch_time.reset()
+        self.data_time.reset()
+
+    def close(self, state: TrainState, train_data) -> None:
+        """End of the epoch's steps (finished or stopped): close the bar and report the bad samples skipped so
+        far, summed over all ranks (collective). Bad samples are never fatal and never silent."""
+        if self.bar is not None:
+            self.bar.close()
+        counts = train_data.skipped()
+        totals = all_reduce_sum(torch.tensor([counts[k] for k in sorted(counts)], dtype=torch.float64), self.world)
+        skipped = {k: int(v) for k, v in zip(sorted(counts), totals.tolist()) if v}
+        if skipped:
+            detail = ", ".join(f"{k}: {v}" for k, v in skipped.items())
+            logger.warning(f"data: {sum(skipped.values())} bad sample(s) skipped so far ({detail})")
+            self.sinks.write(
+                {"step": state.step, "epoch": self.epoch, **{f"data/skipped_{k}": v for k, v in skipped.items()}}
+            )
