@@ -64,16 +64,9 @@ class Engine(abc.ABC):
         self.world = world
         self.precision: Precision = resolve_precision(cfg.precision, world.device)
 
-    # -- model access
-    @property
-    @abc.abstractmethod
-    def module(self) -> nn.Module:
-        """The callable model: forward(images=None, texts=None) -> features dict."""
-
-    @property
-    @abc.abstractmethod
-    def model(self) -> nn.Module:
-        """The unwrapped CLIP model."""
+    # -- model access: set by each engine's __init__
+    module: nn.Module  # the callable model: forward(images=None, texts=None) -> features dict (maybe wrapped)
+    model: nn.Module  # the unwrapped CLIP model
 
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)

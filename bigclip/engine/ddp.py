@@ -31,28 +31,20 @@ class DDPEngine(TorchOptimizerEngine):
 
     def __init__(self, cfg, model: nn.Module, world: World):
         super().__init__(cfg, model, world)
-        self._model = model.to(device=world.device, dtype=self.precision.param_dtype)
+        self.model = model.to(device=world.device, dtype=self.precision.param_dtype)
         if cfg.use_bn_sync and world.distributed:
-            self._model = nn.SyncBatchNorm.convert_sync_batchnorm(self._model)
-        self._module: nn.Module = self._model
+            self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
+        self.module = self.model
         if world.distributed:
             ddp_kwargs: dict[str, Any] = {"static_graph": cfg.ddp_static_graph}
             if world.device.type == "cuda":
                 ddp_kwargs["device_ids"] = [world.device]
-            self._module = DistributedDataParallel(self._model, **ddp_kwargs)
-        self.optimizer = optim.create_optimizer(cfg, optim.param_groups(self._model, cfg.wd))
+            self.module = DistributedDataParallel(self.model, **ddp_kwargs)
+        self.optimizer = optim.create_optimizer(cfg, optim.param_groups(self.model, cfg.wd))
         self.scaler = torch.amp.GradScaler(world.device.type) if self.precision.loss_scaling else None
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    @property
-    def module(self) -> nn.Module:
-        return self._module
-
-    @property
-    def model(self) -> nn.Module:
-        return self._model
-
     def no_sync(self):
-        if isinstance(self._module, DistributedDataParallel):
-            return self._module.no_sync()
+        if isinstance(self.module, DistributedDataParallel):
+            return self.module.no_sync()
         return super().no_sync()

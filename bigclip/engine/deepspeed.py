@@ -183,25 +183,10 @@ class DeepSpeedEngine(Engine):
             model_parameters=groups if client_optimizer is None else None,
             config=self.ds_config,
         )
-        self._model = model
+        self.model, self.module = model, self.ds
         self._mixed = self.ds.bfloat16_enabled() or self.ds.fp16_enabled()
         self._in_no_sync = False
         self._autocast_dtype = _param_dtype(self.ds_config) if self._mixed else None
-
-    # -- model access
-    @property
-    def module(self) -> nn.Module:
-        return self.ds
-
-    @property
-    def model(self) -> nn.Module:
-        return self._model
-
-    def train(self, mode: bool = True) -> None:
-        self.ds.train(mode)
-
-    def eval(self) -> None:
-        self.ds.eval()
 
     # -- precision and accumulation
     def autocast(self):
@@ -230,7 +215,7 @@ class DeepSpeedEngine(Engine):
     def step(self) -> float:
         fallback = None
         if self.stage == 0 and not self._mixed:  # plain torch optimizer underneath: DeepSpeed keeps no norm
-            fallback = clip_and_measure([p for p in self._model.parameters() if p.requires_grad], None)
+            fallback = clip_and_measure([p for p in self.model.parameters() if p.requires_grad], None)
         self.ds.set_gradient_accumulation_boundary(True)
         self.ds.step()
         applied = self.ds.was_step_applied()
@@ -290,4 +275,4 @@ class DeepSpeedEngine(Engine):
         return DeepSpeedLayout(self.ds, self.world, group)
 
     def state_bytes(self) -> dict[str, int]:
-        return tensor_bytes(self._model, self.ds.optimizer)
+        return tensor_bytes(self.model, self.ds.optimizer)

@@ -111,7 +111,7 @@ class FSDPEngine(TorchOptimizerEngine):
                 self.mesh.get_local_rank("shard"),
             )
 
-        self._model = model
+        self.model = self.module = model  # FSDP2 shards the model in place: no wrapper
         self.optimizer = optim.create_optimizer(cfg, optim.param_groups(model, cfg.wd))
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.scaler = None
@@ -119,33 +119,24 @@ class FSDPEngine(TorchOptimizerEngine):
             # Shards overflow independently; the sharded scaler agrees on "found inf" across ranks.
             self.scaler = ShardedGradScaler(world.device.type)
 
-    # -- model access
-    @property
-    def module(self) -> nn.Module:
-        return self._model
-
-    @property
-    def model(self) -> nn.Module:
-        return self._model
-
     # -- accumulation: reduce-scatter only in the last micro-batch's backward
     @contextlib.contextmanager
     def no_sync(self):
-        self._model.set_requires_gradient_sync(False)
+        self.model.set_requires_gradient_sync(False)
         if self.precision.autocast_dtype is not None:
             # With bf16/fp16 all-gathers and fp32 reductions, FSDP2 keeps gradients it accumulates without
             # syncing in fp32 and fresh ones in bf16, and one reduce-scatter needs a single dtype. The logit
             # scale (root group) is detached in all but the last micro-batch, so the root group would mix
             # the two. The root (embeddings, projections, temperature) therefore reduces every micro-batch;
             # the blocks, nearly all of the parameters, still reduce only in the last one.
-            self._model.set_requires_gradient_sync(True, recurse=False)
+            self.model.set_requires_gradient_sync(True, recurse=False)
         try:
             yield
         finally:
-            self._model.set_requires_gradient_sync(True)
+            self.model.set_requires_gradient_sync(True)
 
     def state_bytes(self) -> dict[str, int]:
-        for m in self._model.modules():  # the root stays gathered after forward; count the shards only
+        for m in self.model.modules():  # the root stays gathered after forward; count the shards only
             if isinstance(m, FSDPModule):
                 m.reshard()
-        return tensor_bytes(self._model, self.optimizer)
+        return tensor_bytes(self.model, self.optimizer)
