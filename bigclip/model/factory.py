@@ -75,10 +75,31 @@ def preprocess_cfg(model_name: str, image_size: int | tuple[int, int] | None = N
     }
 
 
-def get_tokenizer(model_name: str, context_length: int | None = None) -> ByteTokenizer:
-    """A callable (str | list[str]) -> LongTensor (N, context_length) for `model_name`."""
-    text = get_model_config(model_name)["text_cfg"]
-    return ByteTokenizer(context_length or text["context_length"])
+# OpenCLIP's BPE vocabulary: 49,152 merges + 256 bytes + start/end of text.
+OPENCLIP_VOCAB_SIZE = 49408
+
+
+def uses_byte_tokenizer(model_name: str) -> bool:
+    """Whether the architecture asks for bigclip's byte tokenizer ("tokenizer": "byte" in its config: test-tiny
+    and the offline demo) instead of OpenCLIP's BPE tokenizer."""
+    return get_model_config(model_name).get("tokenizer") == "byte"
+
+
+def get_tokenizer(model_name: str, context_length: int | None = None):
+    """A callable (str | list[str]) -> LongTensor (N, context_length) for `model_name`.
+
+    OpenCLIP architectures get OpenCLIP's own tokenizer (open_clip.get_tokenizer: its BPE vocabulary, text
+    cleaning, lower-casing, start/end tokens and truncation), so token ids are the ones OpenCLIP weights
+    were trained on. context_length (--force-context-length) overrides the architecture's."""
+    length = context_length or get_model_config(model_name)["text_cfg"]["context_length"]
+    if uses_byte_tokenizer(model_name):
+        return ByteTokenizer(length)
+    # open_clip takes seconds to import; only runs that tokenize with its vocabulary need it.
+    import open_clip
+
+    if model_name in open_clip.list_models():
+        return open_clip.get_tokenizer(model_name, context_length=length)
+    return open_clip.SimpleTokenizer(context_length=length)  # a bigclip-only architecture: OpenCLIP's default
 
 
 def create_model(
@@ -114,10 +135,11 @@ def create_model(
         if context_length < 2:
             raise UserError(f"--force-context-length {context_length}: must be at least 2 (sot + eot)")
         text_cfg["context_length"] = context_length
-    if text_cfg["vocab_size"] < ByteTokenizer.vocab_size:
+    tokenizer_vocab = ByteTokenizer.vocab_size if cfg.get("tokenizer") == "byte" else OPENCLIP_VOCAB_SIZE
+    if text_cfg["vocab_size"] < tokenizer_vocab:
         raise UserError(
             f"--model {name}: text vocab_size {text_cfg['vocab_size']} is smaller than the "
-            f"tokenizer's {ByteTokenizer.vocab_size}; raise vocab_size in its config"
+            f"tokenizer's {tokenizer_vocab}; raise vocab_size in its config"
         )
 
     with torch.device("meta"):

@@ -1,16 +1,16 @@
-"""Byte-level tokenizer that needs no vocabulary file and no network.
+"""Byte-level tokenizer that needs no vocabulary file: for architectures whose config asks for it.
 
-OpenCLIP's BPE vocabulary (49,152 merges) is downloaded or shipped as a data file; bigclip
-ships neither, so training and tests run fully offline. Text is cleaned (HTML entities
-unescaped, whitespace collapsed, lower-cased) and encoded as UTF-8 bytes:
+OpenCLIP architectures use OpenCLIP's own BPE tokenizer (model/factory.py:get_tokenizer). This one is
+for small models trained from scratch, such as `test-tiny` and the embedded demo, where a 259-id
+vocabulary keeps the embedding tiny. Text is cleaned (HTML entities unescaped, whitespace collapsed,
+lower-cased) and encoded as UTF-8 bytes:
 
     0        padding
     1..256   byte value + 1
     257      start of text (sot)
     258      end of text (eot) -- the largest id, so `argmax(tokens)` finds it for pooling
 
-The vocabulary therefore has 259 ids. Text configs may declare a larger `vocab_size` (the
-OpenCLIP-sized configs keep 49408 so parameter counts match); unused rows are never looked up.
+The vocabulary therefore has 259 ids.
 """
 
 from __future__ import annotations
