@@ -29,6 +29,7 @@ from bigclip.errors import UserError
 from bigclip.loss.select import check_dist_impl as check_loss_dist_impl
 from bigclip.loss.select import check_impl as check_loss_impl
 from bigclip.model import list_models
+from bigclip.model.pretrained import check_pretrained
 
 PRECISIONS = ("amp", "amp_bf16", "amp_bfloat16", "bf16", "fp16", "pure_bf16", "pure_fp16", "fp32")
 LR_SCHEDULERS = ("cosine", "const", "const-cooldown")
@@ -95,7 +96,12 @@ class TrainConfig:
 
     # ---- model
     model: str = _flag("RN50", "Architecture name (see `bigclip models`); the demo uses test-tiny.", MODEL)
-    pretrained: str | None = _flag(None, "Local path of a bigclip or OpenCLIP state dict (.pt/.safetensors).", MODEL)
+    pretrained: str | None = _flag(
+        None,
+        "One of OpenCLIP's pretrained tags for --model (fetched through the Hugging Face hub into --cache-dir), "
+        "or a local bigclip or OpenCLIP state dict (.pt/.bin/.safetensors).",
+        MODEL,
+    )
     pretrained_image: bool = _unsupported(
         False, "ImageNet weights for the image tower.", MODEL, "no weights are downloaded; pass --pretrained PATH"
     )
@@ -277,7 +283,9 @@ class TrainConfig:
 
     # ---- other
     config: str | None = _flag(None, "YAML file of option values (flags given on the command line win).", MISC)
-    cache_dir: str | None = _flag(None, "Cache directory; bigclip downloads nothing, so nothing is cached.", MISC)
+    cache_dir: str | None = _flag(
+        None, "Hugging Face hub cache for --pretrained tags (default: the hub's own, HF_HUB_CACHE).", MISC
+    )
 
     # Set by resolution, not by users.
     demo: bool = field(default=False, metadata={"internal": True})
@@ -482,8 +490,8 @@ def _validate_paths(cfg: TrainConfig) -> None:
         for path in dataset_paths(value):
             if not _is_url(path) and not os.path.exists(path):
                 _fail(name, value, f"'{path}' does not exist; check the path")
-    if cfg.pretrained and not _is_url(cfg.pretrained) and not os.path.exists(cfg.pretrained):
-        _fail("pretrained", cfg.pretrained, "file not found; pass a local .pt or .safetensors file")
+    if cfg.pretrained:
+        check_pretrained(cfg.model, cfg.pretrained)
     if cfg.resume and cfg.resume != "latest" and not _is_url(cfg.resume) and not os.path.exists(cfg.resume):
         _fail("resume", cfg.resume, "not found; pass a checkpoint directory or 'latest'")
     if cfg.train_data is None and cfg.dataset_type not in ("synthetic", "auto"):

@@ -28,6 +28,7 @@ from bigclip.log import MetricSinks, check_new_run, default_run_name, logger, ru
 from bigclip.loop import train_one_epoch
 from bigclip.loss import build_loss
 from bigclip.model import create_model, get_tokenizer, preprocess_cfg
+from bigclip.model.pretrained import resolve_pretrained
 from bigclip.progress import EpochProgress
 from bigclip.schedule import build_schedule
 from bigclip.train_state import TrainState
@@ -49,10 +50,21 @@ def build_model(cfg, world: World):
         patch_dropout=cfg.force_patch_dropout,
         quick_gelu=cfg.force_quick_gelu,
         siglip=cfg.siglip,
-        pretrained=cfg.pretrained,
+        pretrained=pretrained_weights(cfg, world),
     )
     # The engine picks where it is built: whole, or on meta for sharding engines to initialise shard by shard.
     return build_for_engine(cfg, world, factory)
+
+
+def pretrained_weights(cfg, world: World) -> str | None:
+    """The local file --pretrained names. A tag's weights are fetched once per node (local rank 0, which also
+    checks their hash) while the other ranks wait; then every rank reads them from the cache."""
+    if not cfg.pretrained:
+        return None
+    raise_together(
+        world, lambda: resolve_pretrained(cfg.model, cfg.pretrained, cfg.cache_dir), runs_here=world.local_rank == 0
+    )
+    return resolve_pretrained(cfg.model, cfg.pretrained, cfg.cache_dir, local_files_only=True, verify=False)
 
 
 def _image_size_override(cfg):

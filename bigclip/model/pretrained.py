@@ -1,0 +1,108 @@
+"""--pretrained: a local state dict, or one of OpenCLIP's pretrained tags fetched through the Hugging Face hub.
+
+A tag (`--pretrained laion2b_s34b_b79k`) is looked up in OpenCLIP's own registry for the model
+(open_clip.get_pretrained_cfg); its weights are fetched with huggingface_hub into --cache-dir (the hub's
+cache layout; default: the hub's own cache) on first use and read from that cache afterwards, also with
+HF_HUB_OFFLINE=1. The hub names every large file's blob by its SHA-256, and that hash is checked against the
+bytes on disk before they are loaded, so a truncated or corrupted cache entry is refused, never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+from bigclip.errors import UserError
+
+# OpenCLIP's file names in a hub repository, preferred first (as open_clip's own download does).
+HUB_FILENAMES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def pretrained_tags(model: str) -> list[str]:
+    """OpenCLIP's pretrained tags for `model` (open_clip.list_pretrained_tags_by_model)."""
+    import open_clip  # slow to import; only --pretrained TAG needs the registry
+
+    return list(open_clip.list_pretrained_tags_by_model(model))
+
+
+def is_local_weights(value: str) -> bool:
+    return os.path.isfile(value)
+
+
+def check_pretrained(model: str, value: str) -> None:
+    """Flag validation: a file that exists, or a tag OpenCLIP has for this model."""
+    if is_local_weights(value):
+        return
+    tags = pretrained_tags(model)
+    if value in tags:
+        return
+    known = f"OpenCLIP's tags for {model}: {', '.join(tags)}" if tags else f"OpenCLIP has no tags for {model}"
+    if os.sep in value or value.endswith((".pt", ".pth", ".bin", ".safetensors")):
+        raise UserError(f"--pretrained {value!r}: file not found; pass a local .pt/.bin/.safetensors file ({known})")
+    raise UserError(f"--pretrained {value!r}: not a file, and not a pretrained tag of --model {model} ({known})")
+
+
+def resolve_pretrained(
+    model: str, value: str, cache_dir: str | None, local_files_only: bool = False, verify: bool = True
+) -> str:
+    """The local file holding the weights --pretrained names: the file itself, or the tag's file in the hub
+    cache (fetched into it unless local_files_only or HF_HUB_OFFLINE=1; its SHA-256 checked when verify).
+    UserError naming the tag, the model and the cache when the weights cannot be had."""
+    if is_local_weights(value):
+        return value
+    check_pretrained(model, value)
+    import open_clip
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    cfg = open_clip.get_pretrained_cfg(model, value)
+    hub = cfg.get("hf_hub", "")
+    where = cache_dir or HF_HUB_CACHE
+    if not hub:
+        raise UserError(
+            f"--pretrained {value}: OpenCLIP serves the {model} weights of this tag only from a URL, not the "
+            f"Hugging Face hub; download them and pass the file to --pretrained"
+        )
+    # OpenCLIP's registry writes 'org/repo/' (its default file names) or 'org/repo/file'; a .safetensors twin
+    # of a pickled file is preferred, as open_clip's own download does.
+    repo_id, filename = os.path.split(hub)
+    filenames = HUB_FILENAMES
+    if filename:
+        stem, ext = os.path.splitext(filename)
+        filenames = (stem + ".safetensors", filename) if ext in (".bin", ".pth") else (filename,)
+    problem = None
+    for name in filenames:
+        try:
+            path = hf_hub_download(repo_id, name, cache_dir=cache_dir, local_files_only=local_files_only)
+        except Exception as e:  # noqa: BLE001 — offline, missing file, network: the next name, then one line
+            problem = e
+            continue
+        if verify:
+            verify_hub_blob(path, value)
+        return path
+    offline = local_files_only or os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    how = "the cache holds no copy and downloads are off (HF_HUB_OFFLINE)" if offline else "the download failed"
+    raise UserError(
+        f"--pretrained {value}: the {model} weights of this tag ({repo_id} on the Hugging Face hub) could not be "
+        f"had: {how} ({type(problem).__name__}); cache directory {where}. Fetch them once with network access "
+        f"(same --cache-dir), or pass a local file to --pretrained"
+    )
+
+
+def verify_hub_blob(path: str, tag: str) -> None:
+    """The hub's cache names a large file's blob by the SHA-256 of its content: check the bytes against it."""
+    blob = os.path.realpath(path)
+    expected = os.path.basename(blob)
+    if not _SHA256.fullmatch(expected):
+        return  # a small, non-LFS file: the hub names it by a git hash, not a content hash
+    digest = hashlib.sha256()
+    with open(blob, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != expected:
+        raise UserError(
+            f"--pretrained {tag}: the cached file {path} does not match its SHA-256 ({expected[:12]}…); the cache "
+            f"entry is corrupt: delete {blob} and fetch it again"
+        )

@@ -1,0 +1,106 @@
+"""--pretrained TAG: OpenCLIP's registry, weights from a Hugging Face hub cache, hash checked, offline.
+
+These machines reach no hub, so the test builds the hub's own cache layout (blobs named by SHA-256,
+refs/main, snapshots/<commit>/<file>) from random OpenCLIP weights, and huggingface_hub resolves the tag's
+file from it with HF_HUB_OFFLINE=1. OpenCLIP's model with the same weights is the oracle for the embeddings.
+"""
+
+import hashlib
+import os
+
+import open_clip
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from bigclip import cli
+from bigclip.config import resolve
+from bigclip.dist import World
+from bigclip.errors import UserError
+from bigclip.model.pretrained import resolve_pretrained
+from bigclip.train import build_model
+
+TAG, REPO_ID = "laion2b_s34b_b79k", "laion/CLIP-ViT-B-32-laion2B-s34B-b79K"
+
+
+def build_hub_cache(cache: str, repo_id: str, filename: str, data: bytes) -> str:
+    """The layout huggingface_hub writes when it downloads `filename` of `repo_id` at revision main."""
+    sha = hashlib.sha256(data).hexdigest()
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    root = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+    os.makedirs(os.path.join(root, "blobs"))
+    os.makedirs(os.path.join(root, "refs"))
+    os.makedirs(os.path.join(root, "snapshots", commit))
+    with open(os.path.join(root, "blobs", sha), "wb") as f:
+        f.write(data)
+    with open(os.path.join(root, "refs", "main"), "w") as f:
+        f.write(commit)
+    os.symlink(os.path.join("..", "..", "blobs", sha), os.path.join(root, "snapshots", commit, filename))
+    return os.path.join(root, "blobs", sha)
+
+
+@pytest.fixture(scope="module")
+def openclip_vit_b_32(tmp_path_factory):
+    """A randomly initialised OpenCLIP ViT-B-32 and a hub cache holding its weights under the tag's repo."""
+    torch.manual_seed(0)
+    model = open_clip.create_model("ViT-B-32").eval()
+    cache = str(tmp_path_factory.mktemp("hub"))
+    path = str(tmp_path_factory.mktemp("w") / "w.safetensors")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    with open(path, "rb") as f:
+        blob = build_hub_cache(cache, REPO_ID, "open_clip_model.safetensors", f.read())
+    return model, cache, blob
+
+
+def test_tag_loads_from_the_hub_cache_offline_and_matches_open_clip(openclip_vit_b_32, monkeypatch):
+    reference, cache, _ = openclip_vit_b_32
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = resolve(
+        {"model": "ViT-B-32", "pretrained": TAG, "cache_dir": cache, "dataset_type": "synthetic", "precision": "fp32"}
+    )
+    model = build_model(cfg, World()).eval()
+    torch.manual_seed(1)
+    images = torch.randn(2, 3, 224, 224)
+    texts = open_clip.get_tokenizer("ViT-B-32")(["a photo of a cat", "two dogs on the beach at sunset"])
+    with torch.no_grad():
+        ours = model(images=images, texts=texts)
+        theirs_img = reference.encode_image(images, normalize=True)
+        theirs_txt = reference.encode_text(texts, normalize=True)
+    assert (ours["image_features"] - theirs_img).abs().max() <= 1e-5
+    assert (ours["text_features"] - theirs_txt).abs().max() <= 1e-5
+
+
+def test_unknown_tag_names_the_model_and_its_tags(capsys):
+    code = cli.main(["--model", "ViT-B-32", "--pretrained", "laion9b_nonsense", "--dataset-type", "synthetic"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "--pretrained 'laion9b_nonsense'" in err and "ViT-B-32" in err and TAG in err
+
+
+def test_offline_with_an_empty_cache_fails_with_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError) as e:
+        resolve_pretrained("ViT-B-32", TAG, str(tmp_path / "empty"))
+    message = str(e.value)
+    assert "\n" not in message
+    assert TAG in message and "ViT-B-32" in message and str(tmp_path / "empty") in message
+    assert "HF_HUB_OFFLINE" in message
+
+
+def test_a_corrupt_cache_entry_is_refused(openclip_vit_b_32, monkeypatch, tmp_path):
+    _, cache, blob = openclip_vit_b_32
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = resolve_pretrained("ViT-B-32", TAG, cache)  # verifies: the blob's bytes hash to its name
+    assert os.path.realpath(path) == os.path.realpath(blob)
+    copy = tmp_path / "hub"
+    with open(blob, "rb") as f:
+        data = bytearray(f.read())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in the middle of the weights
+    bad = build_hub_cache(str(copy), REPO_ID, "open_clip_model.safetensors", bytes(data))
+    os.rename(bad, os.path.join(os.path.dirname(bad), hashlib.sha256(b"not these bytes").hexdigest()))
+    snapshot = os.path.join(os.path.dirname(os.path.dirname(bad)), "snapshots")
+    link = os.path.join(snapshot, os.listdir(snapshot)[0], "open_clip_model.safetensors")
+    os.remove(link)
+    os.symlink(os.path.join("..", "..", "blobs", hashlib.sha256(b"not these bytes").hexdigest()), link)
+    with pytest.raises(UserError, match="does not match its SHA-256"):
+        resolve_pretrained("ViT-B-32", TAG, str(copy))
