@@ -1,16 +1,22 @@
 """--pretrained TAG: OpenCLIP's registry, weights from a Hugging Face hub cache, hash checked, offline.
 
-These machines reach no hub, so the test builds the hub's own cache layout (blobs named by SHA-256,
-refs/main, snapshots/<commit>/<file>) from random OpenCLIP weights, and huggingface_hub resolves the tag's
-file from it with HF_HUB_OFFLINE=1. OpenCLIP's model with the same weights is the oracle for the embeddings.
+These machines reach no hub. The download path runs against a stand-in for the hub's two file requests
+(HEAD, GET) on 127.0.0.1 (HF_ENDPOINT), the offline path against the cache that download left behind, and
+the model test against the hub's cache layout (blobs named by SHA-256, refs/main, snapshots/<commit>/<file>)
+built from random OpenCLIP weights. OpenCLIP's model with the same weights is the oracle for the embeddings.
 """
 
 import hashlib
+import http.server
 import os
+import subprocess
+import sys
+import threading
 
 import open_clip
 import pytest
 import torch
+from helpers import subprocess_env
 from safetensors.torch import save_file
 
 from bigclip import cli
@@ -104,3 +110,86 @@ def test_a_corrupt_cache_entry_is_refused(openclip_vit_b_32, monkeypatch, tmp_pa
     os.symlink(os.path.join("..", "..", "blobs", hashlib.sha256(b"not these bytes").hexdigest()), link)
     with pytest.raises(UserError, match="does not match its SHA-256"):
         resolve_pretrained("ViT-B-32", TAG, str(copy))
+
+
+class FakeHub:
+    """The two requests huggingface_hub makes for one file (HEAD for metadata, GET for the bytes), served from
+    memory on 127.0.0.1: the real download path, with HF_ENDPOINT pointing here."""
+
+    def __init__(self, repo_id: str, filename: str, data: bytes, etag: str | None = None):
+        self.data, self.path = data, f"/{repo_id}/resolve/main/{filename}"
+        self.etag = etag or hashlib.sha256(data).hexdigest()
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _headers(self) -> bool:
+                if self.path != hub.path:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return False
+                self.send_response(200)
+                self.send_header("X-Repo-Commit", "0" * 40)
+                self.send_header("ETag", f'"{hub.etag}"')
+                self.send_header("Content-Length", str(len(hub.data)))
+                self.end_headers()
+                return True
+
+            def do_HEAD(self):  # noqa: N802 — http.server's naming
+                self._headers()
+
+            def do_GET(self):  # noqa: N802
+                if self._headers():
+                    self.wfile.write(hub.data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def resolve_in_child(cache: str, **env: str) -> subprocess.CompletedProcess:
+    # huggingface_hub reads HF_ENDPOINT when it is imported: a fresh interpreter per setting.
+    code = (
+        "from bigclip.model.pretrained import resolve_pretrained; "
+        f"print(resolve_pretrained('ViT-B-32', {TAG!r}, {cache!r}))"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=subprocess_env(**env)
+    )
+
+
+def test_tag_is_downloaded_into_the_cache_then_used_offline(tmp_path):
+    data = os.urandom(1 << 20)
+    hub = FakeHub(REPO_ID, "open_clip_model.safetensors", data)
+    cache = str(tmp_path / "hub")
+    try:
+        first = resolve_in_child(cache, HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0")
+    finally:
+        hub.close()
+    assert first.returncode == 0, first.stderr[-2000:]
+    path = first.stdout.strip().splitlines()[-1]
+    assert path.startswith(cache) and open(path, "rb").read() == data
+    assert os.path.basename(os.path.realpath(path)) == hashlib.sha256(data).hexdigest()  # the hub's blob layout
+    # The hub is gone; offline, the same tag resolves from the cache.
+    second = resolve_in_child(cache, HF_HUB_OFFLINE="1")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert second.stdout.strip().splitlines()[-1] == path
+
+
+def test_a_download_that_does_not_match_its_hash_is_refused(tmp_path):
+    data = os.urandom(1 << 16)
+    hub = FakeHub(REPO_ID, "open_clip_model.safetensors", data, etag=hashlib.sha256(b"other bytes").hexdigest())
+    try:
+        child = resolve_in_child(str(tmp_path / "hub"), HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0")
+    finally:
+        hub.close()
+    assert child.returncode != 0
+    last = child.stderr.strip().splitlines()[-1]
+    assert "UserError" in last and TAG in last and "does not match its SHA-256" in last
