@@ -1,0 +1,63 @@
+"""Round trips with OpenCLIP itself (open_clip_torch is the oracle), fp32 on CPU, embeddings within 1e-5.
+
+- OpenCLIP -> bigclip: a randomly initialised OpenCLIP model, saved as OpenCLIP saves state dicts, loads
+  into bigclip with --pretrained FILE and gives the same normalised image and text embeddings.
+- bigclip -> OpenCLIP: `bigclip export` of a bigclip training checkpoint loads into
+  open_clip.create_model(name, pretrained=OUT) (strict keys) and gives bigclip's embeddings.
+"""
+
+import os
+
+import open_clip
+import pytest
+import torch
+
+from bigclip import cli
+from bigclip.ckpt.dcp_layout import DCPLayout
+from bigclip.model import create_model
+
+TOL = 1e-5
+
+
+def embeddings(model, name: str, seed: int = 1):
+    """Normalised image and text embeddings (OpenCLIP's and bigclip's models share encode_image/encode_text)."""
+    torch.manual_seed(seed)
+    images = torch.randn(3, 3, 224, 224)
+    texts = open_clip.get_tokenizer(name)(["a photo of a cat", "", "two dogs playing on a beach at sunset!"])
+    with torch.no_grad():
+        return model.encode_image(images, normalize=True), model.encode_text(texts, normalize=True)
+
+
+def assert_close(ours, theirs):
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape
+        assert (a - b).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("name", ["ViT-B-32", "ViT-B-16-quickgelu"])
+def test_openclip_weights_load_into_bigclip_with_the_same_embeddings(name, tmp_path):
+    torch.manual_seed(0)
+    reference = open_clip.create_model(name).eval()
+    path = str(tmp_path / "openclip.pt")
+    torch.save(reference.state_dict(), path)  # what OpenCLIP users hold: a plain state dict
+    ours = create_model(name, pretrained=path).eval()
+    assert_close(embeddings(ours, name), embeddings(reference, name))
+
+
+@pytest.mark.slow
+def test_bigclip_export_loads_into_open_clip_with_the_same_embeddings(tmp_path):
+    """One training step of ViT-B-32 (so the weights are bigclip's own, not an init), checkpoint, export."""
+    name = "ViT-B-32"
+    args = ["--model", name, "--dataset-type", "synthetic", "--train-num-samples", "2", "--batch-size", "2",
+            "--epochs", "1", "--precision", "fp32", "--workers", "0", "--lr", "1e-3", "--warmup", "1",
+            "--logs", str(tmp_path), "--name", "run", "--zeroshot-frequency", "9", "--val-frequency", "9"]  # fmt: skip
+    assert cli.main(args) == 0
+    ckpt = os.path.join(tmp_path, "run", "checkpoints", "epoch_1")
+    out = str(tmp_path / "exported.safetensors")
+    assert cli.main(["export", ckpt, out]) == 0
+
+    ours = create_model(name, init=False).eval()
+    ours.load_state_dict(DCPLayout.read_model_state(ckpt))  # the checkpoint's weights, bigclip's names
+    theirs = open_clip.create_model(name, pretrained=out).eval()  # strict: every key of OpenCLIP's model
+    assert_close(embeddings(ours, name), embeddings(theirs, name))
+    assert theirs.logit_scale.item() == pytest.approx(ours.logit_scale.item())
