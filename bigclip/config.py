@@ -23,6 +23,7 @@ from braceexpand import braceexpand  # ships with webdataset
 from bigclip.ckpt.manager import ASYNC_MODES
 from bigclip.ckpt.storage import parse_storage_options, redact_options, redact_url
 from bigclip.data import DATASET_TYPES, check_dataset_type, validate_aug_cfg
+from bigclip.data.imagenet import class_folders
 from bigclip.engine import ENGINE_CLASSES
 from bigclip.engine import check_config as check_engine_config
 from bigclip.errors import UserError
@@ -229,12 +230,10 @@ class TrainConfig:
     # ---- evaluation
     val_frequency: int = _flag(1, "Validate every N epochs.", EVAL)
     zeroshot_frequency: int = _flag(2, "Zero-shot evaluation every N epochs.", EVAL)
-    imagenet_val: str | None = _unsupported(
-        None, "ImageNet validation folder for zero-shot.", EVAL, "zero-shot runs on the embedded demo's classes for now"
+    imagenet_val: str | None = _flag(
+        None, "ImageNet validation folder (one folder per class) for zero-shot classification.", EVAL
     )
-    imagenet_v2: str | None = _unsupported(
-        None, "ImageNet-v2 folder for zero-shot.", EVAL, "zero-shot runs on the embedded demo's classes for now"
-    )
+    imagenet_v2: str | None = _flag(None, "ImageNet-v2 folder (class folders 0 ... 999) for zero-shot.", EVAL)
 
     # ---- distributed
     engine: str = _flag(
@@ -492,6 +491,9 @@ def _validate_paths(cfg: TrainConfig) -> None:
                 _fail(name, value, f"'{path}' does not exist; check the path")
     if cfg.pretrained:
         check_pretrained(cfg.model, cfg.pretrained)
+    for name in ("imagenet_val", "imagenet_v2"):
+        if getattr(cfg, name):
+            class_folders(getattr(cfg, name), name)  # 1000 class folders, before any work
     if cfg.resume and cfg.resume != "latest" and not _is_url(cfg.resume) and not os.path.exists(cfg.resume):
         _fail("resume", cfg.resume, "not found; pass a checkpoint directory or 'latest'")
     if cfg.train_data is None and cfg.dataset_type not in ("synthetic", "auto"):

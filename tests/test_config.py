@@ -78,7 +78,7 @@ def test_precedence_defaults_yaml_flags(tmp_path):
         (["--dataset-resampled"], "--dataset-resampled: not supported yet"),
         (["--horovod"], "--horovod: not supported yet"),
         (["--coca-caption-loss-weight", "1.0"], "--coca-caption-loss-weight: not supported yet"),
-        (["--imagenet-val", "/data/imagenet"], "--imagenet-val: not supported yet"),
+        (["--imagenet-val", "/nonexistent/imagenet"], "--imagenet-val /nonexistent/imagenet: not a directory"),
         (["--batch-size", "abc"], "argument --batch-size: invalid int value: 'abc'"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["--force-patch-dropout", "1.5"], "--force-patch-dropout 1.5: must be in [0, 1)"),

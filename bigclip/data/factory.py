@@ -9,6 +9,7 @@ from PIL import Image
 
 from bigclip.data.csv_dataset import CsvDataset
 from bigclip.data.digits import build_digits
+from bigclip.data.imagenet import build_zeroshot_sets
 from bigclip.data.info import DataInfo
 from bigclip.data.sampler import ShardedBatchSampler
 from bigclip.data.skips import SkipCounter
@@ -180,8 +181,9 @@ def get_data(
     epoch: int = 0,
     preprocess_cfg: dict | None = None,
 ) -> dict[str, Any]:
-    """Loaders named 'train' and 'val' (DataInfo) as the config asks; for the embedded demo (cfg.demo)
-    also 'zeroshot' (yielding (images, class index)), 'classnames' and 'templates'.
+    """Loaders named 'train' and 'val' (DataInfo) as the config asks, and one per ImageNet zero-shot set
+    (--imagenet-val, --imagenet-v2; keyed by their metric prefix, yielding (images, class index)); for the
+    embedded demo (cfg.demo) also 'zeroshot', 'classnames' and 'templates'.
 
     `preprocess_cfg` = {'size': (H, W), 'mean': ..., 'std': ...}: the model's image geometry, used
     where images are made as tensors (synthetic data, the demo) rather than by the preprocess callables.
@@ -196,6 +198,7 @@ def get_data(
             data["train"] = builder.build(train=True)
         if cfg.val_data or (synthetic and cfg.val_num_samples):
             data["val"] = builder.build(train=False)
+    data.update(build_zeroshot_sets(cfg, preprocess_val, rank, world_size))
     for info in data.values():
         if isinstance(info, DataInfo):
             info.set_epoch(epoch)
