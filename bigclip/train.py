@@ -72,16 +72,22 @@ def _image_size_override(cfg):
     return size[0] if size is not None and len(size) == 1 else (tuple(size) if size else None)
 
 
-def build_data(cfg, world: World, epoch: int):
+def build_transforms(cfg):
+    """(train transform, eval transform, geometry {'size', 'mean', 'std'}) for the model and the image flags."""
     pp = preprocess_cfg(cfg.model, _image_size_override(cfg))
     mean = tuple(cfg.image_mean) if cfg.image_mean else pp["mean"]
     std = tuple(cfg.image_std) if cfg.image_std else pp["std"]
     mean, std = (mean * 3 if len(mean) == 1 else mean), (std * 3 if len(std) == 1 else std)
     interpolation = cfg.image_interpolation or pp["interpolation"]
     resize_mode = cfg.image_resize_mode or pp["resize_mode"]
-    tokenizer = get_tokenizer(cfg.model, context_length=cfg.force_context_length)
     preprocess_train = image_transform(pp["size"], True, mean, std, interpolation, resize_mode, cfg.aug_cfg)
     preprocess_val = image_transform(pp["size"], False, mean, std, interpolation, resize_mode, None)
+    return preprocess_train, preprocess_val, {"size": pp["size"], "mean": mean, "std": std}
+
+
+def build_data(cfg, world: World, epoch: int):
+    preprocess_train, preprocess_val, geometry = build_transforms(cfg)
+    tokenizer = get_tokenizer(cfg.model, context_length=cfg.force_context_length)
     data = get_data(
         cfg,
         preprocess_train,
@@ -90,7 +96,7 @@ def build_data(cfg, world: World, epoch: int):
         rank=world.rank,
         world_size=world.world_size,
         epoch=epoch,
-        preprocess_cfg={"size": pp["size"], "mean": mean, "std": std},
+        preprocess_cfg=geometry,
     )
     return data, tokenizer
 

@@ -37,7 +37,7 @@ def imagenet_val(tmp_path_factory):
     return root
 
 
-def test_imagenet_zero_shot_matches_open_clip(imagenet_val, tmp_path):
+def test_imagenet_zero_shot_matches_open_clip(imagenet_val, tmp_path, capsys):
     args = ["--model", "test-tiny", "--dataset-type", "synthetic", "--train-num-samples", "16", "--batch-size", "8",
             "--epochs", "1", "--precision", "fp32", "--workers", "0", "--lr", "1e-3", "--warmup", "1",
             "--imagenet-val", imagenet_val, "--logs", str(tmp_path), "--name", "zs"]  # fmt: skip
@@ -67,6 +67,18 @@ def test_imagenet_zero_shot_matches_open_clip(imagenet_val, tmp_path):
     assert len(dataset) == 1015
     assert logged["eval/imagenet-zeroshot-val-top1"] == pytest.approx(top1 / len(dataset), abs=1e-9)
     assert logged["eval/imagenet-zeroshot-val-top5"] == pytest.approx(top5 / len(dataset), abs=1e-9)
+
+    # `bigclip eval` of the same weights (the checkpoint exported) prints the same numbers as JSON.
+    weights = str(tmp_path / "w.safetensors")
+    assert cli.main(["export", os.path.join(run, "checkpoints", "epoch_1"), weights]) == 0
+    capsys.readouterr()
+    argv = ["eval", "--model", "test-tiny", "--pretrained", weights, "--imagenet-val", imagenet_val,
+            "--batch-size", "32", "--workers", "0", "--precision", "fp32"]  # fmt: skip
+    assert cli.main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["model"] == "test-tiny" and result["images"] == {"imagenet-zeroshot-val": 1015}
+    for key in ("imagenet-zeroshot-val-top1", "imagenet-zeroshot-val-top5"):
+        assert result["metrics"][key] == pytest.approx(logged[f"eval/{key}"], abs=1e-9), key
 
 
 def test_imagenet_v2_numbered_folders_are_class_indices(tmp_path):

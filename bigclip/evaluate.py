@@ -1,0 +1,43 @@
+"""`bigclip eval FLAGS`: zero-shot ImageNet (--imagenet-val, --imagenet-v2) of a model without training.
+
+Takes the training command's flags (--model, --pretrained, --batch-size, --workers, --precision, --engine, …),
+runs under any launcher like training does, and prints one JSON object on stdout (rank 0), as CLIP_benchmark
+does: the model, the weights, and OpenCLIP's metric names with their values.
+"""
+
+from __future__ import annotations
+
+import json
+
+from bigclip.cli_args import parse_train_args
+from bigclip.data.imagenet import build_zeroshot_sets
+from bigclip.dist import init_distributed, shutdown
+from bigclip.engine import build_engine
+from bigclip.errors import UserError
+from bigclip.eval import imagenet_zero_shot
+from bigclip.model import get_tokenizer
+from bigclip.train import build_model, build_transforms, seed_everything
+
+
+def main(argv: list[str]) -> int:
+    cfg, launcher = parse_train_args(argv)
+    if not (cfg.imagenet_val or cfg.imagenet_v2):
+        raise UserError("bigclip eval: nothing to evaluate; pass --imagenet-val DIR and/or --imagenet-v2 DIR")
+    world = init_distributed(
+        cfg.device, cfg.dist_backend, cfg.dist_url, launcher.get("local_rank"), not cfg.no_set_device_rank
+    )
+    try:
+        seed_everything(cfg.seed)
+        engine = build_engine(cfg, build_model(cfg, world), world)
+        _, preprocess_val, _ = build_transforms(cfg)
+        sets = build_zeroshot_sets(cfg, preprocess_val, world.rank, world.world_size)
+        tokenizer = get_tokenizer(cfg.model, context_length=cfg.force_context_length)
+        engine.eval()
+        metrics = imagenet_zero_shot(engine, sets, tokenizer, cfg.batch_size, world)
+        if world.is_main:
+            result = {"model": cfg.model, "pretrained": cfg.pretrained, "metrics": metrics}
+            result["images"] = {prefix: info.num_samples for prefix, info in sets.items()}
+            print(json.dumps(result), flush=True)
+        return 0
+    finally:
+        shutdown()
