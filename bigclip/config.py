@@ -21,7 +21,7 @@ import yaml
 from braceexpand import braceexpand  # ships with webdataset
 
 from bigclip.ckpt.manager import ASYNC_MODES
-from bigclip.ckpt.storage import parse_storage_options, redact_options, redact_url
+from bigclip.ckpt.storage import is_url, parse_storage_options, redact_options, redact_url
 from bigclip.data import DATASET_TYPES, check_dataset_type, validate_aug_cfg
 from bigclip.data.imagenet import class_folders
 from bigclip.engine import ENGINE_CLASSES
@@ -472,10 +472,6 @@ def _validate_numbers(cfg: TrainConfig) -> None:
             _fail(name, v, "give one value or three (R G B)")
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path
-
-
 def dataset_paths(value: str) -> list[str]:
     """Every file a --train-data/--val-data value names: '::' separates sources, braces expand."""
     return [p for source in value.split("::") for p in braceexpand(source)]
@@ -487,14 +483,14 @@ def _validate_paths(cfg: TrainConfig) -> None:
         if value is None:
             continue
         for path in dataset_paths(value):
-            if not _is_url(path) and not os.path.exists(path):
+            if not is_url(path) and not os.path.exists(path):
                 _fail(name, value, f"'{path}' does not exist; check the path")
     if cfg.pretrained:
         check_pretrained(cfg.model, cfg.pretrained)
     for name in ("imagenet_val", "imagenet_v2"):
         if getattr(cfg, name):
             class_folders(getattr(cfg, name), name)  # 1000 class folders, before any work
-    if cfg.resume and cfg.resume != "latest" and not _is_url(cfg.resume) and not os.path.exists(cfg.resume):
+    if cfg.resume and cfg.resume != "latest" and not is_url(cfg.resume) and not os.path.exists(cfg.resume):
         _fail("resume", cfg.resume, "not found; pass a checkpoint directory or 'latest'")
     if cfg.train_data is None and cfg.dataset_type not in ("synthetic", "auto"):
         _fail("dataset_type", cfg.dataset_type, "needs --train-data")

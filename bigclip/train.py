@@ -6,7 +6,6 @@ epoch by epoch (loop.py), evaluating and checkpointing after each, until --epoch
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 import shutil
@@ -42,16 +41,21 @@ def seed_everything(seed: int) -> None:
 
 # ---------------------------------------------------------------------------------------------- setup
 def build_model(cfg, world: World):
-    factory = functools.partial(
-        create_model,
-        cfg.model,
-        image_size=_image_size_override(cfg),
-        context_length=cfg.force_context_length,
-        patch_dropout=cfg.force_patch_dropout,
-        quick_gelu=cfg.force_quick_gelu,
-        siglip=cfg.siglip,
-        pretrained=pretrained_weights(cfg, world),
-    )
+    def factory(**overrides):
+        # Weights are fetched only for a real build: a meta build (sharded init) loads none, and a run that
+        # sharded init refuses --pretrained for stops before downloading anything.
+        weights = None if overrides.get("device") == "meta" else pretrained_weights(cfg, world)
+        return create_model(
+            cfg.model,
+            image_size=_image_size_override(cfg),
+            context_length=cfg.force_context_length,
+            patch_dropout=cfg.force_patch_dropout,
+            quick_gelu=cfg.force_quick_gelu,
+            siglip=cfg.siglip,
+            pretrained=weights,
+            **overrides,
+        )
+
     # The engine picks where it is built: whole, or on meta for sharding engines to initialise shard by shard.
     return build_for_engine(cfg, world, factory)
 
