@@ -72,19 +72,16 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def torchrun_cmd(nproc: int, script: str, *args: str) -> list[str]:
+    """`python -m torch.distributed.run` on a free local port: nproc processes of `script` with `args`."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}", script, *args]  # fmt: skip
+
+
 def torchrun(nproc: int, args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
     # "--" keeps torchrun's own parser off bigclip's flags: it would reject --logs as an ambiguous
     # abbreviation of its --logs-specs.
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}",
-        TRAIN_SCRIPT,
-        "--",
-        *args,
-    ]
+    cmd = torchrun_cmd(nproc, TRAIN_SCRIPT, "--", *args)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(**env))
 
 

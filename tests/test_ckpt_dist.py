@@ -6,12 +6,19 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from helpers import REPO, TINY_SYNTHETIC, TRAIN_SCRIPT, free_port, read_metrics, subprocess_env, wait_for_step
+from helpers import (
+    REPO,
+    TINY_SYNTHETIC,
+    TRAIN_SCRIPT,
+    read_metrics,
+    subprocess_env,
+    torchrun_cmd,
+    wait_for_step,
+)
 
 from bigclip.ckpt import CheckpointManager
 from bigclip.config import resolve
@@ -47,15 +54,7 @@ def _rank_of(pid: int) -> int | None:
 def _torchrun(args, cwd):
     # No --logs flag: torch 2.14's torchrun rejects any "--logs" after the script as an abbreviation of its
     # own --logs-specs, so the run writes to the default ./logs/ under cwd.
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        TRAIN_SCRIPT,
-        *args,
-    ]
+    cmd = torchrun_cmd(2, TRAIN_SCRIPT, *args)
     return subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -308,17 +307,9 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
     }
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        str(tmp_path / "worker.py"),
-        str(tmp_path / "spec.json"),
-        str(tmp_path / "out.json"),
-        str(tmp_path),
-    ]
+    cmd = torchrun_cmd(
+        2, str(tmp_path / "worker.py"), str(tmp_path / "spec.json"), str(tmp_path / "out.json"), str(tmp_path)
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=subprocess_env(DS_ACCELERATOR="cpu"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     results = json.loads((tmp_path / "out.json").read_text())
@@ -344,17 +335,9 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
     (tmp_path / "reshard_spec.json").write_text(json.dumps({**spec, "zero2_into_zero3": mismatch}))
     for nproc in (1, 4):
         out = tmp_path / f"reshard{nproc}.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            f"--master_port={free_port()}",
-            str(tmp_path / "reshard.py"),
-            str(tmp_path / "reshard_spec.json"),
-            str(out),
-            str(tmp_path),
-        ]
+        cmd = torchrun_cmd(
+            nproc, str(tmp_path / "reshard.py"), str(tmp_path / "reshard_spec.json"), str(out), str(tmp_path)
+        )
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(DS_ACCELERATOR="cpu")
         )

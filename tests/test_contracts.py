@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, free_port, subprocess_env
+from helpers import REPO, subprocess_env, torchrun_cmd
 
 from bigclip.config import resolve
 from bigclip.errors import UserError
@@ -28,10 +28,7 @@ PACKAGE = os.path.join(REPO, "bigclip")
 @pytest.mark.slow
 def test_every_engine_round_trips_its_state_through_its_checkpoint_layout(tmp_path):
     out = tmp_path / "out.json"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-        os.path.join(REPO, "tests", "layout_worker.py"), str(tmp_path / "ckpts"), str(out),
-    ]  # fmt: skip
+    cmd = torchrun_cmd(2, os.path.join(REPO, "tests", "layout_worker.py"), str(tmp_path / "ckpts"), str(out))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=subprocess_env(DS_ACCELERATOR="cpu"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())

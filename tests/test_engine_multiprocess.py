@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, free_port, read_metrics, step_losses, subprocess_env, torchrun
+from helpers import REPO, free_port, read_metrics, step_losses, subprocess_env, torchrun, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -27,16 +27,7 @@ FP32_RTOL, BF16_RTOL = 1e-4, 3e-2
 def run_worker(tmp_path, runs, name="runs", timeout=900, **env):
     spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}_out.json"
     spec.write_text(json.dumps(runs))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        WORKER,
-        str(spec),
-        str(out),
-    ]
+    cmd = torchrun_cmd(2, WORKER, str(spec), str(out))
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(DS_ACCELERATOR="cpu", **env)
     )
