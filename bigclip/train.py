@@ -41,10 +41,10 @@ def seed_everything(seed: int) -> None:
 
 # ---------------------------------------------------------------------------------------------- setup
 def build_model(cfg, world: World):
+    weights = pretrained_weights(cfg, world)
+
     def factory(**overrides):
-        # Weights are fetched only for a real build: a meta build (sharded init) loads none, and a run that
-        # sharded init refuses --pretrained for stops before downloading anything.
-        weights = None if overrides.get("device") == "meta" else pretrained_weights(cfg, world)
+        # On meta (sharded init) the weights are checked now and streamed into each rank's shards later.
         return create_model(
             cfg.model,
             image_size=_image_size_override(cfg),

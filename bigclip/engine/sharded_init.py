@@ -7,7 +7,8 @@ rank the whole model in host memory, which is exactly what sharding engines exis
     2. every parameter becomes a DTensor sharded along dim 0 (FSDP2 does this in fully_shard; the
        DeepSpeed engine does it here with `shard_meta_params`);
     3. `materialise` allocates only the local shards and runs the model's own `init_weights()`. DTensor
-       sees global shapes, so fan-in based inits compute the same bounds as on the full tensor.
+       sees global shapes, so fan-in based inits compute the same bounds as on the full tensor. A model
+       built with --pretrained streams the file's rows for each local shard instead (model/weights.py).
 
 Random init on a CPU mesh: DTensor's offset-based RNG only exists for CUDA-like devices. Elsewhere each
 rank's random ops run on its local shard with the process generator, so with one seed every rank would
@@ -25,8 +26,6 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-
-from bigclip.errors import UserError
 
 # Models from this size up are built on meta under engines that shard parameters (--sharded-init auto).
 # ViT-L-14 (428M) still builds comfortably on one host; ViT-H-14 (986M) and ViT-bigG-14 (2.5B) do not on
@@ -60,14 +59,7 @@ def build_for_sharding(cfg, factory, shards_params: bool) -> nn.Module:
     if not shards_params:
         return factory()
     meta = factory(device="meta")
-    if wants_sharded_init(cfg, count_params(meta)):
-        if cfg.pretrained:
-            raise UserError(
-                f"--pretrained {cfg.pretrained}: loading weights into a model initialised shard "
-                f"by shard is not supported yet; add --sharded-init never"
-            )
-        return meta
-    return factory()
+    return meta if wants_sharded_init(cfg, count_params(meta)) else factory()
 
 
 def _has_dtensor_rng(model: nn.Module) -> bool:

@@ -11,11 +11,20 @@ from torch import nn
 
 from bigclip.model.text import TextTransformer
 from bigclip.model.vision import VisionTower
+from bigclip.model.weights import WeightsFile, load_pretrained, plan_for
 
 CLIP_INIT_LOGIT_SCALE = math.log(1 / 0.07)
 SIGLIP_INIT_LOGIT_SCALE = math.log(10.0)
 MAX_LOGIT_SCALE = math.log(100.0)
 SIGLIP_INIT_LOGIT_BIAS = -10.0
+
+
+def vision_tower(embed_dim: int, vision_cfg: dict, *, quick_gelu: bool) -> nn.Module:
+    """The image tower an architecture config (OpenCLIP's vision_cfg) describes.
+
+    Every tower offers: forward(images) -> (B, embed_dim); image_size (height, width); blocks (the units
+    engines shard and checkpoint); set_grad_checkpointing(every); init_weights(); lock(groups, bn_stats)."""
+    return VisionTower(embed_dim=embed_dim, quick_gelu=quick_gelu, **vision_cfg)
 
 
 class CLIP(nn.Module):
@@ -30,23 +39,37 @@ class CLIP(nn.Module):
     ):
         super().__init__()
         self.embed_dim = embed_dim
-        self.visual = VisionTower(embed_dim=embed_dim, quick_gelu=quick_gelu, **vision_cfg)
+        self.visual = vision_tower(embed_dim, vision_cfg, quick_gelu=quick_gelu)
         self.text = TextTransformer(embed_dim=embed_dim, quick_gelu=quick_gelu, **text_cfg)
         # Shape (1,), not 0-d: sharding engines split parameters along dim 0.
         self.logit_scale = nn.Parameter(torch.empty(1))
         self.logit_bias = nn.Parameter(torch.empty(1)) if siglip else None
+        # Pretrained weights `init_weights()` loads instead of a random init (see init_from).
+        self.pretrained_path: str | None = None
 
     @property
     def siglip(self) -> bool:
         return self.logit_bias is not None
+
+    def init_from(self, path: str) -> None:
+        """Make `init_weights()` load the pretrained weights at `path` rather than draw random ones.
+
+        For a model built on the meta device and initialised later, possibly shard by shard: the file is
+        checked against the model now (names and shapes, nothing read), and streamed in by `init_weights()`."""
+        plan_for(self, WeightsFile(path))
+        self.pretrained_path = str(path)
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """(Re)initialise every parameter in place, on whatever device the model sits.
 
         Engines build large models on the meta device, move them with `to_empty()` and then
-        call this; nothing here depends on how the model was constructed.
+        call this; nothing here depends on how the model was constructed. Parameters may be
+        sharded (DTensors): a pretrained file (`init_from`) is then read into each rank's shards.
         """
+        if self.pretrained_path is not None:
+            load_pretrained(self, self.pretrained_path)
+            return
         self.visual.init_weights()
         self.text.init_weights()
         self.logit_scale.fill_(SIGLIP_INIT_LOGIT_SCALE if self.siglip else CLIP_INIT_LOGIT_SCALE)

@@ -18,14 +18,19 @@ Only names and a few shapes differ; every tensor keeps its values:
     logit_scale, logit_bias           ()          logit_scale, logit_bias      (1,)
 
 timm's fused qkv weight stacks [q; k; v] exactly like `nn.MultiheadAttention.in_proj_weight`,
-so attention weights need no reordering.
+so attention weights need no reordering. Other vision towers bring their own tables (`TowerNames`); the
+state dict's visual names say which tower it holds. Conversions are plans (rename.py), so a checkpoint can
+also be converted one tensor at a time while it streams in.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 
 import torch
+
+from bigclip.model.rename import Plan, TowerNames, apply_plan, rename_prefix, renamed, same
 
 # OpenCLIP visual-block suffix -> timm block suffix.
 _VISION_BLOCK_NAMES = {
@@ -54,85 +59,135 @@ _OPENCLIP_BLOCK = re.compile(r"^transformer\.resblocks\.(\d+)\.(.+)$")
 _BIGCLIP_BLOCK = re.compile(r"^trunk\.blocks\.(\d+)\.(.+)$")
 
 
-def is_openclip_state_dict(state_dict: dict) -> bool:
-    return "token_embedding.weight" in state_dict or "visual.conv1.weight" in state_dict
+def _to_cls_token(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(1, 1, -1)
 
 
-def _rename_prefix(name: str, table: dict[str, str]) -> str | None:
-    """Map `name` through the first entry of `table` that equals it or prefixes it at a dot."""
-    for old, new in table.items():
-        if name == old:
-            return new
-        if name.startswith(old + "."):
-            return new + name[len(old) :]
-    return None
+def _to_pos_embed(t: torch.Tensor) -> torch.Tensor:
+    return t.unsqueeze(0)
 
 
-def _openclip_visual_name(name: str) -> str:
+def _to_class_embedding(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1)
+
+
+def _to_positional_embedding(t: torch.Tensor) -> torch.Tensor:
+    return t.squeeze(0)
+
+
+def _to_vector(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(1)
+
+
+def _to_scalar(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(())
+
+
+def _openclip_vit_name(name: str) -> str:
     block = _OPENCLIP_BLOCK.match(name)
     if block:
         index, rest = block.groups()
-        renamed = _rename_prefix(rest, _VISION_BLOCK_NAMES)
-        if renamed is None:
+        new = rename_prefix(rest, _VISION_BLOCK_NAMES)
+        if new is None:
             raise KeyError(f"unknown OpenCLIP vision block entry visual.{name}")
-        return f"trunk.blocks.{index}.{renamed}"
-    renamed = _rename_prefix(name, _VISION_TOP_NAMES)
-    if renamed is None:
+        return f"trunk.blocks.{index}.{new}"
+    new = rename_prefix(name, _VISION_TOP_NAMES)
+    if new is None:
         raise KeyError(f"unknown OpenCLIP vision entry visual.{name}")
-    return renamed
+    return new
 
 
-def _bigclip_visual_name(name: str) -> str:
+def _bigclip_vit_name(name: str) -> str:
     block = _BIGCLIP_BLOCK.match(name)
     if block:
         index, rest = block.groups()
-        renamed = _rename_prefix(rest, {v: k for k, v in _VISION_BLOCK_NAMES.items()})
-        if renamed is None:
+        new = rename_prefix(rest, {v: k for k, v in _VISION_BLOCK_NAMES.items()})
+        if new is None:
             raise KeyError(f"unknown bigclip vision block entry visual.{name}")
-        return f"transformer.resblocks.{index}.{renamed}"
-    renamed = _rename_prefix(name, {v: k for k, v in _VISION_TOP_NAMES.items()})
-    if renamed is None:
+        return f"transformer.resblocks.{index}.{new}"
+    new = rename_prefix(name, {v: k for k, v in _VISION_TOP_NAMES.items()})
+    if new is None:
         raise KeyError(f"unknown bigclip vision entry visual.{name}")
-    return renamed
+    return new
 
 
-def openclip_to_bigclip(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """OpenCLIP `CLIP.state_dict()` -> bigclip `CLIP.state_dict()` (tensors shared, not copied)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state_dict.items():
-        if name.split(".")[-1] in _OPENCLIP_IGNORED:
-            continue
+def _vit_from_openclip(names: Iterable[str]) -> Plan:
+    plan: Plan = {}
+    for name in names:
+        new = _openclip_vit_name(name[len("visual.") :])
+        fn = {"trunk.cls_token": _to_cls_token, "trunk.pos_embed": _to_pos_embed}.get(new, same)
+        plan["visual." + new] = renamed(name, fn)
+    return plan
+
+
+def _vit_to_openclip(names: Iterable[str]) -> Plan:
+    plan: Plan = {}
+    for name in names:
+        new = _bigclip_vit_name(name[len("visual.") :])
+        fn = {"class_embedding": _to_class_embedding, "positional_embedding": _to_positional_embedding}.get(new, same)
+        plan["visual." + new] = renamed(name, fn)
+    return plan
+
+
+VIT_NAMES = TowerNames(
+    kind="vit",
+    is_openclip=lambda names: "visual.class_embedding" in names,
+    is_bigclip=lambda names: "visual.trunk.cls_token" in names,
+    from_openclip=_vit_from_openclip,
+    to_openclip=_vit_to_openclip,
+)
+# Every vision tower bigclip builds; the first whose detector accepts a state dict's visual names converts it.
+VISION_TOWER_NAMES: tuple[TowerNames, ...] = (VIT_NAMES,)
+
+
+def is_openclip_state_dict(names: Iterable[str]) -> bool:
+    names = set(names)
+    return "token_embedding.weight" in names or "visual.conv1.weight" in names
+
+
+def _tower(visual: set[str], openclip: bool) -> TowerNames:
+    for tower in VISION_TOWER_NAMES:
+        if (tower.is_openclip if openclip else tower.is_bigclip)(visual):
+            return tower
+    layout = "OpenCLIP" if openclip else "bigclip"
+    raise KeyError(f"unknown {layout} vision tower (entries like {sorted(visual)[:3]})")
+
+
+def plan_openclip_to_bigclip(names: Iterable[str]) -> Plan:
+    """The plan that makes bigclip's `CLIP.state_dict()` from OpenCLIP's entries `names`."""
+    names = [n for n in names if n.split(".")[-1] not in _OPENCLIP_IGNORED]
+    visual = {n for n in names if n.startswith("visual.")}
+    plan: Plan = _tower(visual, openclip=True).from_openclip(sorted(visual)) if visual else {}
+    for name in names:
         if name in _SCALARS:
-            out[name] = tensor.reshape(1)
-        elif name.startswith("visual."):
-            new = _openclip_visual_name(name[len("visual.") :])
-            if new == "trunk.cls_token":
-                tensor = tensor.reshape(1, 1, -1)
-            elif new == "trunk.pos_embed":
-                tensor = tensor.unsqueeze(0)
-            out["visual." + new] = tensor
+            plan[name] = renamed(name, _to_vector)
         elif name.split(".")[0] in _TEXT_TOP_NAMES:
-            out["text." + name] = tensor
-        else:
+            plan["text." + name] = renamed(name)
+        elif not name.startswith("visual."):
             raise KeyError(f"unknown OpenCLIP entry {name}")
-    return out
+    return plan
 
 
-def bigclip_to_openclip(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """bigclip `CLIP.state_dict()` -> OpenCLIP `CLIP.state_dict()` layout (for export)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state_dict.items():
+def plan_bigclip_to_openclip(names: Iterable[str]) -> Plan:
+    """The plan that makes OpenCLIP's `CLIP.state_dict()` layout from bigclip's entries `names` (export)."""
+    names = list(names)
+    visual = {n for n in names if n.startswith("visual.")}
+    plan: Plan = _tower(visual, openclip=False).to_openclip(sorted(visual)) if visual else {}
+    for name in names:
         if name in _SCALARS:
-            out[name] = tensor.reshape(())
-        elif name.startswith("visual."):
-            new = _bigclip_visual_name(name[len("visual.") :])
-            if new == "class_embedding":
-                tensor = tensor.reshape(-1)
-            elif new == "positional_embedding":
-                tensor = tensor.squeeze(0)
-            out["visual." + new] = tensor
+            plan[name] = renamed(name, _to_scalar)
         elif name.startswith("text."):
-            out[name[len("text.") :]] = tensor
-        else:
+            plan[name[len("text.") :]] = renamed(name)
+        elif not name.startswith("visual."):
             raise KeyError(f"unknown bigclip entry {name}")
-    return out
+    return plan
+
+
+def openclip_to_bigclip(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """OpenCLIP `CLIP.state_dict()` -> bigclip `CLIP.state_dict()` (tensors shared, not copied)."""
+    return apply_plan(plan_openclip_to_bigclip(state_dict.keys()), state_dict)
+
+
+def bigclip_to_openclip(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """bigclip `CLIP.state_dict()` -> OpenCLIP `CLIP.state_dict()` layout (for export)."""
+    return apply_plan(plan_bigclip_to_openclip(state_dict.keys()), state_dict)

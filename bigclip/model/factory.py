@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 from functools import cache
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-from timm.layers import resample_abs_pos_embed
 
 from bigclip.errors import UserError
 from bigclip.model.clip import CLIP
-from bigclip.model.convert import is_openclip_state_dict, openclip_to_bigclip
 from bigclip.model.tokenizer import ByteTokenizer
+from bigclip.model.weights import load_pretrained
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # Keys of vision_cfg that describe preprocessing, not the network.
@@ -120,7 +117,8 @@ def create_model(
     device="meta" returns an unmaterialised model (for engines that shard before
     materialising; they call `to_empty()` then `init_weights()`). `init=False` skips
     initialisation on a real device (weights are uninitialised memory). `pretrained` is a
-    local .pt/.safetensors state dict, bigclip's or OpenCLIP's layout, loaded strictly.
+    local .pt/.safetensors state dict, bigclip's or OpenCLIP's layout, loaded strictly; on meta
+    it is checked now and becomes what `init_weights()` fills the model from, shard by shard.
     """
     cfg = get_model_config(name)
     vision_cfg = {k: v for k, v in cfg["vision_cfg"].items() if k not in _PREPROCESS_KEYS}
@@ -151,6 +149,8 @@ def create_model(
             siglip=siglip,
         )
     if torch.device(device).type == "meta":
+        if pretrained is not None:
+            model.init_from(pretrained)
         return model if dtype is None else model.to(dtype)
 
     model.to_empty(device=device)
@@ -161,86 +161,3 @@ def create_model(
     if dtype is not None:
         model.to(dtype)
     return model
-
-
-def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Tensors of a .safetensors or torch-saved file, unwrapped from training checkpoints."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"--pretrained {path}: no such file; pass a local .pt or .safetensors state dict")
-    try:
-        if path.suffix == ".safetensors":
-            state_dict = load_file(str(path))
-        else:
-            state_dict = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch and safetensors raise many different types here
-        raise UserError(
-            f"--pretrained {path}: unreadable ({type(err).__name__}: {err}); pass a .pt or .safetensors state dict"
-        ) from None
-    # OpenCLIP training checkpoints wrap the weights: {"state_dict": {"module.visual...": ...}}.
-    if isinstance(state_dict, dict) and isinstance(state_dict.get("state_dict"), dict):
-        state_dict = state_dict["state_dict"]
-    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
-        raise UserError(f"--pretrained {path}: not a state dict of tensors; pass a model state dict")
-    if state_dict and all(key.startswith("module.") for key in state_dict):
-        state_dict = {key[len("module.") :]: value for key, value in state_dict.items()}
-    return state_dict
-
-
-def _sample(names, limit: int = 5) -> str:
-    names = sorted(names)
-    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
-def _resample_pos_embed(state_dict: dict[str, torch.Tensor], model: CLIP) -> None:
-    """Interpolate a square checkpoint's patch-position grid to the model's (--force-image-size)."""
-    key = "visual.trunk.pos_embed"
-    pos = state_dict.get(key)
-    target = model.visual.trunk.pos_embed
-    if pos is None or pos.shape == target.shape or pos.ndim != 3 or pos.shape[2] != target.shape[2]:
-        return
-    old_grid = math.isqrt(pos.shape[1] - 1)
-    if old_grid * old_grid != pos.shape[1] - 1:
-        return  # not a square grid: left to the shape check, which names the mismatch
-    new_grid = list(model.visual.trunk.patch_embed.grid_size)
-    state_dict[key] = resample_abs_pos_embed(pos.float(), new_grid, [old_grid, old_grid]).to(pos.dtype)
-
-
-def load_pretrained(model: CLIP, path: str | os.PathLike) -> None:
-    """Load a bigclip- or OpenCLIP-layout state dict into `model`, requiring an exact match.
-
-    The one tolerated difference is the image size: positional embeddings are resampled
-    (bicubic, as OpenCLIP does) when the model was built for another resolution.
-    """
-    state_dict = read_state_dict(path)
-    if is_openclip_state_dict(state_dict):
-        try:
-            state_dict = openclip_to_bigclip(state_dict)
-        except KeyError as err:
-            raise UserError(f"--pretrained {path}: {err.args[0]}; is this a CLIP ViT checkpoint?") from None
-    expected = model.state_dict()
-    _resample_pos_embed(state_dict, model)
-    missing = expected.keys() - state_dict.keys()
-    unexpected = state_dict.keys() - expected.keys()
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {_sample(missing)}")
-        if unexpected:
-            parts.append(f"unexpected {_sample(unexpected)}")
-        raise UserError(
-            f"--pretrained {path}: keys do not match the model ({'; '.join(parts)}); "
-            "check that --model names the checkpoint's architecture"
-        )
-    mismatched = [
-        f"{key} {tuple(state_dict[key].shape)} vs model {tuple(value.shape)}"
-        for key, value in expected.items()
-        if state_dict[key].shape != value.shape
-    ]
-    if mismatched:
-        raise UserError(
-            f"--pretrained {path}: shape mismatch for {_sample(mismatched, 3)}; check --model, "
-            "--force-image-size and --force-context-length against the checkpoint"
-        )
-    model.load_state_dict(state_dict, strict=True)
