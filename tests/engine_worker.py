@@ -11,7 +11,6 @@ for many engines keeps the cost of process start-up and DeepSpeed initialisation
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -21,12 +20,12 @@ import torch
 
 from bigclip.config import resolve
 from bigclip.dist import init_distributed
-from bigclip.engine import build_engine, build_model
+from bigclip.engine import build_engine
 from bigclip.engine.memory import peak_rss_bytes
 from bigclip.loop import forward_backward, optimizer_step
-from bigclip.model import create_model, get_model_config
+from bigclip.model import get_model_config
 from bigclip.schedule import build_schedule
-from bigclip.train import build_loss_fn
+from bigclip.train import build_loss_fn, build_model
 
 
 def current_rss() -> int:
@@ -101,11 +100,13 @@ def run_one(spec: dict, world) -> dict:
     reset_peak_rss()
     rss0 = current_rss()
     t0 = time.perf_counter()
-    model = build_model(cfg, world, functools.partial(create_model, cfg.model))
+    model = build_model(cfg, world)  # the run's own: the engine picks whole or meta; --pretrained applied
     engine = build_engine(cfg, model, world)
     build_s = time.perf_counter() - t0
     build_rss = peak_rss_bytes() - rss0  # the high-water mark while building, above what was there before
     build_state = engine.state_bytes()["total"]  # what the engine keeps: the rest of build_rss was transient
+    if spec.get("compare_with_pretrained"):
+        out_weights = compare_with_file(engine, cfg.pretrained)
     loss_fn = build_loss_fn(cfg, world)
     # one schedule for every run, however many steps it takes, so shorter runs follow the longer ones
     schedule = build_schedule(cfg, spec.get("schedule_steps", 20))
@@ -118,6 +119,8 @@ def run_one(spec: dict, world) -> dict:
         "build_state_bytes": build_state,
         "num_params": sum(p.numel() for p in engine.model.parameters()) if engine.name == "ddp" else None,
     }
+    if spec.get("compare_with_pretrained"):
+        out["pretrained_check"] = out_weights
     if spec.get("clamp_check"):
         out["logit_scale_after"] = []
     engine.train()
@@ -134,7 +137,7 @@ def run_one(spec: dict, world) -> dict:
             with torch.no_grad(), engine.autocast():
                 seen = float(engine.module(texts=micro[0][1][:1])["logit_scale"].float().log().mean())
             out["logit_scale_after"].append([seen, _logit_scale_master(engine)])
-    out["step_s"] = (time.perf_counter() - t0) / spec["steps"]
+    out["step_s"] = (time.perf_counter() - t0) / max(1, spec["steps"])
     engine.eval()
     images, texts = batch(9999, 0, 0, 4, image_size, context)
     with torch.no_grad(), engine.autocast():
@@ -144,6 +147,31 @@ def run_one(spec: dict, world) -> dict:
     out["state_bytes"] = engine.state_bytes()
     out["peak_rss_bytes"] = peak_rss_bytes()
     return out
+
+
+@torch.no_grad()
+def compare_with_file(engine, path: str) -> dict:
+    """Gather every parameter whole, one at a time (a collective), and compare it with the OpenCLIP-layout
+    safetensors file it was loaded from, converted eagerly (the streaming loader converts entry by entry)."""
+    from safetensors.torch import load_file
+
+    from bigclip.model import openclip_to_bigclip
+
+    expected = openclip_to_bigclip(load_file(path))
+    worst, compared = 0.0, 0
+    for name, p in engine.model.named_parameters():
+        if hasattr(p, "full_tensor"):  # FSDP2: a DTensor shard
+            full = p.full_tensor()
+        elif hasattr(p, "ds_id"):  # ZeRO-3: a partitioned parameter
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p]):
+                full = p.data.clone()
+        else:
+            full = p.detach()
+        worst = max(worst, (full.float() - expected[name].float()).abs().max().item())
+        compared += 1
+    return {"max_abs_diff": worst, "compared": compared, "in_file": len(expected)}
 
 
 @torch.no_grad()
