@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
         engine = build_engine(cfg, build_model(cfg, world), world)
         _, preprocess_val, _ = build_transforms(cfg)
         sets = build_zeroshot_sets(cfg, preprocess_val, world.rank, world.world_size)
-        tokenizer = get_tokenizer(cfg.model, context_length=cfg.force_context_length)
+        tokenizer = get_tokenizer(cfg.model, context_length=cfg.force_context_length, cache_dir=cfg.cache_dir)
         engine.eval()
         metrics = imagenet_zero_shot(engine, sets, tokenizer, cfg.batch_size, world)
         if world.is_main:

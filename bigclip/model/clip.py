@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bigclip.model.resnet import ResNetTower
 from bigclip.model.text import TextTransformer
+from bigclip.model.timm_tower import TimmVisionTower
 from bigclip.model.vision import VisionTower
 from bigclip.model.weights import WeightsFile, load_pretrained, plan_for
 
@@ -24,6 +26,10 @@ def vision_tower(embed_dim: int, vision_cfg: dict, *, quick_gelu: bool) -> nn.Mo
 
     Every tower offers: forward(images) -> (B, embed_dim); image_size (height, width); blocks (the units
     engines shard and checkpoint); set_grad_checkpointing(every); init_weights(); lock(groups, bn_stats)."""
+    if "timm_model_name" in vision_cfg:  # OpenCLIP's TimmModel: a timm trunk and OpenCLIP's head
+        return TimmVisionTower(embed_dim=embed_dim, quick_gelu=quick_gelu, **vision_cfg)
+    if isinstance(vision_cfg.get("layers"), (list, tuple)):  # OpenCLIP's rule: stage depths mean a ResNet
+        return ResNetTower(embed_dim=embed_dim, **vision_cfg)
     return VisionTower(embed_dim=embed_dim, quick_gelu=quick_gelu, **vision_cfg)
 
 

@@ -31,6 +31,8 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from bigclip.model.rename import Plan, TowerNames, apply_plan, rename_prefix, renamed, same
+from bigclip.model.resnet_names import RESNET_NAMES
+from bigclip.model.timm_tower import TIMM_NAMES
 
 # OpenCLIP visual-block suffix -> timm block suffix.
 _VISION_BLOCK_NAMES = {
@@ -137,7 +139,9 @@ VIT_NAMES = TowerNames(
     to_openclip=_vit_to_openclip,
 )
 # Every vision tower bigclip builds; the first whose detector accepts a state dict's visual names converts it.
-VISION_TOWER_NAMES: tuple[TowerNames, ...] = (VIT_NAMES,)
+# The timm tower comes first: its detector (every visual entry under visual.trunk./visual.head.) is the strict
+# one, while a timm ViT trunk also has the visual.trunk.cls_token that marks bigclip's own ViT tower.
+VISION_TOWER_NAMES: tuple[TowerNames, ...] = (TIMM_NAMES, VIT_NAMES, RESNET_NAMES)
 
 
 def is_openclip_state_dict(names: Iterable[str]) -> bool:

@@ -1,4 +1,6 @@
-"""Model registry: architectures are JSON files in `configs/`; `create_model` builds them.
+"""Build models: `create_model` makes the architecture a name stands for (model/registry.py says where its
+config comes from: a built-in JSON file, OpenCLIP's local-dir:DIR or hf-hub:ORG/NAME), `get_tokenizer` its
+tokenizer.
 
 Models are always constructed on the meta device first (no memory, seconds even for
 ViT-bigG-14), then materialised on the target device and initialised once, or left on meta
@@ -7,93 +9,69 @@ for an engine to shard, materialise and initialise itself.
 
 from __future__ import annotations
 
-import copy
-import json
 import os
-from functools import cache
-from pathlib import Path
 
 import torch
 
 from bigclip.errors import UserError
 from bigclip.model.clip import CLIP
+from bigclip.model.pretrained import model_weights, resolve_pretrained_image, timm_model_name
+from bigclip.model.registry import (
+    CONFIG_DIR,
+    PREPROCESS_KEYS,
+    QUICKGELU_SUFFIX,
+    _load_configs,
+    get_model_config,
+    is_schema_name,
+    is_timm_tower,
+    list_models,
+    preprocess_cfg,
+)
 from bigclip.model.tokenizer import ByteTokenizer
 from bigclip.model.weights import load_pretrained
 
-CONFIG_DIR = Path(__file__).parent / "configs"
-# Keys of vision_cfg that describe preprocessing, not the network.
-_PREPROCESS_KEYS = ("image_mean", "image_std")
-QUICKGELU_SUFFIX = "-quickgelu"
-
-
-@cache
-def _load_configs() -> dict[str, dict]:
-    return {path.stem: json.loads(path.read_text()) for path in sorted(CONFIG_DIR.glob("*.json"))}
-
-
-def list_models() -> list[str]:
-    return list(_load_configs())
-
-
-def get_model_config(name: str) -> dict:
-    """A copy of the architecture config `name` (OpenCLIP's JSON layout).
-
-    As in OpenCLIP, a `-quickgelu` suffix names the same architecture with QuickGELU.
-    """
-    configs = _load_configs()
-    base = name.removesuffix(QUICKGELU_SUFFIX)
-    if base not in configs:
-        raise UserError(f"--model {name}: unknown architecture; choose one of {', '.join(configs)}")
-    cfg = copy.deepcopy(configs[base])
-    if base != name:
-        cfg["quick_gelu"] = True
-    return cfg
-
-
-def _square(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
-    if isinstance(size, int):
-        return (size, size)
-    height, width = size
-    return (int(height), int(width))
-
-
-def preprocess_cfg(model_name: str, image_size: int | tuple[int, int] | None = None) -> dict:
-    """What the data side needs to build image transforms for `model_name`.
-
-    `size` is (height, width); `image_size` overrides the architecture's (--force-image-size).
-    """
-    vision = get_model_config(model_name)["vision_cfg"]
-    return {
-        "size": _square(image_size if image_size is not None else vision["image_size"]),
-        "mean": tuple(vision["image_mean"]),
-        "std": tuple(vision["image_std"]),
-        "interpolation": "bicubic",
-        "resize_mode": "shortest",
-    }
+# Re-exported: callers that knew them here keep working (the registry lives in model/registry.py).
+__all__ = [
+    "CONFIG_DIR",
+    "QUICKGELU_SUFFIX",
+    "_load_configs",
+    "create_model",
+    "get_model_config",
+    "get_tokenizer",
+    "list_models",
+    "load_pretrained",
+    "preprocess_cfg",
+    "uses_byte_tokenizer",
+]
+_PREPROCESS_KEYS = PREPROCESS_KEYS
 
 
 # OpenCLIP's BPE vocabulary: 49,152 merges + 256 bytes + start/end of text.
 OPENCLIP_VOCAB_SIZE = 49408
 
 
-def uses_byte_tokenizer(model_name: str) -> bool:
+def uses_byte_tokenizer(model_name: str, cache_dir: str | None = None) -> bool:
     """Whether the architecture asks for bigclip's byte tokenizer ("tokenizer": "byte" in its config: test-tiny
     and the offline demo) instead of OpenCLIP's BPE tokenizer."""
-    return get_model_config(model_name).get("tokenizer") == "byte"
+    return get_model_config(model_name, cache_dir).get("tokenizer") == "byte"
 
 
-def get_tokenizer(model_name: str, context_length: int | None = None):
+def get_tokenizer(model_name: str, context_length: int | None = None, cache_dir: str | None = None):
     """A callable (str | list[str]) -> LongTensor (N, context_length) for `model_name`.
 
     OpenCLIP architectures get OpenCLIP's own tokenizer (open_clip.get_tokenizer: its BPE vocabulary, text
     cleaning, lower-casing, start/end tokens and truncation), so token ids are the ones OpenCLIP weights
-    were trained on. context_length (--force-context-length) overrides the architecture's."""
-    length = context_length or get_model_config(model_name)["text_cfg"]["context_length"]
-    if uses_byte_tokenizer(model_name):
+    were trained on; local-dir: and hf-hub: names get what open_clip.get_tokenizer makes of the same name
+    (cache_dir: the hub cache). context_length (--force-context-length) overrides the architecture's."""
+    cfg = get_model_config(model_name, cache_dir)
+    length = context_length or cfg["text_cfg"].get("context_length", 77)  # OpenCLIP's default
+    if cfg.get("tokenizer") == "byte":
         return ByteTokenizer(length)
     # open_clip takes seconds to import; only runs that tokenize with its vocabulary need it.
     import open_clip
 
+    if is_schema_name(model_name):
+        return open_clip.get_tokenizer(model_name, context_length=length, cache_dir=cache_dir)
     if model_name in open_clip.list_models():
         return open_clip.get_tokenizer(model_name, context_length=length)
     return open_clip.SimpleTokenizer(context_length=length)  # a bigclip-only architecture: OpenCLIP's default
@@ -110,22 +88,40 @@ def create_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     pretrained: str | os.PathLike | None = None,
+    pretrained_image: bool | str | os.PathLike = False,
+    load_weights: bool = True,
+    cache_dir: str | None = None,
     init: bool = True,
 ) -> CLIP:
-    """Build architecture `name`.
+    """Build architecture `name`: a built-in, local-dir:DIR or hf-hub:ORG/NAME (cache_dir: the hub cache).
 
     device="meta" returns an unmaterialised model (for engines that shard before
     materialising; they call `to_empty()` then `init_weights()`). `init=False` skips
     initialisation on a real device (weights are uninitialised memory). `pretrained` is a
     local .pt/.safetensors state dict, bigclip's or OpenCLIP's layout, loaded strictly; on meta
     it is checked now and becomes what `init_weights()` fills the model from, shard by shard.
+
+    Without `pretrained`, a local-dir:/hf-hub: name's own weights are loaded when `load_weights` (OpenCLIP's
+    default). `pretrained_image` (a timm image tower only): timm's pretrained trunk weights, fetched through
+    the hub cache (True) or from a file already fetched; used only when no whole-model weights are loaded,
+    as in OpenCLIP.
     """
-    cfg = get_model_config(name)
+    cfg = get_model_config(name, cache_dir)
+    timm_tower = is_timm_tower(cfg)
+    if pretrained_image and not timm_tower:
+        raise UserError(
+            f"--pretrained-image: pretrained image towers currently only supported for timm models; "
+            f"--model {name} has bigclip's own image tower"
+        )
+    if pretrained is None and load_weights and is_schema_name(name):
+        pretrained = model_weights(name, cache_dir)
     vision_cfg = {k: v for k, v in cfg["vision_cfg"].items() if k not in _PREPROCESS_KEYS}
     text_cfg = dict(cfg["text_cfg"])
     if image_size is not None:
         vision_cfg["image_size"] = image_size
     if patch_dropout is not None:
+        if isinstance(vision_cfg.get("layers"), (list, tuple)):
+            raise UserError(f"--force-patch-dropout: --model {name} has a ResNet image tower (no patches); omit it")
         if not 0.0 <= patch_dropout < 1.0:
             raise UserError(f"--force-patch-dropout {patch_dropout}: must be in [0, 1)")
         vision_cfg["patch_dropout"] = patch_dropout
@@ -141,13 +137,22 @@ def create_model(
         )
 
     with torch.device("meta"):
-        model = CLIP(
-            cfg["embed_dim"],
-            vision_cfg,
-            text_cfg,
-            quick_gelu=quick_gelu or cfg.get("quick_gelu", False),
-            siglip=siglip,
-        )
+        try:
+            model = CLIP(
+                cfg["embed_dim"],
+                vision_cfg,
+                text_cfg,
+                quick_gelu=quick_gelu or cfg.get("quick_gelu", False),
+                siglip=siglip,
+            )
+        except TypeError as err:  # a config key bigclip's towers do not take (OpenCLIP-only features)
+            raise UserError(f"--model {name}: this architecture config cannot be built by bigclip ({err})") from None
+        if timm_tower and image_size is not None:
+            model.visual.set_input_size(image_size)  # as open_clip.create_model does for timm towers
+    if pretrained_image and pretrained is None:
+        if not isinstance(pretrained_image, (str, os.PathLike)):
+            pretrained_image, _ = resolve_pretrained_image(timm_model_name(name, cache_dir), cache_dir)
+        model.visual.use_pretrained(pretrained_image)
     if torch.device(device).type == "meta":
         if pretrained is not None:
             model.init_from(pretrained)

@@ -1,0 +1,212 @@
+"""Where architectures come from: bigclip's JSON files in `configs/`, and OpenCLIP's two schemas.
+
+    ViT-B-32                a built-in config (`configs/ViT-B-32.json`); a `-quickgelu` suffix names the same
+                            architecture with QuickGELU
+    local-dir:DIR           DIR/open_clip_config.json, as OpenCLIP writes it ({"model_cfg": …, "preprocess_cfg":
+                            …}); the weights OpenCLIP keeps beside it are the model's weights (model/pretrained.py)
+    hf-hub:ORG/NAME         the same file of a Hugging Face hub repository, fetched through huggingface_hub into
+                            --cache-dir (the hub's cache layout) and read from that cache offline (HF_HUB_OFFLINE=1)
+
+A schema's image preprocessing is OpenCLIP's defaults (OpenAI mean/std, bicubic, shortest-side resize) with the
+file's preprocess_cfg on top, as open_clip.create_model merges them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from functools import cache
+from pathlib import Path
+
+from bigclip.errors import UserError
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+QUICKGELU_SUFFIX = "-quickgelu"
+LOCAL_DIR_PREFIX, HF_HUB_PREFIX = "local-dir:", "hf-hub:"
+CONFIG_NAME = "open_clip_config.json"  # OpenCLIP's name for it, in a directory and in a hub repository
+# Keys of a built-in vision_cfg that describe preprocessing, not the network.
+PREPROCESS_KEYS = ("image_mean", "image_std")
+# OpenCLIP's PreprocessCfg defaults: what a schema's preprocess_cfg is merged onto.
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+_PREPROCESS_DEFAULTS = {"mean": OPENAI_MEAN, "std": OPENAI_STD, "interpolation": "bicubic", "resize_mode": "shortest"}
+
+
+@cache
+def _load_configs() -> dict[str, dict]:
+    return {path.stem: json.loads(path.read_text()) for path in sorted(CONFIG_DIR.glob("*.json"))}
+
+
+def list_models() -> list[str]:
+    """The built-in architectures (local-dir: and hf-hub: names are accepted besides these)."""
+    return list(_load_configs())
+
+
+def parse_model_name(name: str) -> tuple[str | None, str]:
+    """(schema, identifier): ('local-dir', DIR), ('hf-hub', ORG/NAME) or (None, name), as OpenCLIP parses it."""
+    for schema, prefix in (("local-dir", LOCAL_DIR_PREFIX), ("hf-hub", HF_HUB_PREFIX)):
+        if name.startswith(prefix):
+            identifier = name[len(prefix) :]
+            if not identifier:
+                what = "a directory" if schema == "local-dir" else "a repository, ORG/NAME"
+                raise UserError(f"--model {name}: nothing after '{prefix}'; name {what}")
+            return schema, identifier
+    return None, name
+
+
+def is_schema_name(name: str) -> bool:
+    """Whether `name` is a local-dir: or hf-hub: source rather than a built-in architecture."""
+    return name.startswith((LOCAL_DIR_PREFIX, HF_HUB_PREFIX))
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+
+
+def hub_problem(problem: Exception | None, local_files_only: bool = False) -> str:
+    """Why a hub file could not be had, in words, for one-line errors."""
+    offline = local_files_only or hub_offline()
+    how = "the cache holds no copy and downloads are off (HF_HUB_OFFLINE)" if offline else "the download failed"
+    return f"{how} ({type(problem).__name__})"
+
+
+def hub_cache_dir(cache_dir: str | None) -> str:
+    from huggingface_hub.constants import HF_HUB_CACHE  # slow to import; only hub sources need it
+
+    return cache_dir or HF_HUB_CACHE
+
+
+@cache
+def _hub_config_path(repo_id: str, cache_dir: str | None) -> str:
+    """The cached open_clip_config.json of `repo_id` (fetched once per process; failures are not remembered)."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(repo_id, CONFIG_NAME, cache_dir=cache_dir)
+    except Exception as e:  # noqa: BLE001 — offline, missing repo or file, network: one line
+        raise UserError(
+            f"--model hf-hub:{repo_id}: {CONFIG_NAME} of {repo_id} on the Hugging Face hub could not be had: "
+            f"{hub_problem(e)}; cache directory {hub_cache_dir(cache_dir)}. Fetch it once with network access "
+            f"(same --cache-dir), or pass --model local-dir:DIR"
+        ) from None
+
+
+def config_file(name: str, cache_dir: str | None = None) -> str:
+    """The open_clip_config.json a local-dir: or hf-hub: name points at (fetched into the hub cache if needed)."""
+    schema, identifier = parse_model_name(name)
+    if schema == "hf-hub":
+        return _hub_config_path(identifier, cache_dir)
+    if not os.path.isdir(identifier):
+        raise UserError(f"--model {name}: {identifier} is not a directory; pass local-dir:DIR with {CONFIG_NAME}")
+    path = os.path.join(identifier, CONFIG_NAME)
+    if not os.path.isfile(path):
+        raise UserError(f"--model {name}: no {CONFIG_NAME} in {identifier}; OpenCLIP writes one beside its weights")
+    return path
+
+
+def open_clip_config(name: str, cache_dir: str | None = None) -> dict:
+    """The whole open_clip_config.json of a local-dir: or hf-hub: name, checked: {"model_cfg", "preprocess_cfg"}."""
+    path = config_file(name, cache_dir)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--model {name}: {path} is not valid JSON (line {e.lineno}: {e.msg}); fix the file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--model {name}: {path} is unreadable ({type(e).__name__}); fix the file") from None
+    model_cfg = data.get("model_cfg") if isinstance(data, dict) else None
+    keys = model_cfg if isinstance(model_cfg, dict) else {}
+    missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if k not in keys]
+    if missing:
+        raise UserError(
+            f"--model {name}: {path} has no model_cfg with embed_dim, vision_cfg and text_cfg "
+            f'(missing {", ".join(missing)}); OpenCLIP\'s files hold {{"model_cfg": …, "preprocess_cfg": …}}'
+        )
+    preprocess = data.get("preprocess_cfg") or {}
+    if not isinstance(preprocess, dict):
+        raise UserError(f"--model {name}: {path}: preprocess_cfg must be a mapping; fix the file")
+    return {"model_cfg": model_cfg, "preprocess_cfg": preprocess}
+
+
+def get_model_config(name: str, cache_dir: str | None = None) -> dict:
+    """A copy of the architecture config `name` (OpenCLIP's JSON layout): a built-in, local-dir:DIR or
+    hf-hub:ORG/NAME (cache_dir: the hub cache for the latter).
+
+    As in OpenCLIP, a `-quickgelu` suffix names the same built-in architecture with QuickGELU.
+    """
+    if is_schema_name(name):
+        return copy.deepcopy(open_clip_config(name, cache_dir)["model_cfg"])
+    configs = _load_configs()
+    base = name.removesuffix(QUICKGELU_SUFFIX)
+    if base not in configs:
+        raise UserError(
+            f"--model {name}: unknown architecture; choose one of {', '.join(configs)}, "
+            f"or local-dir:DIR / hf-hub:ORG/NAME (OpenCLIP's {CONFIG_NAME})"
+        )
+    cfg = copy.deepcopy(configs[base])
+    if base != name:
+        cfg["quick_gelu"] = True
+    return cfg
+
+
+def is_timm_tower(model_cfg: dict) -> bool:
+    """Whether the architecture's image tower is a timm model (OpenCLIP's TimmModel)."""
+    return "timm_model_name" in model_cfg.get("vision_cfg", {})
+
+
+def _pair(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    if isinstance(size, int):
+        return (size, size)
+    height, width = size
+    return (int(height), int(width))
+
+
+def preprocess_cfg(
+    model_name: str, image_size: int | tuple[int, int] | None = None, cache_dir: str | None = None
+) -> dict:
+    """What the data side needs to build image transforms for `model_name`.
+
+    `size` is (height, width); `image_size` overrides the architecture's (--force-image-size). A schema's
+    preprocess_cfg (mean, std, interpolation, resize_mode) is merged onto OpenCLIP's defaults.
+    """
+    if is_schema_name(model_name):
+        source = open_clip_config(model_name, cache_dir)
+        vision = source["model_cfg"]["vision_cfg"]
+        out = dict(_PREPROCESS_DEFAULTS)
+        out.update({k: v for k, v in source["preprocess_cfg"].items() if k in _PREPROCESS_DEFAULTS and v is not None})
+        size = image_size if image_size is not None else vision.get("image_size", 224)  # OpenCLIP's default
+        return {**out, "size": _pair(size), "mean": tuple(out["mean"]), "std": tuple(out["std"])}
+    vision = get_model_config(model_name)["vision_cfg"]
+    return {
+        "size": _pair(image_size if image_size is not None else vision["image_size"]),
+        "mean": tuple(vision["image_mean"]),
+        "std": tuple(vision["image_std"]),
+        "interpolation": "bicubic",
+        "resize_mode": "shortest",
+    }
+
+
+# OpenCLIP's preference among the weights files of a local-dir: source (open_clip.factory._find_checkpoint_in_dir).
+_PREFERRED_WEIGHTS = (
+    "open_clip_model.safetensors",
+    "open_clip_pytorch_model.safetensors",
+    "open_clip_pytorch_model.bin",
+    "open_clip_pytorch_model.pth",
+    "model.safetensors",
+    "pytorch_model.bin",
+    "pytorch_model.pth",
+    "model.pth",
+)
+
+
+def local_dir_weights(directory: str) -> str | None:
+    """The weights file OpenCLIP loads from a local-dir: source: a preferred name first, else the first
+    .safetensors, then .bin/.pth file by name; None when the directory holds none."""
+    found = [p for ext in ("*.safetensors", "*.bin", "*.pth") for p in Path(directory).glob(ext)]
+    if not found:
+        return None
+    preferred = [p for p in found if p.name in _PREFERRED_WEIGHTS]
+    if preferred:
+        return str(min(preferred, key=lambda p: _PREFERRED_WEIGHTS.index(p.name)))
+    return str(sorted(sorted(found), key=lambda p: p.suffix != ".safetensors")[0])
