@@ -24,13 +24,15 @@ from bigclip.ckpt.manager import ASYNC_MODES
 from bigclip.ckpt.storage import is_url, parse_storage_options, redact_options, redact_url
 from bigclip.data import DATASET_TYPES, check_dataset_type, validate_aug_cfg
 from bigclip.data.imagenet import class_folders
+from bigclip.data.wds_plan import parse_upsampling_factors
 from bigclip.engine import ENGINE_CLASSES
 from bigclip.engine import check_config as check_engine_config
 from bigclip.errors import UserError
 from bigclip.loss.select import check_dist_impl as check_loss_dist_impl
 from bigclip.loss.select import check_impl as check_loss_impl
-from bigclip.model import list_models
-from bigclip.model.pretrained import check_pretrained
+from bigclip.model import get_model_config, list_models
+from bigclip.model.pretrained import check_pretrained, check_pretrained_image
+from bigclip.model.registry import is_schema_name
 
 PRECISIONS = ("amp", "amp_bf16", "amp_bfloat16", "bf16", "fp16", "pure_bf16", "pure_fp16", "fp32")
 LR_SCHEDULERS = ("cosine", "const", "const-cooldown")
@@ -79,14 +81,14 @@ class TrainConfig:
     train_num_samples: int | None = _flag(None, "Samples per epoch; required for WebDataset.", DATA)
     val_num_samples: int | None = _flag(None, "Samples in the validation set (WebDataset).", DATA)
     dataset_type: str = _flag("auto", f"One of {', '.join(DATASET_TYPES)}.", DATA)
-    dataset_resampled: bool = _unsupported(
-        False, "Sample shards with replacement.", DATA, "the data-at-scale work adds it"
+    dataset_resampled: bool = _flag(
+        False, "WebDataset: each reader draws shards with replacement (seeded by seed, epoch, rank, worker).", DATA
     )
     csv_separator: str = _flag("\t", "Column separator of CSV data.", DATA)
     csv_img_key: str = _flag("filepath", "CSV column holding image paths.", DATA)
     csv_caption_key: str = _flag("title", "CSV column holding captions.", DATA)
-    train_data_upsampling_factors: str | None = _unsupported(
-        None, "Per-source sampling weights, a::b.", DATA, "the data-at-scale work adds it"
+    train_data_upsampling_factors: str | None = _flag(
+        None, "Per-source sampling weights a::b for the '::' sources of --train-data (with --dataset-resampled).", DATA
     )
     workers: int = _flag(4, "Data loader workers per process.", DATA)
     image_mean: list[float] | None = _flag(None, "Override the image normalisation mean.", DATA, nargs="+", type=float)
@@ -96,15 +98,23 @@ class TrainConfig:
     aug_cfg: list[str] = _flag([], "Augmentation key=value pairs, e.g. scale=0.9::1.0.", DATA, nargs="*")
 
     # ---- model
-    model: str = _flag("RN50", "Architecture name (see `bigclip models`); the demo uses test-tiny.", MODEL)
+    model: str = _flag(
+        "RN50",
+        "Architecture name (see `bigclip models`), or OpenCLIP's local-dir:DIR / hf-hub:ORG/NAME (an "
+        "open_clip_config.json and the weights beside it); the demo uses test-tiny.",
+        MODEL,
+    )
     pretrained: str | None = _flag(
         None,
         "One of OpenCLIP's pretrained tags for --model (fetched through the Hugging Face hub into --cache-dir), "
         "or a local bigclip or OpenCLIP state dict (.pt/.bin/.safetensors).",
         MODEL,
     )
-    pretrained_image: bool = _unsupported(
-        False, "ImageNet weights for the image tower.", MODEL, "no weights are downloaded; pass --pretrained PATH"
+    pretrained_image: bool = _flag(
+        False,
+        "timm's ImageNet weights for a timm image tower's trunk (fetched through the Hugging Face hub into "
+        "--cache-dir); whole-model weights (--pretrained, local-dir:/hf-hub: models) replace them.",
+        MODEL,
     )
     force_image_size: list[int] | None = _flag(
         None, "Override the image size (one or two ints).", MODEL, nargs="+", type=int
@@ -283,7 +293,10 @@ class TrainConfig:
     # ---- other
     config: str | None = _flag(None, "YAML file of option values (flags given on the command line win).", MISC)
     cache_dir: str | None = _flag(
-        None, "Hugging Face hub cache for --pretrained tags (default: the hub's own, HF_HUB_CACHE).", MISC
+        None,
+        "Hugging Face hub cache for --pretrained tags, hf-hub: models and --pretrained-image "
+        "(default: the hub's own, HF_HUB_CACHE).",
+        MISC,
     )
 
     # Set by resolution, not by users.
@@ -395,9 +408,13 @@ def validate(cfg: TrainConfig) -> None:
 
 def _validate_choices(cfg: TrainConfig) -> None:
     models = list_models()
-    if cfg.model not in models and cfg.model.startswith(("RN", "convnext", "coca", "EVA", "mt5", "xlm")):
+    if is_schema_name(cfg.model):
+        get_model_config(cfg.model, cfg.cache_dir)  # OpenCLIP's open_clip_config.json: there and well formed
+        models = [*models, cfg.model]
+    if cfg.model not in models and cfg.model.startswith(("convnext", "coca", "EVA", "mt5", "xlm")):
         raise UserError(
-            f"--model {cfg.model}: not supported yet (bigclip has ViT towers only); choose one of {', '.join(models)}"
+            f"--model {cfg.model}: not supported yet (bigclip builds ViT, ResNet and timm image towers); "
+            f"choose one of {', '.join(models)}"
         )
     choices = {
         "model": (models, "unknown architecture; choose one of"),
@@ -413,6 +430,9 @@ def _validate_choices(cfg: TrainConfig) -> None:
         if getattr(cfg, name) not in allowed:
             _fail(name, getattr(cfg, name), f"{what} {', '.join(a for a in allowed if a is not None)}")
     check_dataset_type(cfg.dataset_type)
+    if cfg.train_data_upsampling_factors is not None:  # OpenCLIP's rules, before any shard is listed
+        sources = [[source] for source in (cfg.train_data or "").split("::")]
+        parse_upsampling_factors(cfg.train_data_upsampling_factors, sources, cfg.dataset_resampled)
     if not (cfg.opt == "adamw" or cfg.opt.startswith("timm/")):
         _fail("opt", cfg.opt, "choose adamw or timm/<optimizer name>")
     for target in (t for t in cfg.report_to.split(",") if t):
@@ -487,6 +507,8 @@ def _validate_paths(cfg: TrainConfig) -> None:
                 _fail(name, value, f"'{path}' does not exist; check the path")
     if cfg.pretrained:
         check_pretrained(cfg.model, cfg.pretrained)
+    if cfg.pretrained_image:
+        check_pretrained_image(cfg.model, cfg.cache_dir)
     for name in ("imagenet_val", "imagenet_v2"):
         if getattr(cfg, name):
             class_folders(getattr(cfg, name), name)  # 1000 class folders, before any work

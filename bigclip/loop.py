@@ -95,7 +95,10 @@ def train_one_epoch(
     samples_per_step = cfg.batch_size * cfg.accum_freq * world.world_size
     train_data.set_epoch(state.epoch, skip_batches=state.batches_in_epoch)
     engine.train()
-    for micro in _micro_batches(train_data.dataloader, cfg.accum_freq, steps - step_in_epoch, engine, world):
+    groups = _micro_batches(train_data.dataloader, cfg.accum_freq, steps - step_in_epoch, engine, world)
+    if train_data.ends_early:
+        groups = _while_every_rank_has_data(groups, cfg.batch_size, train_data, world)
+    for micro in groups:
         progress.data_ready()
         engine.set_lr(schedule(state.step))
         loss, out = forward_backward(engine, loss_fn, micro, world)
@@ -127,6 +130,19 @@ def _micro_batches(loader, accum_freq: int, steps: int, engine, world: World) ->
             group, steps = [], steps - 1
             if steps == 0:
                 return
+
+
+def _while_every_rank_has_data(groups: Iterator[MicroBatches], batch_size: int, train_data, world: World):
+    """The groups, as long as every rank has one: a rank that ran out of data ends the epoch for all (one
+    all-reduce per step). The samples other ranks had ready are counted as dropped."""
+    groups = iter(groups)
+    while True:
+        group = next(groups, None)
+        if all_reduce_min(0.0 if group is None else 1.0, world) == 0.0:
+            if group is not None:
+                train_data.count_dropped(len(group) * batch_size)
+            return
+        yield group
 
 
 def _count_nonfinite(state: TrainState, progress: EpochProgress) -> None:

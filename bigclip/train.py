@@ -27,7 +27,8 @@ from bigclip.log import MetricSinks, check_new_run, default_run_name, logger, ru
 from bigclip.loop import train_one_epoch
 from bigclip.loss import build_loss
 from bigclip.model import create_model, get_tokenizer, preprocess_cfg
-from bigclip.model.pretrained import resolve_pretrained
+from bigclip.model.pretrained import model_weights, resolve_pretrained, resolve_pretrained_image, timm_model_name
+from bigclip.model.registry import CONFIG_NAME, is_schema_name
 from bigclip.progress import EpochProgress
 from bigclip.schedule import build_schedule
 from bigclip.train_state import TrainState
@@ -42,6 +43,7 @@ def seed_everything(seed: int) -> None:
 # ---------------------------------------------------------------------------------------------- setup
 def build_model(cfg, world: World):
     weights = pretrained_weights(cfg, world)
+    image_weights = pretrained_image_weights(cfg, world, weights)
 
     def factory(**overrides):
         # On meta (sharded init) the weights are checked now and streamed into each rank's shards later.
@@ -53,6 +55,9 @@ def build_model(cfg, world: World):
             quick_gelu=cfg.force_quick_gelu,
             siglip=cfg.siglip,
             pretrained=weights,
+            pretrained_image=image_weights or False,
+            load_weights=False,  # a local-dir:/hf-hub: model's own weights are resolved here, once per node
+            cache_dir=cfg.cache_dir,
             **overrides,
         )
 
@@ -61,14 +66,41 @@ def build_model(cfg, world: World):
 
 
 def pretrained_weights(cfg, world: World) -> str | None:
-    """The local file --pretrained names. A tag's weights are fetched once per node (local rank 0, which also
-    checks their hash) while the other ranks wait; then every rank reads them from the cache."""
-    if not cfg.pretrained:
+    """The local file of the whole model's weights: what --pretrained names, else the weights a local-dir: or
+    hf-hub: --model brings (OpenCLIP loads them by default; --pretrained wins). Hub files are fetched once per
+    node (local rank 0, which also checks their hash) while the other ranks wait; then every rank reads them
+    from the cache."""
+    if cfg.pretrained:
+        raise_together(
+            world,
+            lambda: resolve_pretrained(cfg.model, cfg.pretrained, cfg.cache_dir),
+            runs_here=world.local_rank == 0,
+        )
+        return resolve_pretrained(cfg.model, cfg.pretrained, cfg.cache_dir, local_files_only=True, verify=False)
+    if not is_schema_name(cfg.model):
         return None
-    raise_together(
-        world, lambda: resolve_pretrained(cfg.model, cfg.pretrained, cfg.cache_dir), runs_here=world.local_rank == 0
-    )
-    return resolve_pretrained(cfg.model, cfg.pretrained, cfg.cache_dir, local_files_only=True, verify=False)
+    raise_together(world, lambda: model_weights(cfg.model, cfg.cache_dir), runs_here=world.local_rank == 0)
+    path = model_weights(cfg.model, cfg.cache_dir, local_files_only=True, verify=False)
+    if path is None:
+        logger.warning(f"--model {cfg.model}: no weights beside its {CONFIG_NAME}; starting from a random init")
+    else:
+        logger.info(f"--model {cfg.model}: weights from {path}")
+    return path
+
+
+def pretrained_image_weights(cfg, world: World, clip_weights: str | None) -> str | None:
+    """The local file of timm's pretrained trunk weights (--pretrained-image), fetched once per node like
+    pretrained_weights; None when whole-model weights are loaded instead (as in OpenCLIP)."""
+    if not cfg.pretrained_image:
+        return None
+    if clip_weights is not None:
+        logger.info(f"--pretrained-image: timm's trunk weights are not loaded; {clip_weights} sets the whole model")
+        return None
+    timm_name = timm_model_name(cfg.model, cfg.cache_dir)
+    raise_together(world, lambda: resolve_pretrained_image(timm_name, cfg.cache_dir), runs_here=world.local_rank == 0)
+    path, repo = resolve_pretrained_image(timm_name, cfg.cache_dir, local_files_only=True, verify=False)
+    logger.info(f"--pretrained-image: image tower trunk {timm_name} from timm's weights {repo} ({path})")
+    return path
 
 
 def _image_size_override(cfg):
@@ -78,7 +110,7 @@ def _image_size_override(cfg):
 
 def build_transforms(cfg):
     """(train transform, eval transform, geometry {'size', 'mean', 'std'}) for the model and the image flags."""
-    pp = preprocess_cfg(cfg.model, _image_size_override(cfg))
+    pp = preprocess_cfg(cfg.model, _image_size_override(cfg), cache_dir=cfg.cache_dir)
     mean = tuple(cfg.image_mean) if cfg.image_mean else pp["mean"]
     std = tuple(cfg.image_std) if cfg.image_std else pp["std"]
     mean, std = (mean * 3 if len(mean) == 1 else mean), (std * 3 if len(std) == 1 else std)
@@ -91,7 +123,7 @@ def build_transforms(cfg):
 
 def build_data(cfg, world: World, epoch: int):
     preprocess_train, preprocess_val, geometry = build_transforms(cfg)
-    tokenizer = get_tokenizer(cfg.model, context_length=cfg.force_context_length)
+    tokenizer = get_tokenizer(cfg.model, context_length=cfg.force_context_length, cache_dir=cfg.cache_dir)
     data = get_data(
         cfg,
         preprocess_train,
@@ -170,6 +202,9 @@ def _run(cfg, world: World) -> int:
     sinks = MetricSinks(cfg, paths, active, config_dict)
     try:
         checkpointer.resume(state)
+        if "train" in data:  # a resumable loader continues from this rank's saved position
+            data["train"].restore(state.data)
+            checkpointer.data_position = data["train"].position
         metrics = _train(cfg, world, engine, loss_fn, data, tokenizer, state, checkpointer, sinks)
         checkpointer.finish()
         if state.nonfinite_steps:

@@ -19,7 +19,9 @@ class TrainState:
     batches_in_epoch: int = 0  # micro-batches of `epoch` already consumed per rank; a resume skips them
     nonfinite_streak: int = 0  # consecutive steps skipped for a non-finite loss (the run stops at a limit)
     nonfinite_steps: int = 0  # steps skipped for a non-finite loss in the whole run
-    data: dict[str, Any] = field(default_factory=dict)  # a data source's own position (shard, offset), if any
+    # This rank's data position (its loader's workers: shard, offset, shuffle buffer), if the source has one.
+    # Per rank, so it is saved in the rank's own checkpoint file, not in train_state.json.
+    data: dict[str, Any] = field(default_factory=dict)
 
     def advance(self, samples: int, accum_freq: int) -> None:
         """One optimizer step (taken or skipped) of `samples` samples over all ranks."""
@@ -32,7 +34,10 @@ class TrainState:
         self.batches_in_epoch = 0
 
     def to_record(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields train_state.json holds: all but the per-rank data position."""
+        record = dataclasses.asdict(self)
+        del record["data"]
+        return record
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> TrainState:

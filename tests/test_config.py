@@ -62,8 +62,12 @@ def test_precedence_defaults_yaml_flags(tmp_path):
         (["--batch-size", "-4"], "--batch-size -4: must be a positive integer"),
         (["--precision", "fp8"], "--precision 'fp8': choose one of amp"),
         (
-            ["--model", "RN50", "--dataset-type", "synthetic"],
-            "--model RN50: not supported yet (bigclip has ViT towers only)",
+            ["--model", "coca_ViT-B-32", "--dataset-type", "synthetic"],
+            "--model coca_ViT-B-32: not supported yet",
+        ),
+        (
+            ["--model", "test-tiny", "--dataset-type", "synthetic", "--train-data-upsampling-factors", "1::2"],
+            "--train-data-upsampling-factors: only applies when sampling with replacement; add --dataset-resampled",
         ),
         (
             ["--model", "test-tiny", "--train-data", "/nonexistent/train.csv"],
@@ -75,7 +79,6 @@ def test_precedence_defaults_yaml_flags(tmp_path):
         (["--lr-scheduler", "const-cooldown"], "--lr-scheduler const-cooldown needs --epochs-cooldown"),
         (["--opt", "sgd"], "--opt 'sgd': choose adamw or timm/<optimizer name>"),
         (["--report-to", "mlflow"], "--report-to 'mlflow': use tensorboard, wandb"),
-        (["--dataset-resampled"], "--dataset-resampled: not supported yet"),
         (["--horovod"], "--horovod: not supported yet"),
         (["--coca-caption-loss-weight", "1.0"], "--coca-caption-loss-weight: not supported yet"),
         (["--imagenet-val", "/nonexistent/imagenet"], "--imagenet-val /nonexistent/imagenet: not a directory"),

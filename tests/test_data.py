@@ -7,6 +7,8 @@ import io
 import os
 import tarfile
 
+import numpy as np
+import open_clip
 import pytest
 import torch
 from PIL import Image
@@ -128,7 +130,7 @@ def test_csv_bad_samples_are_replaced_and_counted(tmp_path, workers):
     assert [len(b[0]) for b in batches] == [4, 4]  # sizes never shrink
     # Each bad sample is replaced by the next readable one: 2->3, 5->7 (6 is bad too), 6->7.
     assert captions_of(batches) == [f"caption {i}" for i in (0, 1, 3, 3, 4, 7, 7, 7)]
-    assert info.skipped() == {"missing_image": 1, "bad_image": 1, "missing_caption": 1, "read_error": 0}
+    assert info.skipped() == {"missing_image": 1, "bad_image": 1, "missing_caption": 1, "read_error": 0, "dropped": 0}
     list(info.dataloader)
     assert info.skipped()["missing_image"] == 2  # cumulative across epochs
 
@@ -196,21 +198,33 @@ GOOD = sorted(f"sample {n}" for n in range(10) if n not in (1, 6, 8))
 def test_webdataset_eval_reads_every_good_sample_once(shards):
     info = load(make_cfg(val_data=shards, batch_size=3))["val"]
     assert sorted(captions_of(info.dataloader)) == GOOD
-    assert info.skipped() == {"missing_image": 0, "bad_image": 2, "missing_caption": 1, "read_error": 0}
+    assert info.skipped() == {"missing_image": 0, "bad_image": 2, "missing_caption": 1, "read_error": 0, "dropped": 0}
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_webdataset_training_epoch(shards, workers):
+def test_webdataset_training_epoch_reads_each_shard_once(shards, workers):
+    """Without resampling an epoch ends when the shards do: 7 usable samples -> 2 batches of 3, 1 dropped
+    (with 2 workers each reads one shard: 4 + 3 usable -> 1 + 1 batches, 1 + 0 dropped)."""
     cfg = make_cfg(train_data=shards, train_num_samples=30, batch_size=3, workers=workers)
     info = load(cfg)["train"]
-    assert info.num_batches == 10 and info.num_samples == 30
+    assert info.num_batches == 10 and info.num_samples == 30 and info.ends_early
     batches = list(info.dataloader)
-    assert len(batches) == 10 and all(b[0].shape == (3, 3, SIZE, SIZE) for b in batches)
-    assert set(captions_of(batches)) <= set(GOOD)
+    assert len(batches) == 2 and all(b[0].shape == (3, 3, SIZE, SIZE) for b in batches)
+    assert set(captions_of(batches)) <= set(GOOD) and len(set(captions_of(batches))) == 6
     skipped = info.skipped()
-    assert skipped["bad_image"] >= 1 and skipped["missing_caption"] >= 1
+    assert skipped["bad_image"] == 2 and skipped["missing_caption"] == 1 and skipped["dropped"] == 1
     again = list(load(cfg)["train"].dataloader)
     assert captions_of(again) == captions_of(batches)  # same seed, same epoch: same stream
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_webdataset_resampled_training_fills_the_epoch(shards, workers):
+    cfg = make_cfg(train_data=shards, train_num_samples=30, batch_size=3, workers=workers, dataset_resampled=True)
+    info = load(cfg)["train"]
+    batches = list(info.dataloader)
+    assert len(batches) == 10 and not info.ends_early
+    assert set(captions_of(batches)) <= set(GOOD)
+    assert captions_of(list(load(cfg)["train"].dataloader)) == captions_of(batches)
 
 
 def test_webdataset_two_ranks_disjoint_equal(shards):
@@ -221,19 +235,37 @@ def test_webdataset_two_ranks_disjoint_equal(shards):
     assert [len(t) for t in train] == [1, 1] and all(len(t[0][0]) == 3 for t in train)
 
 
-def test_webdataset_resume_skips_batches(tmp_path):
-    # Exact when the skipped part holds no undecodable image (skipping does not decode; see wds_dataset).
-    for shard in range(3):
+def test_webdataset_position_restores_the_rest_of_the_epoch(tmp_path):
+    """DataInfo.position() after some batches, restored into a fresh loader: exactly the batches that were
+    still to come (the stream's own tests cover resampling and every cut)."""
+    for shard in range(4):
         write_shard(
             tmp_path / f"c{shard}.tar",
             [{"__key__": f"k{shard}{i}", "png": png_bytes(i), "txt": f"clean {shard} {i}".encode()} for i in range(4)],
         )
-    cfg = make_cfg(train_data=str(tmp_path / "c{0..2}.tar"), train_num_samples=16, batch_size=2, workers=2)
+    cfg = make_cfg(train_data=str(tmp_path / "c{0..3}.tar"), train_num_samples=16, batch_size=2, workers=2)
     info = load(cfg, epoch=3)["train"]
     full = captions_of(info.dataloader)
-    info.set_epoch(3, skip_batches=3)
-    assert len(info.dataloader) == info.num_batches - 3 == 5
-    assert captions_of(info.dataloader) == full[3 * 2 :]
+    assert len(full) == 16
+    info.set_epoch(3)
+    it = iter(info.dataloader)
+    head = [next(it) for _ in range(3)]
+    position = info.position()
+    del it
+    again = load(cfg, epoch=0)["train"]
+    again.restore(position)
+    again.set_epoch(3, skip_batches=3)
+    assert captions_of(head) + captions_of(again.dataloader) == full
+    other_epoch = load(cfg, epoch=0)["train"]
+    other_epoch.restore(position)
+    other_epoch.set_epoch(4)  # a position of epoch 3 does not apply to epoch 4
+    assert len(captions_of(other_epoch.dataloader)) == 16
+
+
+def test_webdataset_without_resampling_needs_a_shard_per_reader(shards):
+    with pytest.raises(UserError, match=r"2 shards for 4 readers .*--dataset-resampled"):
+        load(make_cfg(train_data=shards, train_num_samples=8, workers=2), rank=0, world_size=2)
+    assert load(make_cfg(train_data=shards, train_num_samples=8, workers=2, dataset_resampled=True), world_size=2)
 
 
 def test_webdataset_user_errors(tmp_path, shards):
@@ -400,3 +432,12 @@ def test_webdataset_training_without_any_usable_sample_stops_with_user_error(tmp
     info.sampler.shuffle_buffer = info.sampler.shuffle_initial = 10  # give up sooner than 5000 samples
     with pytest.raises(UserError, match="no usable sample"):
         next(iter(info.dataloader))
+
+
+def test_eval_transform_equals_openclips_on_a_4_3_image():
+    """500x375 is ImageNet's most common shape: bigclip's eval preprocessing must give OpenCLIP's pixels."""
+
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (375, 500, 3), dtype=np.uint8))
+    ours = image_transform((224, 224), False, open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD)
+    theirs = open_clip.image_transform(224, is_train=False)
+    assert torch.equal(ours(image), theirs(image))

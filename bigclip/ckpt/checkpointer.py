@@ -19,6 +19,7 @@ import getpass
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from bigclip.ckpt.cadence import SaveCadence
@@ -72,6 +73,8 @@ def preflight(cfg, name: str, world) -> None:
 class Checkpointer:
     def __init__(self, cfg, paths, name: str, engine, world, config_dict: dict[str, Any]):
         self.cfg = cfg
+        # What a save records as this rank's data position: the training loader's, once the run sets it.
+        self.data_position: Callable[[], dict[str, Any]] | None = None
         self.world = world
         self.config_dict = config_dict
         self.remote_root = remote_run_root(cfg, name)
@@ -147,7 +150,10 @@ class Checkpointer:
             self._save(tags[0], state, tags[1:])
 
     def _save(self, tag: str, state: TrainState, aliases: list[str]) -> None:
-        self.manager.save(tag, {**state.to_record(), "config": self.config_dict}, aliases=aliases)
+        position = self.data_position() if self.data_position is not None else state.data
+        self.manager.save(
+            tag, {**state.to_record(), "config": self.config_dict}, aliases=aliases, data_position=position
+        )
         self.cadence.saved()
 
     # -- the end

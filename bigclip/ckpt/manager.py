@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from bigclip.ckpt.manifest import MANIFEST, TRAIN_STATE, Manifest, check_sizes, rng_file
-from bigclip.ckpt.rng import load_rng_file, rng_bytes
+from bigclip.ckpt.rng import load_rank_state_file, rank_state_bytes
 from bigclip.ckpt.storage import Storage, StorageError, StorageUnavailable, _write_durably, fsync_dir, is_url
 from bigclip.ckpt.upload import FileSink, lower_priority
 from bigclip.ckpt.verify import CorruptCheckpoint, fetch_verified, read_local_manifest, verify_local
@@ -143,9 +143,16 @@ class CheckpointManager:
         return bool(t.item())
 
     def save(
-        self, tag: str, train_state: dict[str, Any], blocking: bool = False, aliases: tuple[str, ...] | list[str] = ()
+        self,
+        tag: str,
+        train_state: dict[str, Any],
+        blocking: bool = False,
+        aliases: tuple[str, ...] | list[str] = (),
+        data_position: dict[str, Any] | None = None,
     ) -> str:
         """Start checkpoint `tag` (collective: every rank calls). Returns where it will be committed.
+
+        data_position: this rank's loader position, saved in its own rank file with its RNG state.
 
         aliases: further tags (e.g. epoch_latest) committed as copies of this one once it is durable —
         hard links locally, server-side copies remotely — instead of a second save of the same state.
@@ -159,7 +166,7 @@ class CheckpointManager:
         )
         self._staging = handle if isinstance(handle, Future) else None
         self._staging_wait = 0.0
-        rng = rng_bytes()
+        rng = rank_state_bytes(data_position)
         record = json.dumps(train_state, indent=1, default=str).encode() if self.world.is_main else None
         blocked = time.perf_counter() - start
         job = (
@@ -527,15 +534,18 @@ class CheckpointManager:
             )
         self.layout.load(directory, manifest.world_size, manifest.extra or {})
         own_rng = os.path.join(directory, rng_file(self.world.rank))
+        data_position = {}
         if os.path.exists(own_rng):
-            load_rng_file(own_rng)
+            data_position = load_rank_state_file(own_rng)
         elif self.world.is_main:
             logger.info(
                 f"checkpoint {directory}: saved by {manifest.world_size} ranks, resumed on "
                 f"{self.world.world_size}: new ranks start with fresh random state"
             )
         with open(os.path.join(directory, TRAIN_STATE)) as f:
-            return json.load(f)
+            record = json.load(f)
+        record["data"] = data_position  # this rank's own, not rank 0's
+        return record
 
 
 def _picklable(value: Any) -> Any:

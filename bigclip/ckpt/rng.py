@@ -1,4 +1,5 @@
-"""Random-number-generator state of one rank (torch, CUDA, numpy, python), as bytes for a checkpoint file."""
+"""One rank's own state for a checkpoint file: its random-number generators (torch, CUDA, numpy, python) and
+its data position (where this rank's loader and its workers are in the epoch; see data/wds_stream.py)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def rng_bytes() -> bytes:
+def rank_state_bytes(data_position: dict[str, Any] | None = None) -> bytes:
     buf = io.BytesIO()
-    torch.save(rng_state(), buf)
+    torch.save({**rng_state(), "data": data_position or {}}, buf)
     return buf.getvalue()
 
 
-def load_rng_file(path: str) -> None:
-    set_rng_state(torch.load(path, weights_only=False))
+def load_rank_state_file(path: str) -> dict[str, Any]:
+    """Restore the generators saved in `path`; returns the data position saved with them ({} if none)."""
+    state = torch.load(path, weights_only=False)
+    set_rng_state(state)
+    return state.get("data") or {}

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit, urlunsplit
 import fsspec
 
 from bigclip.errors import UserError, first_line
+from bigclip.storage_options import parse_storage_options  # noqa: F401  (re-exported for callers)
 
 logger = logging.getLogger("bigclip")
 T = TypeVar("T")
@@ -87,22 +88,6 @@ def _redact_tree(value: Any) -> Any:
     if isinstance(value, str):
         return redact_url(value)
     return value
-
-
-def parse_storage_options(value: str | dict | None) -> dict[str, Any]:
-    if not value:
-        return {}
-    if isinstance(value, dict):
-        return value
-    try:
-        options = json.loads(value)
-    except ValueError:
-        raise UserError(
-            '--storage-options: not valid JSON; pass e.g. \'{"client_kwargs": {"endpoint_url": "http://host:9000"}}\''
-        ) from None
-    if not isinstance(options, dict):
-        raise UserError("--storage-options: expected a JSON object of fsspec options")
-    return options
 
 
 class StorageError(UserError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import braceexpand
@@ -12,11 +13,14 @@ from bigclip.data.digits import build_digits
 from bigclip.data.imagenet import build_zeroshot_sets
 from bigclip.data.info import DataInfo
 from bigclip.data.sampler import ShardedBatchSampler
+from bigclip.data.shards import expand_shard_urls, iter_shard_samples
 from bigclip.data.skips import SkipCounter
 from bigclip.data.synthetic import SyntheticDataset
-from bigclip.data.wds_dataset import WebDatasetStream, batches_per_worker, expand_shards
+from bigclip.data.wds_plan import ShardPlan, batches_per_worker, parse_upsampling_factors
+from bigclip.data.wds_stream import ShardStream
 from bigclip.data.workers import worker_loader
 from bigclip.errors import UserError
+from bigclip.storage_options import parse_storage_options
 
 DATASET_TYPES = ("auto", "csv", "webdataset", "synthetic")
 SYNTHETIC_DEFAULT_SAMPLES = 1000
@@ -130,21 +134,28 @@ class _Builder:
 
     def webdataset(self, path: str, flag: str, train: bool) -> DataInfo:
         cfg = self.cfg
-        shards = expand_shards(path, flag)
+        options = parse_storage_options(cfg.storage_options)
+        sources = expand_shard_urls(path, flag, options)
         num_samples = cfg.train_num_samples if train else cfg.val_num_samples
         if train and not num_samples:
             raise UserError(f"{flag} {path}: WebDataset training needs --train-num-samples (samples per epoch)")
+        resampled = train and cfg.dataset_resampled
+        factors = parse_upsampling_factors(cfg.train_data_upsampling_factors, sources, resampled) if train else None
+        plan = ShardPlan.build(sources, factors, resampled, cfg.seed)
+        workers = max(1, cfg.workers)
+        per_worker = None
         if train:
-            num_batches = batches_per_worker(num_samples, cfg.batch_size, self.world_size, cfg.workers) * max(
-                1, cfg.workers
-            )
+            plan.check_slots(self.world_size * workers, f"{flag} {path}")
+            per_worker = batches_per_worker(num_samples, cfg.batch_size, self.world_size, cfg.workers)
+            num_batches = per_worker * workers
             num_samples = num_batches * cfg.batch_size * self.world_size
         else:
             # Unknown without --val-num-samples; with it, an estimate (ranks may differ by a batch).
             num_batches = -(-num_samples // (cfg.batch_size * self.world_size)) if num_samples else None
         skips = SkipCounter("train" if train else "val")
-        stream = WebDatasetStream(
-            shards,
+        stream = ShardStream(
+            plan,
+            functools.partial(iter_shard_samples, storage_options=options),
             self.transforms[train],
             self.tokenizer,
             skips,
@@ -152,15 +163,21 @@ class _Builder:
             rank=self.rank,
             world_size=self.world_size,
             workers=cfg.workers,
-            seed=cfg.seed,
             train=train,
-            num_batches=num_batches,
+            batches_per_worker=per_worker,
+            num_batches=None if train else num_batches,
             source=f"{flag} {path}",
         )
-        # Fewer shards than workers is fine: WebDatasetStream then splits by sample, so no worker is idle.
-        workers = cfg.workers
-        loader = worker_loader(stream, workers, batch_size=None)
-        return DataInfo(loader, num_samples=num_samples or 0, num_batches=num_batches or 0, sampler=stream, skips=skips)
+        loader = worker_loader(stream, cfg.workers, batch_size=None, stateful=train)
+        return DataInfo(
+            loader,
+            num_samples=num_samples or 0,
+            num_batches=num_batches or 0,
+            sampler=stream,
+            skips=skips,
+            resumable=train,
+            ends_early=train and not resampled,
+        )
 
     def demo(self) -> dict[str, Any]:
         cfg, pre = self.cfg, self.preprocess_cfg

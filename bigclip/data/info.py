@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from bigclip.data.skips import SKIP_REASONS, SkipCounter
 from bigclip.data.workers import shut_down_workers
+
+logger = logging.getLogger(__name__)
 
 
 class EpochPositioned(Protocol):
@@ -18,21 +21,59 @@ class EpochPositioned(Protocol):
 class DataInfo:
     """`dataloader` yields (images FloatTensor[B,3,H,W], tokens LongTensor[B,L]), or (images, labels)
     for zero-shot sets. `num_samples` is the data set's size (training: per epoch, over all ranks);
-    `num_batches` is per rank and per whole epoch. After set_epoch(e, skip_batches=k) the loader yields
-    num_batches - k batches: the rest of epoch e."""
+    `num_batches` is per rank and per whole epoch.
+
+    Two ways to resume inside an epoch. A loader with a saved position (`resumable`: torchdata's
+    StatefulDataLoader over a stream that saves its workers' state) continues exactly where `position()` was
+    taken, after `restore()`. The others are pure functions of (seed, epoch): after set_epoch(e,
+    skip_batches=k) they yield num_batches - k batches, the rest of epoch e.
+
+    `ends_early`: a rank's loader may yield fewer than num_batches batches (WebDataset without resampling
+    reads each shard once), so the ranks must agree on every step whether all of them have a batch."""
 
     dataloader: Iterable[Any]
     num_samples: int
     num_batches: int
     sampler: EpochPositioned | None = None
     skips: SkipCounter | None = None
+    resumable: bool = False
+    ends_early: bool = False
+    _pending: dict[str, Any] | None = field(default=None, repr=False)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Order of epoch `epoch` (a function of seed and epoch only), less its first `skip_batches`."""
-        if self.sampler is not None:
+        if self.resumable:
+            self._set_resumable_epoch(epoch, skip_batches)
+        elif self.sampler is not None:
             self.sampler.set_epoch(epoch, skip_batches)
         elif skip_batches:
             raise ValueError("this loader has no order to skip into")
+
+    def _set_resumable_epoch(self, epoch: int, skip_batches: int) -> None:
+        pending, self._pending = self._pending, None
+        self.sampler.set_epoch(epoch)
+        if pending is not None and pending["epoch"] == epoch:
+            self.dataloader.load_state_dict(pending["loader"])
+        elif skip_batches:
+            logger.warning(
+                f"resuming epoch {epoch} after {skip_batches} batches without a saved data position (a checkpoint "
+                f"of another world size or an older bigclip): the epoch's data starts again from its beginning"
+            )
+
+    def position(self) -> dict[str, Any]:
+        """Where the loader is, after the last batch taken from it (a resumable loader; else {})."""
+        if not self.resumable:
+            return {}
+        return {"epoch": self.sampler.epoch, "loader": self.dataloader.state_dict()}
+
+    def restore(self, position: dict[str, Any]) -> None:
+        """Continue from `position` at the next set_epoch of the same epoch."""
+        if self.resumable and position:
+            self._pending = position
+
+    def count_dropped(self, samples: int) -> None:
+        if self.skips is not None and samples:
+            self.skips.count("dropped", f"{samples} samples: another rank ran out of data first", n=samples)
 
     def close(self) -> None:
         """Stop the loader's worker processes now (persistent workers otherwise live as long as the loader)."""

@@ -19,6 +19,7 @@ SKIP_REASONS = (
     "bad_image",  # image bytes that cannot be decoded or transformed
     "missing_caption",  # empty or absent caption
     "read_error",  # unreadable shard or tar member
+    "dropped",  # read, but not trained on: a last partial batch, or left over so that ranks take equal steps
 )
 
 # Each process warns about the first few skips of a loader with details, then only counts.
@@ -31,10 +32,10 @@ class SkipCounter:
         self._counts = multiprocessing.Array("q", len(SKIP_REASONS), lock=True)
         self._warned = 0  # per process: every worker has its own copy
 
-    def count(self, reason: str, detail: str = "") -> None:
+    def count(self, reason: str, detail: str = "", n: int = 1) -> None:
         slot = SKIP_REASONS.index(reason)
         with self._counts.get_lock():
-            self._counts[slot] += 1
+            self._counts[slot] += n
         if self._warned < _WARN_FIRST:
             self._warned += 1
             logger.warning(f"{self.name} data: skipped a sample ({reason}) {detail}".rstrip())

@@ -133,6 +133,11 @@ def image_transform(
     mode = InterpolationMode.BILINEAR if interpolation == "bilinear" else InterpolationMode.BICUBIC
     if resize_mode == "squash":
         resize = [T.Resize(size, interpolation=mode)]
+    elif resize_mode == "shortest" and size[0] == size[1]:
+        # OpenCLIP's own choice for square targets: torchvision's shortest-edge resize, which truncates the
+        # long side (500x375 -> 298x224) where scaling by a ratio would round it (299): the crop, and so the
+        # zero-shot numbers, would differ from OpenCLIP's by a pixel's shift.
+        resize = [T.Resize(size[0], interpolation=mode), T.CenterCrop(size)]
     else:
         # CenterCrop pads with black where the resized image is smaller ('longest' letterboxing).
         resize = [ResizeKeepRatio(size, longest=resize_mode == "longest", interpolation=mode), T.CenterCrop(size)]

@@ -13,6 +13,7 @@ import weakref
 
 import torch
 from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 
 def ignore_sigterm(worker_id: int) -> None:
@@ -42,8 +43,11 @@ def _shut_down_at_exit() -> None:
         shut_down_workers(loader)
 
 
-def worker_loader(dataset, workers: int, **kwargs) -> DataLoader:
-    loader = DataLoader(
+def worker_loader(dataset, workers: int, stateful: bool = False, **kwargs) -> DataLoader:
+    """A DataLoader whose workers survive a preemption SIGTERM. `stateful`: torchdata's StatefulDataLoader, which
+    keeps per worker the state (dataset.state_dict()) that came with the last batch taken from it."""
+    cls = StatefulDataLoader if stateful else DataLoader
+    loader = cls(
         dataset,
         num_workers=workers,
         persistent_workers=workers > 0,

@@ -1,0 +1,213 @@
+"""The resumable WebDataset stream: exactly-once epochs, resampling with upsampling factors, and a position that
+saved after any batch resumes to exactly the samples an uninterrupted loader would have produced.
+
+Shards are real tars written with webdataset's TarWriter; captions carry the sample's number so batches can
+be traced back to samples (the tokenizer turns "17" into [[17]]). Loaders are torchdata's StatefulDataLoader
+with 2 worker processes, and 2 ranks are two streams with rank 0 and 1.
+"""
+
+import collections
+import io
+import pickle
+
+import pytest
+import torch
+import webdataset as wds
+from PIL import Image
+from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from bigclip.data.shards import expand_shard_urls, iter_shard_samples
+from bigclip.data.skips import SkipCounter
+from bigclip.data.wds_plan import ShardPlan, parse_upsampling_factors
+from bigclip.data.wds_stream import ShardStream
+from bigclip.errors import UserError
+
+WORKERS = 2
+
+
+def _png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4), (10, 20, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_shards(directory, counts: list[int], first: int = 0, prefix: str = "s") -> list[str]:
+    png, paths, number = _png(), [], first
+    for i, count in enumerate(counts):
+        path = str(directory / f"{prefix}-{i:03d}.tar")
+        with wds.TarWriter(path) as sink:
+            for _ in range(count):
+                sink.write({"__key__": f"{number:06d}", "png": png, "txt": str(number)})
+                number += 1
+        paths.append(path)
+    return paths
+
+
+def number_tokenizer(texts):
+    return torch.tensor([[int(t)] for t in texts])
+
+
+def to_tensor(img):
+    return torch.zeros(1)
+
+
+def stream(plan, rank=0, world=1, batch=4, quota=10_000, train=True, buffer=(50, 10)):
+    s = ShardStream(
+        plan,
+        iter_shard_samples,
+        to_tensor,
+        number_tokenizer,
+        SkipCounter("test"),
+        batch_size=batch,
+        rank=rank,
+        world_size=world,
+        workers=WORKERS,
+        train=train,
+        batches_per_worker=quota if train else None,
+    )
+    s.shuffle_buffer, s.shuffle_initial = buffer
+    return s
+
+
+def loader(s):
+    return StatefulDataLoader(s, batch_size=None, num_workers=WORKERS)
+
+
+def numbers(batch) -> list[int]:
+    return batch[1][:, 0].tolist()
+
+
+def test_without_resampling_every_sample_is_read_once_per_epoch_over_ranks_and_workers(tmp_path):
+    shards = write_shards(tmp_path, [13, 7, 20, 9, 11, 16, 5, 8])  # 89 samples, 8 shards for 4 slots
+    plan = ShardPlan.build([shards], None, resampled=False, seed=3)
+    for epoch in (0, 1):
+        seen, dropped = [], 0
+        for rank in (0, 1):
+            s = stream(plan, rank=rank, world=2)
+            s.set_epoch(epoch)
+            seen += [n for b in loader(s) for n in numbers(b)]
+            dropped += s.skips.snapshot()["dropped"]
+        assert len(seen) == len(set(seen))
+        assert len(seen) + dropped == 89  # the rest: last partial batches, counted
+    # epochs differ in order
+    a, b = stream(plan), stream(plan)
+    b.set_epoch(1)
+    assert [numbers(x) for x in loader(a)] != [numbers(x) for x in loader(b)]
+
+
+def test_fewer_shards_than_readers_is_one_line():
+    plan = ShardPlan.build([["a.tar", "b.tar", "c.tar"]], None, resampled=False, seed=0)
+    with pytest.raises(UserError, match="3 shards for 4 readers"):
+        plan.check_slots(4, "--train-data x")
+
+
+@pytest.mark.parametrize("resampled", [False, True])
+def test_position_saved_after_any_batch_resumes_exactly(tmp_path, resampled):
+    shards = write_shards(tmp_path, [30, 25, 40, 35, 20, 30])
+    plan = ShardPlan.build([shards], None, resampled=resampled, seed=7)
+    quota = 12  # batches per worker: resampled streams are endless
+    whole = [numbers(b) for b in loader(stream(plan, quota=quota))]
+    assert len(whole) == 2 * quota or not resampled
+    for cut in (1, 5, 11):
+        first = loader(stream(plan, quota=quota))
+        it = iter(first)
+        head = [numbers(next(it)) for _ in range(cut)]
+        saved = pickle.loads(pickle.dumps(first.state_dict()))  # as it travels through a checkpoint
+        del it, first
+        again = loader(stream(plan, quota=quota))
+        again.load_state_dict(saved)
+        assert head + [numbers(b) for b in again] == whole, cut
+
+
+def test_upsampling_factors_set_each_sources_share(tmp_path):
+    a = write_shards(tmp_path, [10] * 4, first=0, prefix="a")  # numbers < 1000
+    b = write_shards(tmp_path, [10] * 2, first=1000, prefix="b")
+    factors = parse_upsampling_factors("1::3", [a, b], resampled=True)
+    plan = ShardPlan.build([a, b], factors, resampled=True, seed=1)
+    got = [n for batch in loader(stream(plan, quota=150, batch=8, buffer=(20, 5))) for n in numbers(batch)]
+    share_b = sum(n >= 1000 for n in got) / len(got)
+    expected = (2 * 3) / (4 * 1 + 2 * 3)  # per-shard weights: factor x shards, as OpenCLIP
+    assert abs(share_b - expected) < 0.06, (share_b, expected)
+    counts = collections.Counter(n // 10 for n in got)  # every shard is drawn
+    assert len(counts) == 6
+
+
+def test_upsampling_factors_follow_openclips_rules():
+    sources = [["a.tar"], ["b.tar"]]
+    with pytest.raises(UserError, match="add --dataset-resampled"):
+        parse_upsampling_factors("1::2", sources, resampled=False)
+    with pytest.raises(UserError, match="3 factors for 2 data sources"):
+        parse_upsampling_factors("1::2::3", sources, resampled=True)
+    assert parse_upsampling_factors("1::0.5", sources, resampled=True) == [1.0, 0.5]
+
+
+def test_evaluation_reads_every_sample_once_in_order(tmp_path):
+    shards = write_shards(tmp_path, [5, 6, 7, 3])
+    plan = ShardPlan.build([shards], None, resampled=False, seed=0)
+    seen = []
+    for rank in (0, 1):
+        seen += [n for b in loader(stream(plan, rank=rank, world=2, batch=4, train=False)) for n in numbers(b)]
+    assert sorted(seen) == list(range(21))
+
+
+# ------------------------------------------------------------------------------------ shards on S3 (moto)
+def upload(s3, bucket, paths) -> list[str]:
+    fs = s3.fs()
+    urls = []
+    for path in paths:
+        url = f"s3://{bucket}/shards/{path.rsplit('/', 1)[1]}"
+        fs.put(path, url)
+        urls.append(url)
+    return urls
+
+
+def test_shards_stream_from_s3_like_local_and_prefixes_are_listed(tmp_path, s3, s3_bucket):
+    local = write_shards(tmp_path, [9, 14, 5])
+    remote = upload(s3, s3_bucket, local)
+    listed = expand_shard_urls(f"s3://{s3_bucket}/shards/", "--train-data")
+    assert listed == [remote]
+    assert expand_shard_urls(f"s3://{s3_bucket}/shards/s-00{{0..1}}.tar::{local[2]}", "--train-data") == [
+        remote[:2],
+        [local[2]],
+    ]
+    for a, b in zip(local, remote):
+        ours = [(s["__key__"], s["png"], s["txt"], s["__index__"]) for s in iter_shard_samples(b)]
+        assert ours == [(s["__key__"], s["png"], s["txt"], s["__index__"]) for s in iter_shard_samples(a)]
+    assert [s["__index__"] for s in iter_shard_samples(remote[1], start=10)] == [10, 11, 12, 13]
+    with pytest.raises(UserError, match="--train-data s3://.*/nothing/: no .tar shards"):
+        expand_shard_urls(f"s3://{s3_bucket}/nothing/", "--train-data")
+    # a whole training epoch from S3 equals the one from local disk
+    plan_local = ShardPlan.build([local], None, resampled=False, seed=2)
+    plan_s3 = ShardPlan.build([remote], None, resampled=False, seed=2)
+    s_local, s_s3 = stream(plan_local), stream(plan_s3)
+    s_local.read_shard = s_s3.read_shard = iter_shard_samples
+    assert [numbers(b) for b in loader(s_s3)] == [numbers(b) for b in loader(s_local)]
+
+
+def test_an_s3_outage_mid_shard_is_retried_and_the_shard_completes(tmp_path, s3, s3_bucket, monkeypatch):
+    import threading
+    import time
+
+    from bigclip.data import shards as shards_mod
+
+    (local,) = write_shards(tmp_path, [400])  # ~ 1 MB: read in 64 KiB blocks, the outage lands mid-shard
+    (remote,) = upload(s3, s3_bucket, [local])
+    monkeypatch.setattr(shards_mod, "_BLOCK", 64 << 10)
+    samples, errors = [], []
+    reader = iter_shard_samples(remote, on_error=lambda kind, detail: errors.append(kind))
+    samples.append(next(reader))
+    s3.stop()
+    threading.Timer(3.0, s3.start).start()  # back on the same port after 3 s
+    started = time.monotonic()
+    samples += list(reader)
+    assert time.monotonic() - started >= 2.5 and errors == []
+    assert [s["__index__"] for s in samples] == list(range(400))
+
+
+def test_a_shard_that_keeps_failing_is_reported_not_raised(tmp_path, s3, s3_bucket, monkeypatch):
+    errors = []
+    got = list(
+        iter_shard_samples(f"s3://{s3_bucket}/shards/missing.tar", on_error=lambda kind, detail: errors.append(kind))
+    )
+    assert got == [] and errors == ["shard_failed"]
