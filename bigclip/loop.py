@@ -7,6 +7,7 @@ Checkpointer's named calls (ckpt/checkpointer.py), and keeps where the run is in
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -134,13 +135,14 @@ def _micro_batches(loader, accum_freq: int, steps: int, engine, world: World) ->
 
 def _while_every_rank_has_data(groups: Iterator[MicroBatches], batch_size: int, train_data, world: World):
     """The groups, as long as every rank has one: a rank that ran out of data ends the epoch for all (one
-    all-reduce per step). The samples other ranks had ready are counted as dropped."""
+    all-reduce per step). The other ranks then read what is left of their epoch without training on it, so
+    every shard is still read once per epoch, and count those samples as dropped."""
     groups = iter(groups)
     while True:
         group = next(groups, None)
         if all_reduce_min(0.0 if group is None else 1.0, world) == 0.0:
-            if group is not None:
-                train_data.count_dropped(len(group) * batch_size)
+            left = [] if group is None else [group]
+            train_data.count_dropped(sum(len(g) for g in itertools.chain(left, groups)) * batch_size)
             return
         yield group
 

@@ -8,6 +8,7 @@ with 2 worker processes, and 2 ranks are two streams with rank 0 and 1.
 
 import collections
 import io
+import json
 import pickle
 
 import pytest
@@ -211,3 +212,49 @@ def test_a_shard_that_keeps_failing_is_reported_not_raised(tmp_path, s3, s3_buck
         iter_shard_samples(f"s3://{s3_bucket}/shards/missing.tar", on_error=lambda kind, detail: errors.append(kind))
     )
     assert got == [] and errors == ["shard_failed"]
+
+
+# ------------------------------------------------------------------------- ranks that run out unevenly
+def _uneven_worker(rank, port, shards, out):
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from bigclip.config import TrainConfig
+    from bigclip.data import get_data
+    from bigclip.dist import World
+    from bigclip.loop import _micro_batches, _while_every_rank_has_data
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    world = World(rank=rank, world_size=2, backend="gloo")
+    cfg = dataclasses.replace(TrainConfig(), train_data=shards, train_num_samples=400, batch_size=4, workers=1)
+    info = get_data(cfg, to_tensor, to_tensor, number_tokenizer, rank=rank, world_size=2)["train"]
+
+    class Engine:  # what _micro_batches asks of an engine: the weights' dtype
+        precision = type("P", (), {"param_dtype": torch.float32})
+
+    steps = list(_while_every_rank_has_data(_micro_batches(info.dataloader, 1, 100, Engine, world), 4, info, world))
+    seen = [n for group in steps for _images, texts in group for n in texts[:, 0].tolist()]
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump({"steps": len(steps), "seen": seen, "skipped": info.skipped()}, f)
+    dist.destroy_process_group()
+
+
+def test_ranks_take_equal_steps_and_every_sample_is_read_or_counted(tmp_path):
+    """2 ranks, shards of very different sizes: the ranks stop together when the first runs out, and the
+    other reads the rest of its shards, counted as dropped: trained + dropped = every sample, once."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    write_shards(tmp_path, [6, 30, 5, 40])  # each rank reads two; however they pair up, one has 9+ more
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_uneven_worker, args=(port, str(tmp_path / "s-{000..003}.tar"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["steps"] == ranks[1]["steps"] > 0
+    seen = ranks[0]["seen"] + ranks[1]["seen"]
+    dropped = ranks[0]["skipped"]["dropped"] + ranks[1]["skipped"]["dropped"]
+    assert len(seen) == len(set(seen)) and len(seen) + dropped == 81
+    assert dropped >= 8  # the longer rank's tail was read, not trained on
