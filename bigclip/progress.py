@@ -2,7 +2,8 @@
 
 Times each step (waiting for data vs the whole step), averages the loss, drives the progress bar on a
 terminal, and every --log-every-n-steps prints OpenCLIP's `Train Epoch: ...` line and writes one metrics
-record (metrics.jsonl, tensorboard, wandb).
+record (metrics.jsonl, tensorboard, wandb), with the samples skipped so far summed over all ranks
+(`data/skipped_<reason>`: unreadable shards or members, undecodable images, missing captions, dropped).
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ from bigclip.train_state import TrainState
 
 
 class EpochProgress:
-    def __init__(self, cfg, engine, sinks: MetricSinks, world: World, steps: int, samples: int, state: TrainState):
-        """steps: optimizer steps in the epoch; samples: samples in the epoch over all ranks."""
+    def __init__(
+        self, cfg, engine, sinks: MetricSinks, world: World, steps: int, samples: int, state: TrainState, train_data
+    ):
+        """steps: optimizer steps in the epoch; samples: samples in the epoch over all ranks; train_data: the
+        DataInfo whose skipped samples are reported (summed over ranks) at every log step."""
         self.cfg, self.engine, self.sinks, self.world = cfg, engine, sinks, world
+        self.train_data = train_data
         self.steps, self.samples = steps, samples
         self.samples_per_step = cfg.batch_size * cfg.accum_freq * world.world_size
         self.epoch = state.epoch
@@ -64,9 +69,13 @@ class EpochProgress:
             self.epoch, seen, self.samples, self.data_time.avg, self.batch_time.avg, per_s, per_gpu, lr,
             logit_scale, loss, self.loss.avg,
         )  # fmt: skip
+        skipped = self._skipped()  # collective: every rank logs at the same steps
+        if skipped:
+            line += f" Skipped: {sum(skipped.values())} ({', '.join(f'{k} {v}' for k, v in skipped.items())})"
         (self.bar.write(line) if self.bar is not None else logger.info(line))
         self.sinks.write(
             {
+                **{f"data/skipped_{k}": v for k, v in skipped.items()},
                 "step": state.step,
                 "epoch": self.epoch,
                 "samples_seen": state.samples_seen,
@@ -84,14 +93,18 @@ class EpochProgress:
         self.batch_time.reset()
         self.data_time.reset()
 
-    def close(self, state: TrainState, train_data) -> None:
+    def _skipped(self) -> dict[str, int]:
+        """Samples skipped so far by reason, summed over all ranks (collective); reasons with none left out."""
+        counts = self.train_data.skipped()
+        totals = all_reduce_sum(torch.tensor([counts[k] for k in sorted(counts)], dtype=torch.float64), self.world)
+        return {k: int(v) for k, v in zip(sorted(counts), totals.tolist()) if v}
+
+    def close(self, state: TrainState) -> None:
         """End of the epoch's steps (finished or stopped): close the bar and report the bad samples skipped so
         far, summed over all ranks (collective). Bad samples are never fatal and never silent."""
         if self.bar is not None:
             self.bar.close()
-        counts = train_data.skipped()
-        totals = all_reduce_sum(torch.tensor([counts[k] for k in sorted(counts)], dtype=torch.float64), self.world)
-        skipped = {k: int(v) for k, v in zip(sorted(counts), totals.tolist()) if v}
+        skipped = self._skipped()
         if skipped:
             detail = ", ".join(f"{k}: {v}" for k, v in skipped.items())
             logger.warning(f"data: {sum(skipped.values())} bad sample(s) skipped so far ({detail})")

@@ -232,9 +232,9 @@ def _train(cfg, world, engine, loss_fn, data, tokenizer, state, checkpointer, si
     metrics: dict[str, float] = {}
     while state.epoch < cfg.epochs:
         samples = train_data.num_samples
-        progress = EpochProgress(cfg, engine, sinks, world, steps_per_epoch, samples, state)
+        progress = EpochProgress(cfg, engine, sinks, world, steps_per_epoch, samples, state, train_data)
         stop = train_one_epoch(cfg, engine, loss_fn, train_data, state, schedule, checkpointer, progress, world)
-        progress.close(state, train_data)
+        progress.close(state)
         if stop:
             break
         state.finish_epoch()

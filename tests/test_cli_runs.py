@@ -63,6 +63,8 @@ def test_csv_run_skips_and_counts_a_missing_image(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     records = read_metrics(str(tmp_path / "logs" / "csv"))
     assert any(r.get("data/skipped_missing_image") == 1 for r in records)
+    last_step = [r for r in records if "loss" in r][-1]  # step records carry the counts summed over ranks
+    assert last_step["data/skipped_missing_image"] == 1
     assert "bad sample(s) skipped" in out.stdout + out.stderr
 
 
