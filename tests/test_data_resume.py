@@ -15,6 +15,7 @@ import pytest
 import webdataset as wds
 from helpers import read_metrics, subprocess_env, torchrun_cmd, wait_for_step
 from PIL import Image
+from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -59,9 +60,13 @@ def keys_by_step(out_dir) -> dict[tuple[int, int], list]:
     return out
 
 
-@pytest.mark.parametrize("resampled", [False, True])
-def test_sigkill_mid_epoch_then_resume_trains_on_the_same_samples(tmp_path, resampled):
+@pytest.mark.parametrize("where, resampled", [("local", False), ("local", True), ("s3", False)])
+def test_sigkill_mid_epoch_then_resume_trains_on_the_same_samples(tmp_path, where, resampled, request):
     shards = write_shards(tmp_path)
+    if where == "s3":  # the same shards streamed from the S3 server on loopback
+        s3, bucket = request.getfixturevalue("s3"), request.getfixturevalue("s3_bucket")
+        s3.fs().put(str(tmp_path / "train-*.tar"), f"s3://{bucket}/shards/")
+        shards = f"s3://{bucket}/shards/train-{{000..007}}.tar"
     extra = ["--dataset-resampled"] if resampled else []
 
     whole = launch(tmp_path, str(tmp_path / "whole"), flags(shards, "whole", *extra))
