@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from bigclip.data.imagenet import ZEROSHOT_SETS, imagenet_prompts
 from bigclip.dist import World, all_reduce_sum
+from bigclip.log import logger
 
 
 def _gather_rows(x: torch.Tensor, world: World) -> torch.Tensor:
@@ -126,6 +127,20 @@ def validate(engine, loader, world: World) -> dict[str, float]:
     return metrics
 
 
+def _check_val_count(evaluated: int, val, expected: int | None, world: World) -> None:
+    """Every validation sample is evaluated exactly once: with --val-num-samples, the samples evaluated plus
+    those skipped as unusable (summed over ranks) must make up that number; a difference is reported."""
+    if not expected:
+        return
+    counts = val.skipped()
+    skipped = int(all_reduce_sum(torch.tensor([float(sum(counts.values()))], dtype=torch.float64), world)[0])
+    if evaluated + skipped != expected and world.is_main:
+        logger.warning(
+            f"validation: {evaluated} samples evaluated and {skipped} skipped as unusable, but --val-num-samples "
+            f"is {expected}; check the flag against the validation shards"
+        )
+
+
 @torch.no_grad()
 def zero_shot_classifier(
     engine, tokenizer, classnames: list[str], templates: list[str], world: World, batch_size: int = 256
@@ -203,5 +218,6 @@ def evaluate(engine, data: dict, tokenizer, cfg, completed_epoch: int, world: Wo
         metrics.update(imagenet_zero_shot(engine, data, tokenizer, cfg.batch_size, world))
     if "val" in data and (completed_epoch % cfg.val_frequency == 0 or last):
         metrics.update(validate(engine, data["val"].dataloader, world))
+        _check_val_count(metrics.get("num_samples", 0), data["val"], cfg.val_num_samples, world)
     engine.train()
     return metrics

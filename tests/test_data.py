@@ -25,7 +25,10 @@ from bigclip.data import (
 )
 from bigclip.data.digits import digit_caption, load_digit_split
 from bigclip.data.sampler import ShardedBatchSampler
+from bigclip.data.skips import SkipCounter
+from bigclip.dist import World
 from bigclip.errors import UserError
+from bigclip.eval import _check_val_count
 from bigclip.model.tokenizer import ByteTokenizer
 
 SIZE = 8
@@ -441,3 +444,14 @@ def test_eval_transform_equals_openclips_on_a_4_3_image():
     ours = image_transform((224, 224), False, open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD)
     theirs = open_clip.image_transform(224, is_train=False)
     assert torch.equal(ours(image), theirs(image))
+
+
+def test_validation_count_is_checked_against_val_num_samples(caplog):
+    skips = SkipCounter("val")
+    skips.count("bad_image", n=2)
+    val = DataInfo(dataloader=[], num_samples=0, num_batches=0, skips=skips)
+    with caplog.at_level("WARNING", logger="bigclip"):
+        _check_val_count(10, val, 12, World())  # 10 evaluated + 2 unusable: every sample accounted for
+        assert "validation:" not in caplog.text
+        _check_val_count(9, val, 12, World())
+    assert "9 samples evaluated and 2 skipped as unusable, but --val-num-samples is 12" in caplog.text
