@@ -258,3 +258,39 @@ def test_ranks_take_equal_steps_and_every_sample_is_read_or_counted(tmp_path):
     dropped = ranks[0]["skipped"]["dropped"] + ranks[1]["skipped"]["dropped"]
     assert len(seen) == len(set(seen)) and len(seen) + dropped == 81
     assert dropped >= 8  # the longer rank's tail was read, not trained on
+
+
+# ------------------------------------------------------------------------- resuming on another topology
+def _info(shards: str, rank: int, world: int, workers: int):
+    import dataclasses
+
+    from bigclip.config import TrainConfig
+    from bigclip.data import get_data
+
+    cfg = dataclasses.replace(TrainConfig(), train_data=shards, train_num_samples=10_000, batch_size=4, workers=workers)
+    return get_data(cfg, to_tensor, to_tensor, number_tokenizer, rank=rank, world_size=world)["train"]
+
+
+@pytest.mark.parametrize("world, workers", [(1, 3), (2, 1), (2, 3)])
+def test_resume_on_another_world_size_or_worker_count_reads_the_rest_once(tmp_path, world, workers):
+    """2 ranks x 2 workers take some batches and save their positions; the epoch then continues on another
+    topology. Taken before + read after + dropped = every sample of the epoch, none twice."""
+    write_shards(tmp_path, [23, 17, 30, 12, 25, 19, 8, 26])  # 160 samples
+    shards = str(tmp_path / "s-{000..007}.tar")
+    taken, positions = [], {}
+    for rank, cut in ((0, 5), (1, 2)):
+        info = _info(shards, rank, 2, 2)
+        info.set_epoch(0)
+        it = iter(info.dataloader)
+        taken += [n for _ in range(cut) for n in numbers(next(it))]
+        positions[rank] = pickle.loads(pickle.dumps(info.position()))
+        info.close()
+    after, dropped = [], 0
+    for rank in range(world):
+        info = _info(shards, rank, world, workers)
+        info.restore({"world_size": 2, "ranks": positions} if world != 2 else positions[rank])
+        info.set_epoch(0, skip_batches=3)
+        after += [n for b in info.dataloader for n in numbers(b)]
+        dropped += info.skipped()["dropped"]
+    assert not set(taken) & set(after) and len(after) == len(set(after))
+    assert len(taken) + len(after) + dropped == 160

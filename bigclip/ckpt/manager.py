@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from bigclip.ckpt.manifest import MANIFEST, TRAIN_STATE, Manifest, check_sizes, rng_file
-from bigclip.ckpt.rng import load_rank_state_file, rank_state_bytes
+from bigclip.ckpt.rng import load_rank_state_file, rank_state_bytes, read_data_position
 from bigclip.ckpt.storage import Storage, StorageError, StorageUnavailable, _write_durably, fsync_dir, is_url
 from bigclip.ckpt.upload import FileSink, lower_priority
 from bigclip.ckpt.verify import CorruptCheckpoint, fetch_verified, read_local_manifest, verify_local
@@ -537,6 +537,10 @@ class CheckpointManager:
         data_position = {}
         if os.path.exists(own_rng):
             data_position = load_rank_state_file(own_rng)
+        if manifest.world_size != self.world.world_size:
+            # Each rank's data position is only its own share of the epoch; at another world size every rank
+            # needs all of them to deal out what was left.
+            data_position = {"world_size": manifest.world_size, "ranks": read_data_positions(directory, manifest)}
         elif self.world.is_main:
             logger.info(
                 f"checkpoint {directory}: saved by {manifest.world_size} ranks, resumed on "
@@ -585,3 +589,13 @@ def _replace_dir(src: str, dst: str) -> None:
 def verify(path: str) -> dict[str, Any]:
     """The manifest (as a dict) of a complete, uncorrupted local checkpoint, else a UserError."""
     return verify_local(path).__dict__
+
+
+def read_data_positions(directory: str, manifest: Manifest) -> dict[int, dict[str, Any]]:
+    """The data position of every rank that saved checkpoint `directory` (rank -> position)."""
+    positions = {}
+    for rank in range(manifest.world_size):
+        path = os.path.join(directory, rng_file(rank))
+        if os.path.exists(path):
+            positions[rank] = read_data_position(path)
+    return positions

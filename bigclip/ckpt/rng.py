@@ -37,3 +37,8 @@ def load_rank_state_file(path: str) -> dict[str, Any]:
     state = torch.load(path, weights_only=False)
     set_rng_state(state)
     return state.get("data") or {}
+
+
+def read_data_position(path: str) -> dict[str, Any]:
+    """The data position saved in a rank file, without touching this process's generators."""
+    return torch.load(path, weights_only=False).get("data") or {}

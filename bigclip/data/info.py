@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from bigclip.data.skips import SKIP_REASONS, SkipCounter
+from bigclip.data.wds_stream import leftover_items, worker_states
 from bigclip.data.workers import shut_down_workers
 
 logger = logging.getLogger(__name__)
@@ -52,13 +53,34 @@ class DataInfo:
     def _set_resumable_epoch(self, epoch: int, skip_batches: int) -> None:
         pending, self._pending = self._pending, None
         self.sampler.set_epoch(epoch)
-        if pending is not None and pending["epoch"] == epoch:
+        if pending is None:
+            resumed = False
+        elif "ranks" in pending:  # saved by another number of ranks: deal out what all of them had left
+            resumed = self._continue_leftover(epoch, pending["ranks"], pending["world_size"], this_rank_only=False)
+        elif len(worker_states(pending["loader"])) != self.sampler.workers:  # this rank, other worker count
+            rank, world_size = self.sampler.rank, self.sampler.world_size
+            resumed = self._continue_leftover(epoch, {rank: pending}, world_size, this_rank_only=True)
+        elif pending["epoch"] == epoch:
             self.dataloader.load_state_dict(pending["loader"])
-        elif skip_batches:
+            resumed = True
+        else:
+            resumed = False
+        if not resumed and skip_batches:
             logger.warning(
                 f"resuming epoch {epoch} after {skip_batches} batches without a saved data position (a checkpoint "
                 f"of another world size or an older bigclip): the epoch's data starts again from its beginning"
             )
+
+    def _continue_leftover(self, epoch: int, positions: dict, world_size: int, this_rank_only: bool) -> bool:
+        positions = {int(rank): position for rank, position in positions.items()}
+        if not this_rank_only and sorted(positions) != list(range(world_size)):
+            return False  # a rank's file is missing: the epoch's data starts again (warned by the caller)
+        items = leftover_items(self.sampler.plan, epoch, positions, world_size)
+        if items is None:
+            return False
+        self.sampler.continue_leftover(epoch, items, this_rank_only)
+        logger.info(f"data: epoch {epoch} continues with what the saved run's readers had left ({len(items)} parts)")
+        return True
 
     def position(self) -> dict[str, Any]:
         """Where the loader is, after the last batch taken from it (a resumable loader; else {})."""

@@ -64,39 +64,108 @@ def _set_rng_state(rng: random.Random, state: list) -> None:
 
 
 class _Cursor:
-    """Where a slot is in its shards: the current shard and how many of its samples have been read."""
+    """Where a slot is in its work: the current shard and how many of its samples have been read.
+
+    Without resampling the work is a list of items [shard, first sample, picks]: the slot's own shards of the
+    epoch ([shard, 0, None]), or, after a resume at another world size or worker count, its share of what the
+    old workers had left (a partly read shard from its offset; the samples an old shuffle buffer held, as
+    picks). With resampling the next shard is drawn from the slot's generator."""
 
     def __init__(self, plan: ShardPlan, epoch: int, rank: int, world_size: int, worker: int, workers: int, train):
         self.plan = plan
         self.resampled = plan.resampled and train
-        self.position = 0  # index into `own` (not resampled) or shards drawn so far (resampled)
+        self.position = 0  # index into `items` (not resampled) or shards drawn so far (resampled)
         self.start = 0
+        self.picks: set[int] | None = None
+        self.leftover = False
         if self.resampled:
             self.sampler = plan.sampler(epoch, rank, worker)
             self.shard: int | None = plan.draw(self.sampler)
         else:
             slot, slots = slot_of(rank, world_size, worker), world_size * workers
-            self.own = plan.slot_shards(epoch, slot, slots) if train else list(range(slot, len(plan.shards), slots))
-            self.shard = self.own[0] if self.own else None
+            own = plan.slot_shards(epoch, slot, slots) if train else list(range(slot, len(plan.shards), slots))
+            self.use_items([[shard, 0, None] for shard in own], leftover=False)
+
+    def use_items(self, items: list[list], leftover: bool = True) -> None:
+        self.items, self.leftover = items, leftover
+        self._enter(0)
+
+    def _enter(self, position: int) -> None:
+        self.position = position
+        if position < len(self.items):
+            self.shard, self.start, picks = self.items[position]
+            self.picks = None if picks is None else set(picks)
+        else:
+            self.shard, self.start, self.picks = None, 0, None
 
     def advance(self) -> None:
-        self.position += 1
-        self.start = 0
         if self.resampled:
+            self.position += 1
+            self.start = 0
             self.shard = self.plan.draw(self.sampler)
         else:
-            self.shard = self.own[self.position] if self.position < len(self.own) else None
+            self._enter(self.position + 1)
 
     def state(self) -> dict[str, Any]:
         state = {"position": self.position, "start": self.start, "shard": self.shard}
         if self.resampled:
             state["sampler"] = _rng_state(self.sampler)
+        if self.leftover:
+            state["items"] = self.items
         return state
 
     def restore(self, state: dict[str, Any]) -> None:
+        if "items" in state:
+            self.items, self.leftover = state["items"], True
+        if not self.resampled:
+            self._enter(state["position"])
         self.position, self.start, self.shard = state["position"], state["start"], state["shard"]
         if self.resampled:
             _set_rng_state(self.sampler, state["sampler"])
+
+
+def worker_states(loader_state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-worker stream states in a StatefulDataLoader state (one entry without worker processes)."""
+    snapshot = loader_state.get("_snapshot")
+    if snapshot is None:
+        return [loader_state.get("dataset_state") or {}]
+    workers = snapshot["_worker_snapshots"]
+    return [workers[f"worker_{w}"].get("dataset_state") or {} for w in range(len(workers))]
+
+
+def leftover_items(plan: ShardPlan, epoch: int, positions: dict[int, dict[str, Any]], world_size: int) -> list:
+    """What the workers of ranks `positions` (rank -> DataInfo position) of a run of `world_size` ranks had still
+    to read of `epoch` when their positions were saved: partly read shards from their offsets, the samples their
+    shuffle buffers held, and the shards they had not started. Every sample of those ranks' share of the epoch
+    that was not yet taken is in exactly one item. None if a position is of another epoch."""
+    states = {}
+    for rank in sorted(positions):
+        position = positions[rank] or {}
+        if position.get("epoch") != epoch:
+            return None
+        states[rank] = worker_states(position["loader"])
+    items: list[list] = []
+    for rank, workers in states.items():
+        for worker, state in enumerate(workers):
+            slots = world_size * len(workers)
+            if not state:  # this worker had not yet handed over a batch: all of its shards are left
+                items += [[s, 0, None] for s in plan.slot_shards(epoch, slot_of(rank, world_size, worker), slots)]
+                continue
+            if state["done"]:
+                continue
+            picks: dict[int, list[int]] = {}
+            for shard, index in state["buffer"]:
+                picks.setdefault(shard, []).append(index)
+            items += [[shard, min(indices), sorted(indices)] for shard, indices in sorted(picks.items())]
+            cursor = state["cursor"]
+            own = cursor.get("items") or [
+                [s, 0, None] for s in plan.slot_shards(epoch, slot_of(rank, world_size, worker), slots)
+            ]
+            if cursor["shard"] is not None:
+                current = own[cursor["position"]]
+                items.append([current[0], cursor["start"], current[2]])
+                items += own[cursor["position"] + 1 :]
+    return items
 
 
 class ShardStream(IterableDataset):
@@ -135,6 +204,7 @@ class ShardStream(IterableDataset):
         # Workers may outlive an epoch (persistent workers): the epoch lives in shared memory.
         self._epoch = multiprocessing.Value("q", 0, lock=False)
         self._resume: dict[str, Any] | None = None  # a saved worker state, used by the next __iter__
+        self._leftover: tuple[int, list, bool] | None = None  # after a topology change: see continue_leftover
         self._state: dict[str, Any] = {}
 
     # ---------------------------------------------------------------------------- position
@@ -163,6 +233,12 @@ class ShardStream(IterableDataset):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resume = dict(state) if state else None
 
+    def continue_leftover(self, epoch: int, items: list[list], this_rank_only: bool = False) -> None:
+        """Resume `epoch` from what another topology's workers had left (`leftover_items`): the items are
+        dealt to this run's slots in turn (to this rank's workers only, when they are this rank's own
+        leftovers), so each is read by exactly one worker of one rank."""
+        self._leftover = (epoch, items, this_rank_only)
+
     # ---------------------------------------------------------------------------- raw samples
     def _on_error(self, kind: str, detail: str = "") -> None:
         self.skips.count("read_error", f"{kind}: {detail}")
@@ -177,6 +253,10 @@ class ShardStream(IterableDataset):
             for sample in self._read(cursor.shard, cursor.start):
                 got = True
                 cursor.start = sample["__index__"] + 1
+                if cursor.picks is not None and sample["__index__"] not in cursor.picks:
+                    if sample["__index__"] >= max(cursor.picks):
+                        break
+                    continue
                 yield (cursor.shard, sample["__index__"]), sample
             empty_in_a_row = 0 if got else empty_in_a_row + 1
             # Resampling draws for ever; a long run of shards without one sample means there is no data.
@@ -240,6 +320,13 @@ class ShardStream(IterableDataset):
         if resume is not None and resume.get("epoch") != epoch:
             resume = None  # a position saved in another epoch: this epoch starts from its beginning
         cursor = _Cursor(self.plan, epoch, self.rank, self.world_size, worker, self.workers, self.train)
+        if resume is None and self._leftover is not None and self._leftover[0] == epoch and not cursor.resampled:
+            _, items, this_rank_only = self._leftover
+            if this_rank_only:
+                cursor.use_items(items[worker :: self.workers])
+            else:
+                slot, slots = slot_of(self.rank, self.world_size, worker), self.world_size * self.workers
+                cursor.use_items(items[slot::slots])
         if not self.train:
             yield from self._batches(((ref, s) for ref, s in self._raw(cursor)), None, None, 0)
             return
