@@ -99,6 +99,7 @@ def train_one_epoch(
     groups = _micro_batches(train_data.dataloader, cfg.accum_freq, steps - step_in_epoch, engine, world)
     if train_data.ends_early:
         groups = _while_every_rank_has_data(groups, cfg.batch_size, train_data, world)
+    first_step = step_in_epoch
     for micro in groups:
         progress.data_ready()
         engine.set_lr(schedule(state.step))
@@ -116,6 +117,11 @@ def train_one_epoch(
         progress.step_done(state, step_in_epoch, loss, grad_norm)
         if checkpointer.after_step(state, end_of_epoch=step_in_epoch == steps):
             return True
+    if step_in_epoch == first_step < steps:
+        raise UserError(
+            "the training data yielded no batch this epoch: every shard failed or held no usable sample (image "
+            "with a .txt caption); see the data warnings above"
+        )
     return False
 
 

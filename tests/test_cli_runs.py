@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import webdataset as wds
 from helpers import REPO, python_train, read_metrics, subprocess_env
 from PIL import Image
 
@@ -89,3 +90,14 @@ def test_report_to_tensorboard_and_wandb_offline(tmp_path):
     run_dir = tmp_path / "sinks"
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert list((run_dir / "wandb").glob("offline-run-*"))
+
+
+def test_webdataset_run_whose_shards_hold_no_usable_sample_stops_with_one_line(tmp_path):
+    with wds.TarWriter(str(tmp_path / "bad.tar")) as sink:
+        for i in range(4):
+            sink.write({"__key__": f"b{i}", "jpg": b"not a jpeg", "txt": "a caption"})
+    out = python_train(["--train-data", str(tmp_path / "bad.tar"), "--train-num-samples", "8", "--model", "test-tiny",
+                        "--batch-size", "2", "--workers", "0", "--precision", "fp32", "--logs", str(tmp_path / "logs"),
+                        "--name", "bad"])  # fmt: skip
+    assert out.returncode != 0
+    assert "the training data yielded no batch this epoch" in out.stdout + out.stderr

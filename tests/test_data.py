@@ -428,13 +428,18 @@ def test_webdataset_truncated_shard_is_counted(tmp_path, shards):
     assert info.skipped()["read_error"] == 1
 
 
-def test_webdataset_training_without_any_usable_sample_stops_with_user_error(tmp_path):
+def test_webdataset_training_without_any_usable_sample(tmp_path):
+    """Resampling would draw shards for ever: it stops with one line. Read once, the epoch is just empty (the
+    training loop then stops the run: tests/test_cli_runs.py)."""
     bad = [{"__key__": f"b{i}", "jpg": b"no jpeg", "txt": b"x"} for i in range(3)]
     write_shard(tmp_path / "bad.tar", bad)
-    info = load(make_cfg(train_data=str(tmp_path / "bad.tar"), train_num_samples=4))["train"]
-    info.sampler.shuffle_buffer = info.sampler.shuffle_initial = 10  # give up sooner than 5000 samples
+    cfg = make_cfg(train_data=str(tmp_path / "bad.tar"), train_num_samples=4, dataset_resampled=True)
+    info = load(cfg)["train"]
+    info.sampler.max_unusable_before_first = 50  # give up sooner than 10000 samples
     with pytest.raises(UserError, match="no usable sample"):
         next(iter(info.dataloader))
+    once = load(dataclasses.replace(cfg, dataset_resampled=False))["train"]
+    assert list(once.dataloader) == [] and once.skipped()["bad_image"] == 3
 
 
 def test_eval_transform_equals_openclips_on_a_4_3_image():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import logging
 import multiprocessing
 import random
 import warnings
@@ -32,8 +33,11 @@ from bigclip.data.skips import SkipCounter
 from bigclip.data.wds_plan import ShardPlan, slot_of
 from bigclip.errors import UserError
 
+logger = logging.getLogger(__name__)
+
 IMAGE_KEYS = ("jpg", "png", "jpeg", "webp")
 CAPTION_KEY = "txt"
+UNUSABLE_BEFORE_GIVING_UP = 10_000
 # Sample shuffle buffer per worker (OpenCLIP's sizes): large enough to mix neighbouring samples of a shard,
 # small enough to hold in memory as raw bytes.
 SHUFFLE_BUFFER, SHUFFLE_INITIAL = 5000, 1000
@@ -201,6 +205,9 @@ class ShardStream(IterableDataset):
         self.num_batches = num_batches
         self.source = source
         self.shuffle_buffer, self.shuffle_initial = SHUFFLE_BUFFER, SHUFFLE_INITIAL
+        # Resampling never runs out of shards: this many unusable samples before the first usable one means
+        # the data holds none (rather than drawing bad shards for ever).
+        self.max_unusable_before_first = UNUSABLE_BEFORE_GIVING_UP
         # Workers may outlive an epoch (persistent workers): the epoch lives in shared memory.
         self._epoch = multiprocessing.Value("q", 0, lock=False)
         self._resume: dict[str, Any] | None = None  # a saved worker state, used by the next __iter__
@@ -380,10 +387,19 @@ class ShardStream(IterableDataset):
 
     def _batches(self, items: Iterator[tuple[Ref, dict]], quota: int | None, snapshot, produced: int):
         batch: list = []
-        made = usable = 0
+        made = usable = unusable = 0
         for _ref, sample in items:
             decoded = self._decode(sample)
             if decoded is None:
+                unusable += 1
+                if (
+                    not usable
+                    and not produced
+                    and unusable >= self.max_unusable_before_first
+                    and self.train
+                    and self.plan.resampled
+                ):
+                    raise self._no_data()
                 continue
             usable += 1
             batch.append(decoded)
@@ -400,7 +416,9 @@ class ShardStream(IterableDataset):
                 yield _collate(batch)
             return
         if not usable and not produced:
-            raise self._no_data()  # this worker's shards hold not one usable sample: a data problem, not a hang
+            # This reader's shards held not one usable sample (all failed, or all bad): counted, not fatal; the
+            # training loop stops the run if the whole epoch yields nothing.
+            logger.warning(f"{self.source}: the shards of reader (rank {self.rank}) held no usable sample")
         # Training ran out of shards before its quota (not resampled): the partial batch is dropped.
         if batch:
             self.skips.count("dropped", f"{len(batch)} samples of a last partial batch", n=len(batch))
