@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 from bigclip import evaluate, export, plan
 from bigclip.cli_args import build_train_parser, parse_train_args  # noqa: F401  (cli's public names)
-from bigclip.errors import UserError
+from bigclip.dist import where
+from bigclip.errors import UserError, first_line
 from bigclip.model import get_model_config, list_models
 from bigclip.train import run
 
@@ -47,11 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     command = _cmd_train
     if argv and argv[0] in SUBCOMMANDS:
         command = SUBCOMMANDS[argv.pop(0)]
+    here = where()  # "rank R on HOST" in a multi-process run: which of hundreds of ranks failed, and where
     try:
         return command(argv)
     except UserError as e:
-        print(f"bigclip: error: {e}", file=sys.stderr)
+        print(f"bigclip: error: {here + ': ' if here else ''}{e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("bigclip: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if here:  # the traceback follows; this line says whose it is
+            print(f"bigclip: {here} failed: {type(e).__name__}: {first_line(e)}", file=sys.stderr, flush=True)
+        raise

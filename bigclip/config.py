@@ -284,11 +284,23 @@ class TrainConfig:
     )
     dist_url: str | None = _flag(None, "Rendezvous URL (default: env:// from the launcher).", DIST)
     dist_backend: str | None = _flag(None, "nccl on GPU, gloo on CPU (default: picked by device).", DIST)
+    dist_timeout: float = _flag(
+        1800.0,
+        "Seconds a collective may wait, and how long startup waits for every rank to join the process group "
+        "(a node that never arrives stops the others after this long).",
+        DIST,
+    )
     ddp_static_graph: bool = _flag(False, "DDP static graph.", DIST)
     use_bn_sync: bool = _flag(False, "Synchronise BatchNorm statistics across processes.", DIST)
     horovod: bool = _unsupported(False, "Horovod.", DIST, "use torchrun, deepspeed or srun")
     no_set_device_rank: bool = _flag(False, "Do not pin each process to the GPU of its local rank.", DIST)
     device: str = _flag("cuda", "cuda or cpu (cuda falls back to cpu when no GPU is present).", DIST)
+    dry_run: bool = _flag(
+        False,
+        "Join the process group, print the world (one line per node), the engine plan and the memory plan, "
+        "and exit without building the model or training.",
+        DIST,
+    )
 
     # ---- other
     config: str | None = _flag(None, "YAML file of option values (flags given on the command line win).", MISC)
@@ -474,6 +486,8 @@ def _validate_numbers(cfg: TrainConfig) -> None:
         v = getattr(cfg, name)
         if v is not None and (not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
             _fail(name, v, "must be a non-negative number")
+    if not isinstance(cfg.dist_timeout, (int, float)) or not (0 < cfg.dist_timeout < float("inf")):
+        _fail("dist_timeout", cfg.dist_timeout, "must be a positive number of seconds")
     if not isinstance(cfg.save_every_minutes, (int, float)) or not (cfg.save_every_minutes >= 0):
         _fail("save_every_minutes", cfg.save_every_minutes, "must be a non-negative number of minutes")
     for name in ("beta1", "beta2"):

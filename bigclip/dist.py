@@ -1,10 +1,16 @@
 """Process-group setup from whichever launcher started us, and rank helpers.
 
 Launchers announce ranks differently:
-  torchrun / torch.distributed.run   RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-  deepspeed launcher                 the same variables, plus a --local_rank=N argument
-  SLURM srun (one task per GPU)      SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_JOB_NODELIST
+  torchrun / torch.distributed.run   RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (GROUP_RANK: node)
+  deepspeed launcher                 the same variables, plus a --local_rank=N argument (CROSS_RANK: node)
+  SLURM srun (one task per GPU)      SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_JOB_NODELIST (SLURM_NODEID)
 Anything else is a single process.
+
+How long a missing node can hold the others up: under srun and the DeepSpeed launcher (no rendezvous of
+their own) the process group's TCP store waits --dist-timeout seconds for every rank, then every waiting
+rank stops with one line saying what it waited for. torchrun's agents meet before any rank starts: their
+rendezvous timeout bounds the wait there (--rdzv_conf join_timeout=S for c10d, timeout=S for a static
+--master_addr rendezvous), and torchrun reports it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -19,7 +26,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from bigclip.errors import UserError
+from bigclip.errors import UserError, first_line
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,38 @@ def first_host(nodelist: str) -> str:
     return prefix + first
 
 
+def launcher_name(env: dict[str, str] | None = None) -> str:
+    """Which launcher started this process, for the logs."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" in env:
+        return "torchrun"
+    if "CROSS_RANK" in env or "LOCAL_SIZE" in env:
+        return "deepspeed launcher"
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "RANK/WORLD_SIZE environment"
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return "srun"
+    return "single process"
+
+
+def node_id(env: dict[str, str] | None = None) -> str:
+    """This process's node: the host name, plus the launcher's node rank where it gives one (two "nodes" can
+    share a host in tests, or a host can run two jobs' nodes)."""
+    env = os.environ if env is None else env
+    host = socket.gethostname()
+    for key in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID"):
+        if key in env:
+            return f"{host} (node {env[key]})"
+    return host
+
+
+def where(env: dict[str, str] | None = None) -> str:
+    """'rank R on HOST' for error lines of a multi-process run; '' for a single process."""
+    env = os.environ if env is None else env
+    rank = env.get("RANK", env.get("SLURM_PROCID") if int(env.get("SLURM_NTASKS", "1")) > 1 else None)
+    return f"rank {rank} on {node_id(env)}" if rank is not None else ""
+
+
 def detect_launch(env: dict[str, str] | None = None, local_rank_arg: int | None = None) -> LaunchEnv:
     env = dict(os.environ if env is None else env)
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -105,6 +144,7 @@ def init_distributed(
     dist_url: str | None = None,
     local_rank_arg: int | None = None,
     pin_to_local_rank: bool = True,
+    timeout_s: float = 1800.0,
 ) -> World:
     launch = detect_launch(local_rank_arg=local_rank_arg)
     dev = pick_device(device, launch.local_rank, pin_to_local_rank)
@@ -120,15 +160,62 @@ def init_distributed(
         os.environ.setdefault("LOCAL_RANK", str(launch.local_rank))
     world.backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=world.backend,
-            init_method=dist_url or "env://",
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=datetime.timedelta(minutes=int(os.environ.get("BIGCLIP_DIST_TIMEOUT_MIN", "30"))),
-            device_id=dev if dev.type == "cuda" else None,
-        )
+        try:
+            dist.init_process_group(
+                backend=world.backend,
+                init_method=dist_url or "env://",
+                rank=launch.rank,
+                world_size=launch.world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=dev if dev.type == "cuda" else None,
+            )
+        except (RuntimeError, TimeoutError, ConnectionError) as e:  # DistStoreError, DistNetworkError, gloo's
+            rendezvous = dist_url or f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise UserError(
+                f"{where() or f'rank {launch.rank}'}: the process group of {launch.world_size} ranks did not form "
+                f"within --dist-timeout {timeout_s:g} s at {rendezvous} ({first_line(e)}); check that every node "
+                f"started with the same MASTER_ADDR/MASTER_PORT and world size, or raise --dist-timeout"
+            ) from e
     return world
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'"""
+    ranks, parts = sorted(ranks), []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else f"{start}")
+        if r is not None:
+            start = prev = r
+    return ",".join(parts)
+
+
+def describe_world(world: World) -> list[str]:
+    """One line per node (host, its ranks, local world size, devices), then the world: for rank 0 to log at
+    start. Collective: every rank sends its own facts."""
+    mine = (node_id(), world.rank, str(world.device))
+    everyone = [mine]
+    if world.distributed:
+        everyone = [None] * world.world_size
+        dist.all_gather_object(everyone, mine)
+    nodes: dict[str, list[tuple[int, str]]] = {}
+    for node, rank, device in everyone:
+        nodes.setdefault(node, []).append((rank, device))
+    lines = []
+    for node, members in nodes.items():
+        devices = sorted({d for _, d in members})
+        lines.append(
+            f"node {node}: ranks {_ranges([r for r, _ in members])} (local world size {len(members)}), "
+            f"device{'s' if len(devices) > 1 else ''} {', '.join(devices)}"
+        )
+    lines.append(
+        f"world: {world.world_size} rank(s) on {len(nodes)} node(s), backend {world.backend or 'none'}, "
+        f"launched by {launcher_name()}"
+    )
+    return lines
 
 
 def shutdown() -> None:

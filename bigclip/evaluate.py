@@ -24,7 +24,12 @@ def main(argv: list[str]) -> int:
     if not (cfg.imagenet_val or cfg.imagenet_v2):
         raise UserError("bigclip eval: nothing to evaluate; pass --imagenet-val DIR and/or --imagenet-v2 DIR")
     world = init_distributed(
-        cfg.device, cfg.dist_backend, cfg.dist_url, launcher.get("local_rank"), not cfg.no_set_device_rank
+        cfg.device,
+        cfg.dist_backend,
+        cfg.dist_url,
+        launcher.get("local_rank"),
+        not cfg.no_set_device_rank,
+        cfg.dist_timeout,
     )
     try:
         seed_everything(cfg.seed)

@@ -16,9 +16,10 @@ import torch
 import yaml
 
 from bigclip import config as config_mod
+from bigclip import dry_run
 from bigclip.ckpt.checkpointer import Checkpointer, local_logs_dir, preflight
 from bigclip.data import DataInfo, get_data, image_transform
-from bigclip.dist import World, broadcast_object, init_distributed, raise_together, shutdown
+from bigclip.dist import World, broadcast_object, describe_world, init_distributed, raise_together, shutdown
 from bigclip.engine import build_engine
 from bigclip.engine import build_model as build_for_engine
 from bigclip.errors import UserError
@@ -169,9 +170,19 @@ def _resolve_run_name(cfg, world: World) -> str:
 
 def run(cfg, local_rank: int | None = None) -> int:
     world = init_distributed(
-        cfg.device, cfg.dist_backend, cfg.dist_url, local_rank, pin_to_local_rank=not cfg.no_set_device_rank
+        cfg.device,
+        cfg.dist_backend,
+        cfg.dist_url,
+        local_rank,
+        pin_to_local_rank=not cfg.no_set_device_rank,
+        timeout_s=cfg.dist_timeout,
     )
     try:
+        if cfg.dry_run:
+            lines = dry_run.report(cfg, world)
+            if world.is_main:
+                print("\n".join(lines), flush=True)
+            return 0
         return _run(cfg, world)
     finally:
         shutdown()
@@ -189,6 +200,8 @@ def _run(cfg, world: World) -> int:
     config_dict = config_mod.to_dict(cfg)
     config_dict["name"] = name
     _announce_config(cfg, config_dict, paths, world)
+    for line in describe_world(world):  # collective: every rank reports its host and device
+        logger.info(line)
 
     seed_everything(cfg.seed)  # same initial weights on every rank
     model = build_model(cfg, world)

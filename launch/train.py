@@ -17,7 +17,13 @@ try:
 except ImportError:  # running from a source checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bigclip.cli import main
+# Before the heavy imports: a preemption notice during startup is kept, not fatal (bigclip/preemption.py).
+from bigclip.preemption import NOTICE  # noqa: E402
+
+if __name__ == "__main__":
+    NOTICE.install()
+
+from bigclip.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

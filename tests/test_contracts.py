@@ -159,7 +159,7 @@ def test_no_import_cycles_counting_imports_inside_functions():
 
 
 # docs/architecture.md's layers: what each top-level module or package of bigclip may import.
-FOUNDATION = {"errors", "dist", "precision", "optim", "schedule", "train_state", "log", "storage_options"}
+FOUNDATION = {"errors", "dist", "precision", "optim", "schedule", "train_state", "log", "storage_options", "preemption"}
 COMPONENTS = {"model", "loss", "data", "ckpt"}
 ALLOWED = {
     **{m: FOUNDATION for m in FOUNDATION},

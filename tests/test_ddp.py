@@ -36,6 +36,9 @@ def test_two_process_local_loss_run_and_bad_flag_exit_code(tmp_path):
     assert len(step_losses(os.path.join(tmp_path, "local"))) == 2
     bad = torchrun(2, [*common, "--name", "bad", "--precision", "fp8"])
     assert bad.returncode != 0
-    # torchrun reports the failed children with its own traceback; bigclip's part is one line per rank.
-    assert bad.stderr.count("bigclip: error: --precision 'fp8'") == 2
+    # torchrun reports the failed children with its own traceback; bigclip's part is one line per rank, saying
+    # which rank on which node.
+    errors = sorted(line for line in bad.stderr.splitlines() if line.startswith("bigclip: error: "))
+    assert len(errors) == 2 and all("--precision 'fp8'" in line for line in errors), errors
+    assert errors[0].startswith("bigclip: error: rank 0 on ") and errors[1].startswith("bigclip: error: rank 1 on ")
     assert "bigclip/" not in "".join(line for line in bad.stderr.splitlines(True) if line.startswith("  File"))

@@ -24,11 +24,11 @@ from typing import Any
 
 from bigclip.ckpt.cadence import SaveCadence
 from bigclip.ckpt.manager import CheckpointManager
-from bigclip.ckpt.preemption import PreemptionFlag
 from bigclip.ckpt.remote_sync import RemoteSync
 from bigclip.ckpt.storage import Storage, is_url, join, parse_storage_options, redact_url
 from bigclip.dist import raise_together
 from bigclip.errors import UserError
+from bigclip.preemption import NOTICE
 from bigclip.train_state import TrainState
 
 logger = logging.getLogger("bigclip")
@@ -90,7 +90,7 @@ class Checkpointer:
             async_mode=cfg.checkpoint_async,
         )
         self.cadence = SaveCadence(cfg, world)
-        self.preemption = PreemptionFlag()
+        self.preemption = NOTICE
         self.preemption.install()
         self.sync = None
         self._stopped_at: int | None = None  # the step after which SIGTERM stopped the run
@@ -168,8 +168,9 @@ class Checkpointer:
                     if last and last.error is None
                     else "no checkpoint could be committed"
                 )
+                notice = self.preemption.signal_name or "a preemption notice"
                 logger.info(
-                    f"stopped by SIGTERM at step {self._stopped_at}: {committed}; continue with "
+                    f"stopped by {notice} at step {self._stopped_at}: {committed}; continue with "
                     f"--resume latest --name <this run>"
                 )
             if self.sync is not None:

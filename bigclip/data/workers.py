@@ -20,8 +20,10 @@ def ignore_sigterm(worker_id: int) -> None:
     """DataLoader worker init: a preemption SIGTERM reaches every process of the job (SLURM signals the whole
     job step), but the main process still needs its workers for the steps before its final checkpoint.
     Workers end when the main process shuts the loader down (DataInfo.close, at the latest at exit: see
-    _shut_down_at_exit), or dies (DataLoader's parent watchdog)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _shut_down_at_exit), or dies (DataLoader's parent watchdog). SIGUSR1, the other preemption notice, would
+    kill a worker by default: ignored too."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 _LIVE_LOADERS: weakref.WeakSet[DataLoader] = weakref.WeakSet()

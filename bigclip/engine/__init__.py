@@ -42,6 +42,11 @@ def build_model(cfg, world: World, factory) -> nn.Module:
     return ENGINE_CLASSES[cfg.engine].build_model(cfg, world, factory)
 
 
+def describe_plan(cfg, world: World, num_params: int) -> tuple[str, str]:
+    """For --dry-run: (the memory setup bigclip.plan computes, one line on how the engine lays the run out)."""
+    return ENGINE_CLASSES[cfg.engine].describe_plan(cfg, world, num_params)
+
+
 def apply_locks(model: nn.Module, cfg) -> None:
     if cfg.lock_image:
         model.lock_image_tower(cfg.lock_image_unlocked_groups, cfg.lock_image_freeze_bn_stats)
@@ -78,6 +83,7 @@ __all__ = [
     "FSDPEngine",
     "DeepSpeedEngine",
     "build_engine",
+    "describe_plan",
     "build_model",
     "check_config",
     "ENGINE_CLASSES",

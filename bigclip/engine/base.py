@@ -10,6 +10,9 @@ gradient synchronisation and the on-disk format of its state. Callers use only:
                                            default calls factory() (a real, initialised model); sharding engines
                                            may return factory(device="meta") for giant models and materialise
                                            the shards themselves.
+    Engine.describe_plan(cfg, world, num_params)
+                                           classmethod, for --dry-run: (the memory setup `bigclip plan` names,
+                                           one line saying how this run would be laid out)
     engine.module(images=..., texts=...)   forward (features dict), also for eval; a collective when sharded
     engine.model                           the unwrapped model (named parameters, constraints, logging)
     engine.train() / engine.eval()
@@ -58,6 +61,11 @@ class Engine(abc.ABC):
     def build_model(cls, cfg, world: World, factory) -> nn.Module:
         """Build the model for this engine; `factory(**overrides)` is create_model with the run's options."""
         return factory()
+
+    @classmethod
+    def describe_plan(cls, cfg, world: World, num_params: int) -> tuple[str, str]:
+        """(setup for bigclip.plan's memory arithmetic, a line describing the layout) without building anything."""
+        return cls.name, cls.name
 
     def __init__(self, cfg, model: nn.Module, world: World):
         self.cfg = cfg

@@ -29,6 +29,10 @@ class DDPEngine(TorchOptimizerEngine):
                 "deepspeed with ZeRO stage 3)"
             )
 
+    @classmethod
+    def describe_plan(cls, cfg, world: World, num_params: int) -> tuple[str, str]:
+        return "ddp", f"ddp: the whole model, its gradients and AdamW state on each of {world.world_size} rank(s)"
+
     def __init__(self, cfg, model: nn.Module, world: World):
         super().__init__(cfg, model, world)
         self.model = model.to(device=world.device, dtype=self.precision.param_dtype)

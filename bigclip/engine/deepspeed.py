@@ -51,6 +51,7 @@ from bigclip.engine.sharded_init import (
     materialise,
     modules_children_first,
     shard_meta_params,
+    wants_sharded_init,
 )
 from bigclip.engine.single import ensure_process_group
 from bigclip.errors import UserError
@@ -144,6 +145,30 @@ class DeepSpeedEngine(Engine):
         if cfg.ds_config_values is None:
             cfg.ds_config_values = dsc.resolve_flags(cfg, world.device.type)
         return cfg.ds_config_values
+
+    @classmethod
+    def describe_plan(cls, cfg, world: World, num_params: int) -> tuple[str, str]:
+        ds = cls._flag_values(cfg, world)
+        stage = dsc.stage(ds)
+        offload = [
+            what
+            for what, on in (("optimizer", dsc.offloads_optimizer(ds)), ("parameters", dsc.offloads_params(ds)))
+            if on
+        ]
+        setup = "zero3_offload" if stage == 3 and offload else f"zero{stage}"
+        line = (
+            f"deepspeed: ZeRO stage {stage} over {world.world_size} rank(s) ({cfg.ds_config or 'the default config'})"
+        )
+        if offload:
+            line += f", {' and '.join(offload)} offloaded to host memory"
+        if stage == 3:
+            built = (
+                "on meta, initialised shard by shard"
+                if wants_sharded_init(cfg, num_params)
+                else "whole, then partitioned"
+            )
+            line += f"; model built {built}"
+        return setup, line
 
     @classmethod
     def build_model(cls, cfg, world: World, factory) -> nn.Module:

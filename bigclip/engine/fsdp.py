@@ -31,15 +31,20 @@ from bigclip import optim
 from bigclip.dist import World
 from bigclip.engine.base import TorchOptimizerEngine
 from bigclip.engine.memory import tensor_bytes
-from bigclip.engine.sharded_init import build_for_sharding, is_meta, materialise
+from bigclip.engine.sharded_init import build_for_sharding, is_meta, materialise, wants_sharded_init
 from bigclip.engine.single import ensure_process_group
 from bigclip.errors import UserError
 
 
-def build_mesh(cfg, world: World):
-    replicate = cfg.fsdp_replicate_degree or 1
+def replicate_degree(cfg, world: World) -> int:
+    """How many replica groups HSDP keeps (1: plain sharding over every rank); --fsdp-hybrid: one per node."""
     if cfg.fsdp_hybrid:
-        replicate = max(1, world.world_size // max(1, world.local_world_size))
+        return max(1, world.world_size // max(1, world.local_world_size))
+    return cfg.fsdp_replicate_degree or 1
+
+
+def build_mesh(cfg, world: World):
+    replicate = replicate_degree(cfg, world)
     if world.world_size % replicate:
         raise UserError(f"--fsdp-replicate-degree {replicate}: must divide the world size {world.world_size}")
     device_type = world.device.type
@@ -80,6 +85,16 @@ class FSDPEngine(TorchOptimizerEngine):
     @classmethod
     def build_model(cls, cfg, world: World, factory) -> nn.Module:
         return build_for_sharding(cfg, factory, shards_params=True)
+
+    @classmethod
+    def describe_plan(cls, cfg, world: World, num_params: int) -> tuple[str, str]:
+        replicas = replicate_degree(cfg, world)
+        layout = f"sharded over {world.world_size} rank(s)"
+        if replicas > 1:
+            layout = f"HSDP: {replicas} replicas, each sharded over {world.world_size // replicas} rank(s)"
+        init = "on meta, initialised shard by shard" if wants_sharded_init(cfg, num_params) else "whole, then sharded"
+        extra = ", shards offloaded to host memory" if cfg.fsdp_offload_cpu else ""
+        return "fsdp", f"fsdp2: fully_shard per transformer block, then the root; {layout}; model built {init}{extra}"
 
     def __init__(self, cfg, model: nn.Module, world: World):
         super().__init__(cfg, model, world)

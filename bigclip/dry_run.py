@@ -1,0 +1,43 @@
+"""--dry-run: what a launch would do, without building the model or training.
+
+Run under the real launcher (torchrun, the DeepSpeed launcher, srun), it joins the process group (so the
+rendezvous itself is tested), then rank 0 prints the world as every rank sees it (one line per node), the
+engine's layout and the memory each GPU would need (bigclip.plan's arithmetic for this model, engine, world
+size, micro-batch and precision).
+"""
+
+from __future__ import annotations
+
+from bigclip import plan
+from bigclip.dist import World, describe_world
+from bigclip.engine import describe_plan
+
+
+def _memory_lines(cfg, world: World, setup: str, facts) -> list[str]:
+    precision = "fp32" if cfg.precision == "fp32" else "amp"
+    state = plan.state_bytes(setup, facts.params, world.world_size, precision, facts)
+    activations = plan.activation_bytes(facts, cfg.batch_size, cfg.grad_checkpointing)
+    total = state + activations + plan.OVERHEAD_BYTES
+    gib = plan.GiB
+    return [
+        f"memory per GPU ({setup}, precision {precision}, {world.world_size} rank(s), micro-batch {cfg.batch_size}"
+        f"{', --grad-checkpointing' if cfg.grad_checkpointing else ''}): state {state / gib:.1f} GiB + activations "
+        f"{activations / gib:.1f} GiB + {plan.OVERHEAD_BYTES / gib:.0f} GiB reserved = {total / gib:.1f} GiB",
+    ]
+
+
+def report(cfg, world: World) -> list[str]:
+    """The lines to print (on rank 0). Collective: every rank must call it."""
+    lines = describe_world(world)
+    try:
+        facts = plan.model_facts(cfg.model, cfg.force_image_size[0] if cfg.force_image_size else None)
+    except (KeyError, TypeError, ValueError) as e:  # towers the plan's arithmetic does not describe
+        facts = None
+        lines.append(f"model {cfg.model}: no memory plan for this architecture ({e})")
+    params = facts.params if facts else 0
+    setup, layout = describe_plan(cfg, world, params)
+    lines.append(f"model {cfg.model}: {params / 1e6:.1f}M parameters" if facts else f"model {cfg.model}")
+    lines.append(f"engine {layout}")
+    if facts:
+        lines += _memory_lines(cfg, world, setup, facts)
+    return lines

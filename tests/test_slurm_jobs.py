@@ -1,0 +1,95 @@
+"""The repository's sbatch templates, submitted as written to a one-node Slurm cluster started by the tests
+(tests/slurm_cluster.py): CPU overrides go on the sbatch command line and in the environment.
+
+- torchrun_per_node.sbatch trains test-tiny with 2 processes (the uninterrupted reference);
+- srun_per_task.sbatch, with a 1-minute limit and the notice 27 s before it, is signalled by Slurm, saves a
+  final checkpoint, requeues itself and continues to the end with the reference's per-step losses;
+- deepspeed_per_node.sbatch trains, and a job cancelled with scancel is not requeued and leaves only
+  checkpoints that verify.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import pytest
+from helpers import REPO, TINY_SYNTHETIC, read_metrics, step_losses, subprocess_env, wait_for_step
+from slurm_cluster import slurm  # noqa: F401  (pytest fixture)
+
+from bigclip.ckpt import verify
+
+pytestmark = pytest.mark.slurm
+
+# Long enough (about 40 s of training on 2 CPUs) that Slurm's notice, which comes 0-30 s before the time it
+# was asked for, always finds the run training.
+RUN = [*TINY_SYNTHETIC, "--epochs", "1", "--train-num-samples", "8000", "--log-every-n-steps", "10"]
+STEPS = 8000 // (8 * 2)
+
+
+def _submit(slurm, tmp_path, template: str, sbatch: list[str], flags: list[str], **env: str) -> int:
+    """Submit launch/slurm/<template> from the repository root (its documented place), output in tmp_path."""
+    args = [f"--output={tmp_path}/%x-%j.out", *sbatch, f"launch/slurm/{template}", *flags]
+    return slurm.submit(args, cwd=REPO, env=subprocess_env(**env))
+
+
+def _output(tmp_path) -> str:
+    return "".join(open(p).read() for p in glob.glob(str(tmp_path / "*.out")))
+
+
+@pytest.fixture(scope="module")
+def reference(slurm, tmp_path_factory) -> dict[int, float]:
+    tmp = tmp_path_factory.mktemp("torchrun-template")
+    job = _submit(slurm, tmp, "torchrun_per_node.sbatch", ["--cpus-per-task=2", "--time=5"],
+                  [*RUN, "--logs", str(tmp)], GPUS_PER_NODE="2", BIGCLIP_NAME="reference")  # fmt: skip
+    assert slurm.wait(job, timeout=300) == "COMPLETED", _output(tmp)[-3000:]
+    out = _output(tmp)
+    assert "--resume latest: no committed checkpoint" in out and "starting fresh" in out
+    assert "world: 2 rank(s) on 1 node(s), backend gloo, launched by torchrun" in out
+    losses = step_losses(str(tmp / "reference"))
+    assert sorted(losses) == list(range(10, STEPS + 1, 10)) + ([STEPS] if STEPS % 10 else [])
+    return losses
+
+
+def test_torchrun_template_trains_with_two_processes(reference):
+    assert reference[STEPS] < reference[10]
+
+
+def test_preempted_job_saves_requeues_itself_and_finishes_like_an_uninterrupted_run(slurm, tmp_path, reference):
+    job = _submit(slurm, tmp_path, "srun_per_task.sbatch",
+                  ["--ntasks-per-node=2", "--cpus-per-task=1", "--time=1", "--signal=B:USR1@27"],
+                  [*RUN, "--logs", str(tmp_path)], BIGCLIP_NAME="preempted")  # fmt: skip
+    assert slurm.wait(job, timeout=420) == "COMPLETED", _output(tmp_path)[-4000:]
+    out = _output(tmp_path)
+    assert int(slurm.job_info(job)["Restarts"]) >= 1, out[-3000:]
+    assert "preemption notice; the training step saves a final checkpoint and stops" in out
+    assert "requeueing the job" in out
+    stopped = [line for line in out.splitlines() if "stopped by SIGTERM at step" in line]
+    assert stopped and all("committed" in line and "no checkpoint" not in line for line in stopped), out[-3000:]
+    assert "resumed from" in out
+    losses = step_losses(str(tmp_path / "preempted"))
+    assert set(reference) <= set(losses)  # a resumed segment may log its first step off the 10-step grid
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-6), (step, losses[step], loss)
+
+
+def test_deepspeed_template_trains_and_a_cancelled_job_is_not_requeued(slurm, tmp_path):
+    job = _submit(slurm, tmp_path, "deepspeed_per_node.sbatch", ["--cpus-per-task=2", "--time=5"],
+                  [*RUN, "--ds_config", "ds_configs/zero2.json", "--logs", str(tmp_path), "--save-every-n-steps", "20"],
+                  GPUS_PER_NODE="2", BIGCLIP_NAME="cancelled", DS_ACCELERATOR="cpu")  # fmt: skip
+    run_dir = str(tmp_path / "cancelled")
+    assert wait_for_step(run_dir, 60, timeout=240), _output(tmp_path)[-3000:]
+    assert "launched by deepspeed launcher" in _output(tmp_path)
+    slurm.cancel(job)
+    assert slurm.wait(job, timeout=60) == "CANCELLED"
+    time.sleep(slurm.cred_expire + 3)  # a requeued job would be pending again by now
+    info = slurm.job_info(job)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
+    assert max(r["step"] for r in read_metrics(run_dir)) < STEPS
+    # What --resume latest could pick: only committed checkpoints, and each of them verifies.
+    saved = glob.glob(os.path.join(run_dir, "checkpoints", "step_*"))
+    committed = [d for d in saved if not d.endswith(".partial")]  # a local save is renamed when it commits
+    assert committed
+    for directory in committed:
+        verify(directory)
