@@ -294,3 +294,34 @@ def test_resume_on_another_world_size_or_worker_count_reads_the_rest_once(tmp_pa
         dropped += info.skipped()["dropped"]
     assert not set(taken) & set(after) and len(after) == len(set(after))
     assert len(taken) + len(after) + dropped == 160
+
+
+def test_storage_options_reach_the_shard_reads(tmp_path, s3, s3_bucket, monkeypatch):
+    """Where the environment names no usable endpoint, --storage-options' endpoint (as for checkpoints) is the
+    one listings and reads use."""
+    (remote,) = upload(s3, s3_bucket, write_shards(tmp_path, [6]))
+    options = {"client_kwargs": {"endpoint_url": s3.endpoint}}
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: nothing answers there
+    assert expand_shard_urls(f"s3://{s3_bucket}/shards/", "--train-data", options) == [[remote]]
+    errors = []
+    samples = list(iter_shard_samples(remote, storage_options=options, on_error=lambda *e: errors.append(e)))
+    assert [s["txt"] for s in samples] == [str(n).encode() for n in range(6)] and not errors
+
+
+def test_img2dataset_shards_read_unchanged(tmp_path):
+    """img2dataset writes .jpg, .txt and .json per sample (plus a .parquet/_stats.json beside the tar): the
+    samples train as they are, their extra members ignored."""
+    jpg = io.BytesIO()
+    Image.new("RGB", (8, 6), (200, 100, 50)).save(jpg, format="JPEG")
+    path = str(tmp_path / "00000.tar")
+    with wds.TarWriter(path) as sink:
+        for i in range(5):
+            meta = {"url": f"https://example.com/{i}.jpg", "caption": f"photo {i}", "width": 8, "height": 6}
+            sink.write({"__key__": f"00000{i:04d}", "jpg": jpg.getvalue(), "txt": f"photo {i}",
+                        "json": json.dumps(meta).encode()})  # fmt: skip
+    s = stream(ShardPlan.build([[path]], None, resampled=False, seed=0), batch=5, train=False)
+    s.tokenizer = lambda texts: torch.tensor([[int(t.split()[1])] for t in texts])
+    s.transform = lambda img: torch.tensor(img.size)
+    (batch,) = list(StatefulDataLoader(s, batch_size=None, num_workers=0))
+    assert batch[1][:, 0].tolist() == [0, 1, 2, 3, 4]
+    assert batch[0].tolist() == [[8, 6]] * 5 and not any(s.skips.snapshot().values())
