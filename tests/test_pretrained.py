@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 
+import huggingface_hub
 import open_clip
 import pytest
 import torch
@@ -85,6 +86,9 @@ def test_unknown_tag_names_the_model_and_its_tags(capsys):
 
 def test_offline_with_an_empty_cache_fails_with_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # The hub reads the variable once, at import (a user sets it before starting the run); this process
+    # imported it long ago.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(UserError) as e:
         resolve_pretrained("ViT-B-32", TAG, str(tmp_path / "empty"))
     message = str(e.value)
