@@ -33,10 +33,12 @@ from bigclip.loss.select import check_impl as check_loss_impl
 from bigclip.model import get_model_config, list_models
 from bigclip.model.pretrained import check_pretrained, check_pretrained_image
 from bigclip.model.registry import is_schema_name
+from bigclip.model.switchback import VARIANTS as SWITCHBACK_VARIANTS
 
 PRECISIONS = ("amp", "amp_bf16", "amp_bfloat16", "bf16", "fp16", "pure_bf16", "pure_fp16", "fp32")
 LR_SCHEDULERS = ("cosine", "const", "const-cooldown")
 REPORT_TARGETS = ("tensorboard", "wandb")
+OPTIMIZERS = ("adamw", "stableadamw")  # besides timm/<name>
 
 
 def _flag(default: Any, help: str, group: str, **argparse_kwargs: Any) -> Any:
@@ -125,6 +127,12 @@ class TrainConfig:
     force_custom_text: bool = _flag(
         False, "Separate text tower; bigclip's text tower is always separate, so this changes nothing.", MODEL
     )
+    layer_scale_init: float | None = _flag(
+        None,
+        "LayerScale on both residual branches of every transformer block of both towers, starting at this value "
+        "(0: zero-init layer scale; new in bigclip). Default: the architecture's own ls_init_value, if any.",
+        MODEL,
+    )
     lock_image: bool = _flag(False, "Freeze the image tower.", MODEL)
     lock_image_unlocked_groups: int = _flag(0, "Leave the last N image layer groups trainable.", MODEL)
     lock_image_freeze_bn_stats: bool = _flag(False, "Freeze BatchNorm statistics of locked layers.", MODEL)
@@ -142,7 +150,12 @@ class TrainConfig:
     lr_scheduler: str = _flag("cosine", f"One of {', '.join(LR_SCHEDULERS)}.", TRAIN)
     lr_cooldown_end: float = _flag(0.0, "Learning rate at the end of the cooldown.", TRAIN)
     lr_cooldown_power: float = _flag(1.0, "Power of the polynomial cooldown (1 = linear).", TRAIN)
-    opt: str = _flag("adamw", "adamw, or timm/<name> for any timm optimizer.", TRAIN)
+    opt: str = _flag(
+        "adamw",
+        "adamw; stableadamw (AdamW with per-tensor update clipping, Wortsman et al. 2023; new in bigclip); or "
+        "timm/<name> for any timm optimizer.",
+        TRAIN,
+    )
     beta1: float | None = _flag(None, "Adam beta1 (default 0.9).", TRAIN)
     beta2: float | None = _flag(None, "Adam beta2 (default 0.98).", TRAIN)
     eps: float | None = _flag(None, "Adam epsilon (default 1e-6).", TRAIN)
@@ -153,7 +166,13 @@ class TrainConfig:
     torchcompile: bool = _flag(False, "torch.compile each transformer block.", TRAIN)
     torchscript: bool = _unsupported(False, "TorchScript the model.", TRAIN, "use --torchcompile")
     trace: bool = _unsupported(False, "Trace the model (inference).", TRAIN, "use --torchcompile")
-    use_bnb_linear: str | None = _unsupported(None, "bitsandbytes int8 linear layers.", TRAIN, "the int8 work adds it")
+    use_bnb_linear: str | None = _flag(
+        None,
+        "int8 SwitchBack linear layers for the transformer blocks' MLPs: SwitchBackLinearGlobal, "
+        "SwitchBackLinearVectorwise, SwitchBackLinearGlobalMemEfficient or StandardLinear (bigclip's own kernels; "
+        "bitsandbytes no longer ships them).",
+        TRAIN,
+    )
     distill_model: str | None = _unsupported(
         None, "Teacher architecture for distillation.", TRAIN, "distillation is planned"
     )
@@ -411,6 +430,7 @@ def validate(cfg: TrainConfig) -> None:
     _validate_choices(cfg)
     _validate_numbers(cfg)
     check_engine_config(cfg)  # engine flags; the DeepSpeed JSON is read and resolved here, once
+    _validate_optimizer(cfg)
     check_loss_impl(cfg.loss_impl)
     check_loss_dist_impl(cfg.loss_dist_impl, cfg.siglip)
     validate_aug_cfg(cfg.aug_cfg)
@@ -437,6 +457,7 @@ def _validate_choices(cfg: TrainConfig) -> None:
         "image_resize_mode": ((None, "shortest", "longest", "squash"), "choose one of"),
         "remote_sync_protocol": (("s3", "fsspec"), "choose one of"),
         "checkpoint_async": (ASYNC_MODES, "choose one of"),
+        "use_bnb_linear": ((None, *SWITCHBACK_VARIANTS), "choose one of"),
     }
     for name, (allowed, what) in choices.items():
         if getattr(cfg, name) not in allowed:
@@ -445,8 +466,8 @@ def _validate_choices(cfg: TrainConfig) -> None:
     if cfg.train_data_upsampling_factors is not None:  # OpenCLIP's rules, before any shard is listed
         sources = [[source] for source in (cfg.train_data or "").split("::")]
         parse_upsampling_factors(cfg.train_data_upsampling_factors, sources, cfg.dataset_resampled)
-    if not (cfg.opt == "adamw" or cfg.opt.startswith("timm/")):
-        _fail("opt", cfg.opt, "choose adamw or timm/<optimizer name>")
+    if not (cfg.opt in OPTIMIZERS or cfg.opt.startswith("timm/")):
+        _fail("opt", cfg.opt, "choose adamw or timm/<optimizer name>, or stableadamw (AdamW with update clipping)")
     for target in (t for t in cfg.report_to.split(",") if t):
         if target not in REPORT_TARGETS:
             _fail("report_to", cfg.report_to, "use tensorboard, wandb or tensorboard,wandb")
@@ -494,6 +515,12 @@ def _validate_numbers(cfg: TrainConfig) -> None:
         v = getattr(cfg, name)
         if v is not None and not (0 <= v < 1):
             _fail(name, v, "must be in [0, 1)")
+    if cfg.layer_scale_init is not None and (
+        isinstance(cfg.layer_scale_init, bool)
+        or not isinstance(cfg.layer_scale_init, (int, float))
+        or not math.isfinite(cfg.layer_scale_init)
+    ):
+        _fail("layer_scale_init", cfg.layer_scale_init, "must be a finite number (0 for zero-init layer scale)")
     if cfg.force_patch_dropout is not None and not (0 <= cfg.force_patch_dropout < 1):
         _fail("force_patch_dropout", cfg.force_patch_dropout, "must be in [0, 1)")
     if cfg.force_image_size is not None and (len(cfg.force_image_size) not in (1, 2) or min(cfg.force_image_size) < 1):
@@ -504,6 +531,26 @@ def _validate_numbers(cfg: TrainConfig) -> None:
         v = getattr(cfg, name)
         if v is not None and len(v) not in (1, 3):
             _fail(name, v, "give one value or three (R G B)")
+
+
+def _validate_optimizer(cfg: TrainConfig) -> None:
+    """StableAdamW's rules; runs after the engine check, which has resolved the DeepSpeed JSON."""
+    if cfg.opt != "stableadamw":
+        return
+    if cfg.eps is not None and cfg.eps <= 0:
+        _fail("eps", cfg.eps, "must be positive with --opt stableadamw (eps^2 floors the second moment it clips by)")
+    if cfg.engine == "deepspeed":
+        ds = cfg.ds_config_values or {}
+        stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+        mixed = [name for name in ("bf16", "fp16") if ds.get(name, {}).get("enabled")]
+        if stage or mixed:
+            # DeepSpeed hands its optimizer flat partitions of many tensors (ZeRO, and its bf16/fp16 wrappers),
+            # so per-tensor update clipping would clip arbitrary slices together: refused, not approximated.
+            why = ", ".join(([f"ZeRO stage {stage}"] if stage else []) + mixed)
+            raise UserError(
+                f"--opt stableadamw: DeepSpeed ({why}) steps flattened partitions, not whole tensors, so the "
+                f"per-tensor update clipping cannot be applied; use --engine fsdp (exact on shards) or ddp"
+            )
 
 
 def dataset_paths(value: str) -> list[str]:

@@ -55,6 +55,8 @@ def build_model(cfg, world: World):
             patch_dropout=cfg.force_patch_dropout,
             quick_gelu=cfg.force_quick_gelu,
             siglip=cfg.siglip,
+            layer_scale_init=cfg.layer_scale_init,
+            int8_linear=cfg.use_bnb_linear,
             pretrained=weights,
             pretrained_image=image_weights or False,
             load_weights=False,  # a local-dir:/hf-hub: model's own weights are resolved here, once per node

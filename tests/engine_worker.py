@@ -24,6 +24,7 @@ from bigclip.engine import build_engine
 from bigclip.engine.memory import peak_rss_bytes
 from bigclip.loop import forward_backward, optimizer_step
 from bigclip.model import get_model_config
+from bigclip.model.switchback import INT8_MATMULS, reset_int8_matmuls
 from bigclip.schedule import build_schedule
 from bigclip.train import build_loss_fn, build_model
 
@@ -124,6 +125,7 @@ def run_one(spec: dict, world) -> dict:
     if spec.get("clamp_check"):
         out["logit_scale_after"] = []
     engine.train()
+    reset_int8_matmuls()
     t0 = time.perf_counter()
     for step in range(spec["steps"]):
         engine.set_lr(schedule(step))
@@ -138,6 +140,7 @@ def run_one(spec: dict, world) -> dict:
                 seen = float(engine.module(texts=micro[0][1][:1])["logit_scale"].float().log().mean())
             out["logit_scale_after"].append([seen, _logit_scale_master(engine)])
     out["step_s"] = (time.perf_counter() - t0) / max(1, spec["steps"])
+    out["int8_matmuls"] = sum(INT8_MATMULS.values())  # SwitchBack layers (--use-bnb-linear) in training
     engine.eval()
     images, texts = batch(9999, 0, 0, 4, image_size, context)
     with torch.no_grad(), engine.autocast():

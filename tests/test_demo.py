@@ -1,4 +1,5 @@
-"""The README's first command: `python launch/train.py` with no flags trains the embedded demo."""
+"""The README's first command: `python launch/train.py` with no flags trains the embedded demo; with int8
+SwitchBack MLPs (`--use-bnb-linear SwitchBackLinearGlobal`) it learns as well."""
 
 import json
 import os
@@ -10,18 +11,34 @@ from helpers import python_train
 pytestmark = pytest.mark.slow
 
 
-def test_demo_learns_digits_zero_shot(tmp_path):
+def run_demo(tmp_path, flags: list[str]) -> tuple[dict, str]:
+    """The demo's last evaluation record and its console output."""
     start = time.monotonic()
-    out = python_train([], cwd=str(tmp_path), timeout=600)
+    out = python_train(flags, cwd=str(tmp_path), timeout=600)
     elapsed = time.monotonic() - start
     assert out.returncode == 0, out.stderr[-3000:]
-    text = out.stdout + out.stderr
-    assert "zero-shot top-1 accuracy on 360 held-out images" in text and "(chance 0.100)" in text
-    for what in ("logs:", "metrics:", "checkpoints:", "config:"):
-        assert what in text
     (run_dir,) = os.listdir(tmp_path / "logs")
     records = [json.loads(line) for line in open(tmp_path / "logs" / run_dir / "metrics.jsonl")]
     final = [r for r in records if "eval/zeroshot_top1" in r][-1]
+    print(f"demo {flags}: zero-shot top-1 {final['eval/zeroshot_top1']:.3f} in {elapsed:.0f} s")
+    return final, out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def fp32_demo(tmp_path_factory) -> tuple[dict, str]:
+    return run_demo(tmp_path_factory.mktemp("demo"), [])
+
+
+def test_demo_learns_digits_zero_shot(fp32_demo):
+    final, text = fp32_demo
+    assert "zero-shot top-1 accuracy on 360 held-out images" in text and "(chance 0.100)" in text
+    for what in ("logs:", "metrics:", "checkpoints:", "config:"):
+        assert what in text
     assert final["eval/zeroshot_top1"] >= 0.8, final
     assert final["epoch"] == 24
-    print(f"demo: zero-shot top-1 {final['eval/zeroshot_top1']:.3f} in {elapsed:.0f} s")
+
+
+def test_demo_with_int8_switchback_learns_as_well_as_fp32(fp32_demo, tmp_path):
+    final, _ = run_demo(tmp_path, ["--use-bnb-linear", "SwitchBackLinearGlobal"])
+    assert final["epoch"] == 24
+    assert final["eval/zeroshot_top1"] >= fp32_demo[0]["eval/zeroshot_top1"] - 0.05, final

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 WORKER = os.path.join(REPO, "tests", "engine_worker.py")
 DS = {stage: os.path.join(REPO, "ds_configs", f"zero{stage}.json") for stage in (1, 2, 3)}
-FP32_RTOL, BF16_RTOL = 1e-4, 3e-2
+FP32_RTOL, BF16_RTOL, INT8_RTOL = 1e-4, 3e-2, 1e-4
 
 
 def run_worker(tmp_path, runs, name="runs", timeout=900, **env):
@@ -115,6 +115,14 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
         ("zero2_bf16", {"ds_config": DS[2], "precision": "amp_bf16"}),
     ):
         runs.append({"name": f"clamp_{name}", "steps": 2, "clamp_check": True, "config": {**tiny, **flags}})
+    # int8 SwitchBack MLPs (--use-bnb-linear) under every engine, also with checkpointing + accumulation, in bf16
+    int8 = {"use_bnb_linear": "SwitchBackLinearGlobal"}
+    for name, flags in (("ddp", {}), ("fsdp", {"engine": "fsdp"}), ("zero2", {"ds_config": DS[2]}),
+                        ("zero3", {"ds_config": DS[3]})):  # fmt: skip
+        add(f"{name}_int8", 10, **flags, **int8)
+        add(f"{name}_int8_ckpt_accum", 5, **flags, **int8, grad_checkpointing=True, accum_freq=2, batch_size=4)
+    for name, flags in (("ddp", {}), ("fsdp", {"engine": "fsdp"})):
+        add(f"{name}_int8_bf16", 5, **flags, **int8, precision="amp_bf16")
     r = run_worker(tmp_path, runs)
 
     ddp, ddp_accum = r["ddp"], r["ddp_accum"]
@@ -141,6 +149,19 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
         assert_same_run(r[name], r["ddp_bf16"], BF16_RTOL, norms=False)
     for name in ("fsdp_bf16_accum", "zero3_bf16_accum"):  # bf16 gathers + fp32 reductions + accumulation
         assert_same_run(r[name], r["ddp_bf16_accum"], BF16_RTOL, norms=False)
+
+    # SwitchBack: the sharding engines give the DDP SwitchBack run's losses; the MLPs really run int8: per
+    # step 2 int8 matmuls (forward, input gradient) per MLP linear, 2 linears per block, 4 blocks in test-tiny;
+    # checkpointing recomputes each forward once more; OpenCLIP's accumulation runs each micro-batch's forward
+    # twice (once without grad for the cached features, once with)
+    assert r["ddp_int8"]["losses"] != ddp["losses"]
+    for name in ("fsdp", "zero2", "zero3"):
+        assert_same_run(r[f"{name}_int8"], r["ddp_int8"], INT8_RTOL, norms=False)
+        assert_same_run(r[f"{name}_int8_ckpt_accum"], r["ddp_int8_ckpt_accum"], INT8_RTOL, norms=False)
+        assert r[f"{name}_int8"]["int8_matmuls"] == 10 * 2 * 2 * 4, name
+        assert r[f"{name}_int8_ckpt_accum"]["int8_matmuls"] == 5 * 2 * (2 + 1 + 1) * 2 * 4, name
+    assert_same_run(r["fsdp_int8_bf16"], r["ddp_int8_bf16"], BF16_RTOL, norms=False)
+    assert r["ddp"]["int8_matmuls"] == 0
 
     # eval goes through every engine's forward on all ranks (text-only and image-only calls included)
     for name in ("fsdp", "zero1", "zero2", "zero3"):

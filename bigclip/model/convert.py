@@ -11,6 +11,7 @@ Only names and a few shapes differ; every tensor keeps its values:
         ...attn.in_proj_weight / in_proj_bias         ...attn.qkv.weight / qkv.bias
         ...attn.out_proj.*                            ...attn.proj.*
         ...ln_2.* / mlp.c_fc.* / mlp.c_proj.*         ...norm2.* / mlp.fc1.* / mlp.fc2.*
+        ...ls_1.gamma / ls_2.gamma (layer scale)      ...ls1.gamma / ls2.gamma
     visual.ln_post.*                              visual.trunk.norm.*
     visual.proj                                   visual.proj
     token_embedding / positional_embedding /      text.<same name>
@@ -43,6 +44,8 @@ _VISION_BLOCK_NAMES = {
     "ln_2": "norm2",
     "mlp.c_fc": "mlp.fc1",
     "mlp.c_proj": "mlp.fc2",
+    "ls_1": "ls1",  # layer scale (ls_init_value, --layer-scale-init)
+    "ls_2": "ls2",
 }
 _VISION_TOP_NAMES = {
     "conv1.weight": "trunk.patch_embed.proj.weight",

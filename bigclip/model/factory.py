@@ -9,11 +9,13 @@ for an engine to shard, materialise and initialise itself.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
 from bigclip.errors import UserError
+from bigclip.model import switchback
 from bigclip.model.clip import CLIP
 from bigclip.model.pretrained import model_weights, resolve_pretrained_image, timm_model_name
 from bigclip.model.registry import (
@@ -77,6 +79,15 @@ def get_tokenizer(model_name: str, context_length: int | None = None, cache_dir:
     return open_clip.SimpleTokenizer(context_length=length)  # a bigclip-only architecture: OpenCLIP's default
 
 
+def use_int8_linears(model: CLIP, variant: str, name: str) -> None:
+    """Swap the transformer blocks' MLP linears for `variant` in place (before any engine wraps the model)."""
+    if variant not in switchback.VARIANTS:
+        raise UserError(f"--use-bnb-linear {variant}: choose one of {', '.join(switchback.VARIANTS)}")
+    swapped = sum(switchback.replace_linears(block, variant) for block in model.transformer_blocks())
+    if not swapped:
+        raise UserError(f"--use-bnb-linear {variant}: --model {name} has no transformer MLP linear layer to replace")
+
+
 def create_model(
     name: str,
     *,
@@ -85,6 +96,8 @@ def create_model(
     patch_dropout: float | None = None,
     quick_gelu: bool = False,
     siglip: bool = False,
+    layer_scale_init: float | None = None,
+    int8_linear: str | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     pretrained: str | os.PathLike | None = None,
@@ -105,6 +118,14 @@ def create_model(
     default). `pretrained_image` (a timm image tower only): timm's pretrained trunk weights, fetched through
     the hub cache (True) or from a file already fetched; used only when no whole-model weights are loaded,
     as in OpenCLIP.
+
+    `layer_scale_init` (--layer-scale-init) gives every transformer block of both towers LayerScale on both
+    residual branches starting at that value (0: zero-init layer scale), replacing the config's ls_init_value;
+    None keeps the config's (absent: no layer scale).
+
+    `int8_linear` (--use-bnb-linear): a SwitchBack variant (switchback.VARIANTS) for the MLP linear layers of
+    every transformer block of both towers, OpenCLIP's choice of layers (switchback.py says which). The
+    parameters stay nn.Linear's, so weights, checkpoints and exports are unchanged.
     """
     cfg = get_model_config(name, cache_dir)
     timm_tower = is_timm_tower(cfg)
@@ -125,6 +146,16 @@ def create_model(
         if not 0.0 <= patch_dropout < 1.0:
             raise UserError(f"--force-patch-dropout {patch_dropout}: must be in [0, 1)")
         vision_cfg["patch_dropout"] = patch_dropout
+    if layer_scale_init is not None:
+        if timm_tower or isinstance(vision_cfg.get("layers"), (list, tuple)):
+            kind = "timm" if timm_tower else "ResNet"
+            raise UserError(
+                f"--layer-scale-init: --model {name} has a {kind} image tower, which bigclip does not give layer "
+                f"scale; use a ViT architecture or omit it"
+            )
+        if not math.isfinite(layer_scale_init):
+            raise UserError(f"--layer-scale-init {layer_scale_init}: must be a finite number")
+        vision_cfg["ls_init_value"] = text_cfg["ls_init_value"] = float(layer_scale_init)
     if context_length is not None:
         if context_length < 2:
             raise UserError(f"--force-context-length {context_length}: must be at least 2 (sot + eot)")
@@ -149,6 +180,8 @@ def create_model(
             raise UserError(f"--model {name}: this architecture config cannot be built by bigclip ({err})") from None
         if timm_tower and image_size is not None:
             model.visual.set_input_size(image_size)  # as open_clip.create_model does for timm towers
+        if int8_linear is not None:
+            use_int8_linears(model, int8_linear, name)
     if pretrained_image and pretrained is None:
         if not isinstance(pretrained_image, (str, os.PathLike)):
             pretrained_image, _ = resolve_pretrained_image(timm_model_name(name, cache_dir), cache_dir)

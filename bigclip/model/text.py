@@ -1,11 +1,12 @@
 """Causal text transformer with EOT pooling.
 
 Parameter names follow OpenCLIP's `TextTransformer` (token_embedding, positional_embedding,
-transformer.resblocks.{i}.{ln_1,attn,ln_2,mlp.c_fc,mlp.c_proj}, ln_final, text_projection) so
-OpenCLIP weights load by renaming only the top-level prefix. Attention keeps
-`nn.MultiheadAttention`'s parameter names (in_proj_weight/in_proj_bias/out_proj) but runs
-through `F.scaled_dot_product_attention(is_causal=True)`, which needs no mask buffer and picks
-the fused kernels.
+transformer.resblocks.{i}.{ln_1,attn,ln_2,mlp.c_fc,mlp.c_proj}, ln_final, text_projection; with
+`ls_init_value`, also ls_1.gamma and ls_2.gamma) so OpenCLIP weights load by renaming only the
+top-level prefix. Attention keeps `nn.MultiheadAttention`'s parameter names
+(in_proj_weight/in_proj_bias/out_proj) but runs through
+`F.scaled_dot_product_attention(is_causal=True)`, which needs no mask buffer and picks the fused
+kernels.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
+from timm.layers import LayerScale
 from torch import nn
 
 from bigclip.model.layers import QuickGELU, run_blocks
@@ -38,12 +40,26 @@ class CausalSelfAttention(nn.Module):
         return self.out_proj(x.transpose(1, 2).reshape(batch, length, width))
 
 
+def layer_scale(width: int, init_value: float | None) -> nn.Module:
+    """OpenCLIP's rule: LayerScale whenever a value is given, 0 included (zero-init layer scale), else nothing, so
+    a model without it keeps its state dict."""
+    return nn.Identity() if init_value is None else LayerScale(width, init_values=init_value)
+
+
 class ResidualAttentionBlock(nn.Module):
-    def __init__(self, width: int, heads: int, mlp_ratio: float = 4.0, act_layer: type[nn.Module] = nn.GELU):
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        mlp_ratio: float = 4.0,
+        act_layer: type[nn.Module] = nn.GELU,
+        ls_init_value: float | None = None,
+    ):
         super().__init__()
         hidden = int(width * mlp_ratio)
         self.ln_1 = nn.LayerNorm(width)
         self.attn = CausalSelfAttention(width, heads)
+        self.ls_1 = layer_scale(width, ls_init_value)
         self.ln_2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(
             OrderedDict(
@@ -54,19 +70,28 @@ class ResidualAttentionBlock(nn.Module):
                 ]
             )
         )
+        self.ls_2 = layer_scale(width, ls_init_value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.ls_1(self.attn(self.ln_1(x)))
+        return x + self.ls_2(self.mlp(self.ln_2(x)))
 
 
 class Transformer(nn.Module):
     """A stack of blocks under OpenCLIP's `transformer.resblocks` name."""
 
-    def __init__(self, width: int, layers: int, heads: int, mlp_ratio: float, act_layer: type[nn.Module]):
+    def __init__(
+        self,
+        width: int,
+        layers: int,
+        heads: int,
+        mlp_ratio: float,
+        act_layer: type[nn.Module],
+        ls_init_value: float | None = None,
+    ):
         super().__init__()
         self.resblocks = nn.ModuleList(
-            ResidualAttentionBlock(width, heads, mlp_ratio, act_layer) for _ in range(layers)
+            ResidualAttentionBlock(width, heads, mlp_ratio, act_layer, ls_init_value) for _ in range(layers)
         )
         self.checkpoint_every = 0  # 0: no activation checkpointing
 
@@ -86,14 +111,17 @@ class TextTransformer(nn.Module):
         embed_dim: int,
         mlp_ratio: float = 4.0,
         quick_gelu: bool = False,
+        ls_init_value: float | None = None,
     ):
         super().__init__()
         self.context_length = context_length
         self.vocab_size = vocab_size
         self.width = width
+        self.ls_init_value = ls_init_value
         self.token_embedding = nn.Embedding(vocab_size, width)
         self.positional_embedding = nn.Parameter(torch.empty(context_length, width))
-        self.transformer = Transformer(width, layers, heads, mlp_ratio, QuickGELU if quick_gelu else nn.GELU)
+        act_layer = QuickGELU if quick_gelu else nn.GELU
+        self.transformer = Transformer(width, layers, heads, mlp_ratio, act_layer, ls_init_value)
         self.ln_final = nn.LayerNorm(width)
         # Applied as x @ text_projection (OpenCLIP's layout), hence (width, embed_dim).
         self.text_projection = nn.Parameter(torch.empty(width, embed_dim))
@@ -124,6 +152,9 @@ class TextTransformer(nn.Module):
             nn.init.zeros_(block.attn.out_proj.bias)
             nn.init.normal_(block.mlp.c_fc.weight, std=fc_std)
             nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
+            if self.ls_init_value is not None:
+                nn.init.constant_(block.ls_1.gamma, self.ls_init_value)
+                nn.init.constant_(block.ls_2.gamma, self.ls_init_value)
         nn.init.normal_(self.text_projection, std=self.width**-0.5)
 
     def lock(self, unlocked_layers: int = 0, freeze_layer_norm: bool = True) -> None:

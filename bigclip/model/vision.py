@@ -2,12 +2,15 @@
 
 The trunk is configured the way CLIP ViTs are: class token, learned positional embedding,
 a LayerNorm before the blocks (`pre_norm`, which also drops the patch-embed bias), the final
-norm on the pooled class token (OpenCLIP's `ln_post`), and no classifier head.
+norm on the pooled class token (OpenCLIP's `ln_post`), and no classifier head. With `ls_init_value`
+(OpenCLIP's vision_cfg key, or --layer-scale-init) every block scales both residual branches by a learned
+LayerScale (timm's `ls1`/`ls2`, OpenCLIP's `ls_1`/`ls_2`, parameter `gamma`) starting at that value.
 """
 
 from __future__ import annotations
 
 import torch
+from timm.layers import LayerScale
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -34,6 +37,7 @@ class VisionTower(nn.Module):
         mlp_ratio: float = 4.0,
         patch_dropout: float = 0.0,
         quick_gelu: bool = False,
+        ls_init_value: float | None = None,
     ):
         super().__init__()
         if width % head_width:
@@ -41,6 +45,7 @@ class VisionTower(nn.Module):
         self.image_size = _pair(image_size)
         self.patch_size = patch_size
         self.width = width
+        self.ls_init_value = ls_init_value
         self.trunk = VisionTransformer(
             img_size=self.image_size,
             patch_size=patch_size,
@@ -56,6 +61,12 @@ class VisionTower(nn.Module):
             norm_layer=nn.LayerNorm,  # eps 1e-5 as in CLIP (timm's default is 1e-6)
             act_layer=QuickGELU if quick_gelu else nn.GELU,
         )
+        if ls_init_value is not None:
+            # Added here rather than through timm's init_values: timm's Block builds LayerScale only for a truthy
+            # value, so 0 (zero-init layer scale) would silently give plain residuals.
+            for block in self.trunk.blocks:
+                block.ls1 = LayerScale(width, init_values=ls_init_value)
+                block.ls2 = LayerScale(width, init_values=ls_init_value)
         # Same names (blocks.{i}), plus per-block checkpointing that timm's flag cannot space out.
         self.trunk.blocks = BlockSequence(*self.trunk.blocks)
         # Applied as x @ proj (OpenCLIP's `visual.proj` layout), hence (width, embed_dim).
@@ -72,6 +83,11 @@ class VisionTower(nn.Module):
     def init_weights(self) -> None:
         """timm's ViT init plus CLIP's projection init; touches every parameter."""
         self.trunk.init_weights()  # resets every module (conv, norms), then timm's ViT init
+        if self.ls_init_value is not None:
+            # Set here, not left to timm's init walk, so the value holds whatever timm's init does to LayerScale.
+            for block in self.blocks:
+                nn.init.constant_(block.ls1.gamma, self.ls_init_value)
+                nn.init.constant_(block.ls2.gamma, self.ls_init_value)
         nn.init.normal_(self.proj, std=self.width**-0.5)
 
     def lock(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False) -> None:

@@ -1,0 +1,32 @@
+"""launch/experiments/int8_switchback.sh runs its arms and prints the summary table."""
+
+import os
+import subprocess
+
+import pytest
+from helpers import REPO, subprocess_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_int8_switchback_experiment_runs_its_arms_and_summarises(tmp_path):
+    out = subprocess.run(
+        ["bash", "launch/experiments/int8_switchback.sh", str(tmp_path), "--", "--epochs", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env=subprocess_env(ARMS="linear-fp32 SwitchBackLinearGlobal", OPTS="adamw stableadamw"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    arms = ["linear-fp32-adamw", "SwitchBackLinearGlobal-adamw", "linear-fp32-stableadamw",
+            "SwitchBackLinearGlobal-stableadamw"]  # fmt: skip
+    for arm in arms:
+        assert os.path.exists(tmp_path / arm / "metrics.jsonl"), arm
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and line.split(" | ")[0][2:] in arms]
+    assert sorted(line.split(" | ")[0][2:] for line in rows) == sorted(arms), out.stdout[-2000:]
+    for line in rows:  # final loss, zero-shot top-1, samples/s: numbers
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert float(cells[2]) > 0 and 0 <= float(cells[3]) <= 1 and float(cells[4]) > 0, line
+    # a second call keeps finished arms and only summarises
+    again = subprocess.run(["bash", "launch/experiments/int8_switchback.sh", str(tmp_path), "--", "--epochs", "1"],
+                           cwd=REPO, capture_output=True, text=True, timeout=120,
+                           env=subprocess_env(ARMS="linear-fp32", OPTS="adamw"))  # fmt: skip
+    assert again.returncode == 0 and "linear-fp32-adamw: done before, kept" in again.stdout
