@@ -52,12 +52,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command(argv)
     except UserError as e:
-        print(f"bigclip: error: {here + ': ' if here else ''}{e}", file=sys.stderr)
+        _say(f"bigclip: error: {here + ': ' if here else ''}{e}")
         return 2
     except KeyboardInterrupt:
-        print("bigclip: interrupted", file=sys.stderr)
+        _say("bigclip: interrupted")
         return 130
     except Exception as e:
         if here:  # the traceback follows; this line says whose it is
-            print(f"bigclip: {here} failed: {type(e).__name__}: {first_line(e)}", file=sys.stderr, flush=True)
+            _say(f"bigclip: {here} failed: {type(e).__name__}: {first_line(e)}")
         raise
+
+
+def _say(line: str) -> None:
+    """One write per line: ranks sharing a terminal or log file must not run their lines together (print
+    writes the text and the newline separately)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -91,9 +91,11 @@ def test_accum_freq_run(tmp_path):
     assert len(records) == 4 and records[-1]["samples_seen"] == 64
 
 
-def test_resume_continues_exactly(tmp_path):
-    """A run resumed from its epoch-1 checkpoint produces the uninterrupted run's losses (fp32, CPU)."""
-    flags = ["--lr-scheduler", "const"]
+@pytest.mark.parametrize("int8", [False, True], ids=["linear", "switchback"])
+def test_resume_continues_exactly(tmp_path, int8):
+    """A run resumed from its epoch-1 checkpoint produces the uninterrupted run's losses (fp32, CPU); with int8
+    SwitchBack MLPs too (their checkpoints are ordinary nn.Linear weights)."""
+    flags = ["--lr-scheduler", "const"] + (["--use-bnb-linear", "SwitchBackLinearGlobal"] if int8 else [])
     full = step_losses(run(tmp_path, "full", *flags))
     # 'latest' with the same name: run one epoch, then continue the same run to epoch 2.
     run(tmp_path, "split", *flags, "--epochs", "1")
