@@ -191,7 +191,16 @@ def test_latest_skips_partial_and_corrupt_checkpoints(reference, tmp_path, bigcl
 def test_remote_sync_retention_and_resume_from_s3(reference, s3, s3_bucket, tmp_path):
     _, full = reference
     remote = f"s3://{s3_bucket}/runs"
-    secret_options = json.dumps({"client_kwargs": {"endpoint_url": s3.endpoint}, "key": "testing", "secret": "testing"})
+    # Distinct secrets at every nesting level (the server takes any keys): none may reach any file of the run.
+    planted = ("PLANTED-KEY-ID", "PLANTED-SECRET-VALUE", "PLANTED-NESTED-VALUE")
+    secret_options = json.dumps(
+        {
+            "client_kwargs": {"endpoint_url": s3.endpoint},
+            "key": planted[0],
+            "secret": planted[1],
+            "config_kwargs": {"user_agent_extra": planted[2]},
+        }
+    )
     run_dir = run(
         tmp_path,
         "r",
@@ -216,7 +225,10 @@ def test_remote_sync_retention_and_resume_from_s3(reference, s3, s3_bucket, tmp_
     for name in ("out.log", "metrics.jsonl", "params.yaml"):
         assert fs.exists(f"{prefix}/{name}"), name  # logs copied by --remote-sync
     params = fs.cat(f"{prefix}/params.yaml").decode()
-    assert "testing" not in params and "***" in params  # --storage-options credentials never stored
+    assert "<redacted>" in params and s3.endpoint not in params  # --storage-options: key names only
+    written = [os.path.join(d, f) for d, _, files in os.walk(run_dir) for f in files]
+    for data in [open(path, "rb").read() for path in written] + [fs.cat(p) for p in fs.find(prefix)]:
+        assert not any(secret.encode() in data for secret in planted)
 
     # Uploads that never committed: shards without a manifest, and a manifest naming a missing file.
     for tag in ("step_40", "step_44"):

@@ -7,7 +7,9 @@ import pytest
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
 from bigclip.ckpt import storage as storage_mod
+from bigclip.ckpt.manifest import MANIFEST, Manifest, unsafe_path
 from bigclip.ckpt.storage import Storage, StorageError, redact_options, redact_url
+from bigclip.ckpt.verify import CorruptCheckpoint, fetch_verified
 
 
 def test_multipart_upload_listing_and_download(s3, s3_bucket, tmp_path, monkeypatch):
@@ -47,15 +49,39 @@ def test_bad_credentials_fail_fast_without_leaking_them(s3, s3_bucket):
 
 
 def test_secrets_are_redacted():
+    """Every value of --storage-options is replaced, whatever its key is called; URLs lose their userinfo and
+    their query string (presigned signatures, SAS tokens)."""
     options = {
         "key": "AKIA",
         "secret": "s3cr3t",
-        "client_kwargs": {"endpoint_url": "http://u:p@host:9000", "aws_session_token": "tok"},
+        "client_kwargs": {"endpoint_url": "http://u:p@host:9000", "headers": {"Authorization": "Bearer b"}},
+        "connection_string": "AccountKey=k",
+        "list": ["x", {"deep": "y"}],
     }
+    r = "<redacted>"
     assert redact_options(options) == {
-        "key": "***",
-        "secret": "***",
-        "client_kwargs": {"endpoint_url": "http://***@host:9000", "aws_session_token": "***"},
+        "key": r,
+        "secret": r,
+        "client_kwargs": {"endpoint_url": r, "headers": {"Authorization": r}},
+        "connection_string": r,
+        "list": [r, {"deep": r}],
     }
+    assert redact_options("not json") == r
     assert redact_url("s3://user:pass@bucket/x") == "s3://***@bucket/x"
+    assert redact_url("https://h/x.tar?X-Amz-Signature=abc&sig=1") == "https://h/x.tar?<redacted>"
     assert redact_url("/local/path") == "/local/path"
+
+
+def test_a_manifest_naming_paths_outside_the_checkpoint_is_refused(s3, s3_bucket, tmp_path):
+    """A downloaded manifest is untrusted: '../' or absolute names would be written outside the download."""
+    for bad in ("../x", "a/../../x", "/etc/passwd", "a//b", "./a", "a\\b", "", "a/\0"):
+        assert unsafe_path(bad), bad
+    assert not unsafe_path("rng/rank_00000.pt") and not unsafe_path("__0_0.distcp")
+    url = f"s3://{s3_bucket}/ckpt/step_1"
+    manifest = Manifest("step_1", 1, 0, "ddp", "dcp", 1, {"../../escaped.txt": {"size": 3, "crc32": "0"}})
+    s3.fs().pipe(f"{url}/{MANIFEST}", manifest.to_bytes())
+    s3.fs().pipe(f"{url}/../../escaped.txt", b"bad")
+    download = tmp_path / "a" / "b" / "download"
+    with pytest.raises(CorruptCheckpoint, match=r"names '../../escaped.txt', a path outside the checkpoint"):
+        fetch_verified(url, str(download))
+    assert not any(p.name == "escaped.txt" for p in tmp_path.rglob("*"))

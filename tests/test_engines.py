@@ -154,7 +154,7 @@ def test_bad_json_through_the_cli_is_one_line_and_exit_code_2(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert code == 2 and f"{path}: not valid JSON at line 1" in err and "Traceback" not in err
-    assert not os.listdir(tmp_path / "logs") if (tmp_path / "logs").exists() else True
+    assert os.listdir(tmp_path) == [os.path.basename(path)]  # the config itself; no run folder was made
 
 
 def test_missing_config_file_and_refused_sections(tmp_path):

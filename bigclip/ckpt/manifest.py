@@ -71,6 +71,15 @@ class Manifest:
             return None
 
 
+def unsafe_path(rel: Any) -> bool:
+    """A manifest entry that could point outside its checkpoint directory, or is not a plain relative file
+    name: absolute, '..', empty or '.' parts, backslashes, NUL. A downloaded manifest is untrusted input; its
+    file names become local paths."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\0" in rel or rel.startswith("/"):
+        return True
+    return any(part in ("", ".", "..") for part in rel.split("/"))
+
+
 def checksum_file(path: str) -> FileEntry:
     crc, size = 0, 0
     with open(path, "rb") as f:

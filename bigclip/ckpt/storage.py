@@ -42,7 +42,6 @@ T = TypeVar("T")
 RETRY_SECONDS = float(os.environ.get("BIGCLIP_STORAGE_RETRY_SECONDS", "600"))
 S3_PART_SIZE = 32 * 2**20  # multipart part size; s3fs uploads up to 10 parts of a file concurrently
 
-_SECRET_WORDS = ("key", "secret", "token", "password", "credential", "sas", "signature", "session")
 
 
 def is_url(path: str) -> bool:
@@ -57,37 +56,40 @@ def join(root: str, *parts: str) -> str:
     return os.path.join(root, *parts)
 
 
+REDACTED = "<redacted>"
+
+
 def redact_url(url: str | None) -> str | None:
-    """Drop user:password@ from a URL so it can be logged."""
+    """A URL that can be logged: user:password@ and the query string (a presigned URL's signature, a SAS
+    token) replaced."""
     if not url or not is_url(url):
         return url
     parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+    if "@" in parts.netloc:
+        parts = parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1])
+    if parts.query:
+        parts = parts._replace(query=REDACTED)
+    return urlunsplit(parts)
 
 
 def redact_options(options: Any) -> Any:
-    """--storage-options (JSON text or dict) with every secret-looking value replaced, for logs,
-    params.yaml and checkpoints."""
+    """--storage-options (JSON text or dict) for logs, params.yaml and checkpoints: the key names only, every
+    value replaced, at every nesting level. Which values are secret cannot be told from the key (an
+    Authorization header, a connection string, a SAS token under any name), so none is kept."""
     if isinstance(options, str):
         try:
             options = json.loads(options)
         except ValueError:
-            return "***"
+            return REDACTED
     return _redact_tree(options)
 
 
 def _redact_tree(value: Any) -> Any:
     if isinstance(value, dict):
-        return {
-            k: ("***" if any(w in str(k).lower() for w in _SECRET_WORDS) else _redact_tree(v)) for k, v in value.items()
-        }
+        return {k: _redact_tree(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_redact_tree(v) for v in value]
-    if isinstance(value, str):
-        return redact_url(value)
-    return value
+    return REDACTED
 
 
 class StorageError(UserError):

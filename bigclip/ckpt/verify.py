@@ -7,7 +7,7 @@ import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
-from bigclip.ckpt.manifest import MANIFEST, Manifest, check_file
+from bigclip.ckpt.manifest import MANIFEST, Manifest, check_file, unsafe_path
 from bigclip.ckpt.storage import Storage, StorageError
 from bigclip.errors import UserError
 
@@ -30,6 +30,15 @@ def read_local_manifest(path: str) -> Manifest | None:
         return None
 
 
+def _refuse_unsafe_paths(manifest: Manifest, where: str) -> None:
+    bad = next((rel for rel in manifest.files if unsafe_path(rel)), None)
+    if bad is not None:
+        raise CorruptCheckpoint(
+            f"checkpoint {where}: {MANIFEST} names {bad!r}, a path outside the checkpoint; it will not be "
+            f"loaded — pick another checkpoint"
+        )
+
+
 def verify_local(directory: str) -> Manifest:
     """The manifest of a complete local checkpoint whose every file matches its size and CRC-32."""
     manifest = read_local_manifest(directory)
@@ -43,6 +52,7 @@ def verify_local(directory: str) -> Manifest:
             f"checkpoint {directory}: no valid {MANIFEST} (incomplete, or not a bigclip "
             f"checkpoint); pick a committed checkpoint"
         )
+    _refuse_unsafe_paths(manifest, directory)
     for rel, meta in manifest.files.items():
         problem = check_file(os.path.join(directory, rel), meta)
         if problem:
@@ -68,6 +78,7 @@ def fetch_verified(
         raise
     if manifest is None:
         raise CorruptCheckpoint(f"checkpoint {store.display}: {MANIFEST} is not a bigclip manifest")
+    _refuse_unsafe_paths(manifest, store.display)
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
     logger.info(f"downloading checkpoint {store.display} ({len(manifest.files)} files, {_gb(manifest.total_bytes)})")
