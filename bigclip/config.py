@@ -12,6 +12,7 @@ line that names the flag, the value and what is accepted.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -590,6 +591,24 @@ def _validate_checkpoint_flags(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if value and str(value).startswith(("http://", "https://")):
             _fail(name, value, "http(s) is read-only; use s3://, gs://, az:// or a directory")
+
+
+def scrub_argv(argv: list[str]) -> list[str]:
+    """A command line that can be recorded (wandb stores it): --storage-options' value redacted like to_dict's,
+    every URL without userinfo or query string."""
+    out, redact_next = [], False
+    for arg in argv:
+        if redact_next:
+            out.append(json.dumps(redact_options(arg)))
+            redact_next = False
+        elif arg == "--storage-options":
+            out.append(arg)
+            redact_next = True
+        elif arg.startswith("--storage-options="):
+            out.append("--storage-options=" + json.dumps(redact_options(arg.split("=", 1)[1])))
+        else:
+            out.append(" ".join(redact_url(word) or word for word in arg.split(" ")) if "://" in arg else arg)
+    return out
 
 
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -111,7 +111,8 @@ class AverageMeter:
 class MetricSinks:
     """metrics.jsonl always; tensorboard and wandb when --report-to names them. Only active ranks write."""
 
-    def __init__(self, cfg, paths: RunPaths, active: bool, config_dict: dict[str, Any]):
+    def __init__(self, cfg, paths: RunPaths, active: bool, config_dict: dict[str, Any], argv: list[str] | None = None):
+        """`argv`: the command line as trackers may record it (secrets scrubbed); wandb stores sys.argv."""
         self.active = active
         self._jsonl = None
         self._tb = None
@@ -128,13 +129,18 @@ class MetricSinks:
         if "wandb" in targets:
             import wandb
 
-            self._wandb = wandb.init(
-                project=cfg.wandb_project_name,
-                name=os.path.basename(paths.root),
-                notes=cfg.wandb_notes,
-                dir=paths.root,
-                config=config_dict,
-            )
+            real_argv = sys.argv
+            sys.argv = [real_argv[0], *argv] if argv is not None else real_argv
+            try:  # wandb records sys.argv in its run files: it must see the scrubbed one
+                self._wandb = wandb.init(
+                    project=cfg.wandb_project_name,
+                    name=os.path.basename(paths.root),
+                    notes=cfg.wandb_notes,
+                    dir=paths.root,
+                    config=config_dict,
+                )
+            finally:
+                sys.argv = real_argv
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:

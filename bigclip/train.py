@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 from datetime import datetime
 
 import numpy as np
@@ -214,7 +215,7 @@ def _run(cfg, world: World) -> int:
 
     state = TrainState()
     checkpointer = Checkpointer(cfg, paths, name, engine, world, config_dict)
-    sinks = MetricSinks(cfg, paths, active, config_dict)
+    sinks = MetricSinks(cfg, paths, active, config_dict, config_mod.scrub_argv(sys.argv[1:]))
     try:
         checkpointer.resume(state)
         if "train" in data:  # a resumable loader continues from this rank's saved position

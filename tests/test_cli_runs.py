@@ -83,6 +83,8 @@ def test_report_to_tensorboard_and_wandb_offline(tmp_path):
             str(tmp_path),
             "--name",
             "sinks",
+            "--storage-options",
+            '{"key": "PLANTED-ARGV-KEY", "client_kwargs": {"headers": {"Authorization": "Bearer PLANTED-BEARER"}}}',
         ],
         WANDB_MODE="offline",
     )
@@ -90,6 +92,11 @@ def test_report_to_tensorboard_and_wandb_offline(tmp_path):
     run_dir = tmp_path / "sinks"
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert list((run_dir / "wandb").glob("offline-run-*"))
+    # wandb records the command line and the config; tensorboard, params.yaml and out.log the config: none of
+    # them may hold a --storage-options value
+    for path in (p for p in run_dir.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        assert b"PLANTED-ARGV-KEY" not in data and b"PLANTED-BEARER" not in data, path
 
 
 def test_webdataset_run_whose_shards_hold_no_usable_sample_stops_with_one_line(tmp_path):

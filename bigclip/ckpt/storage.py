@@ -43,7 +43,6 @@ RETRY_SECONDS = float(os.environ.get("BIGCLIP_STORAGE_RETRY_SECONDS", "600"))
 S3_PART_SIZE = 32 * 2**20  # multipart part size; s3fs uploads up to 10 parts of a file concurrently
 
 
-
 def is_url(path: str) -> bool:
     return "://" in str(path)
 
