@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +99,9 @@ class TrainConfig:
     image_std: list[float] | None = _flag(None, "Override the image normalisation std.", DATA, nargs="+", type=float)
     image_interpolation: str | None = _flag(None, "bicubic, bilinear or random.", DATA)
     image_resize_mode: str | None = _flag(None, "shortest, longest or squash.", DATA)
-    aug_cfg: list[str] = _flag([], "Augmentation key=value pairs, e.g. scale=0.9::1.0.", DATA, nargs="*")
+    aug_cfg: list[str] | dict[str, Any] = _flag(
+        [], "Augmentation key=value pairs, e.g. scale=0.9::1.0.", DATA, nargs="*"
+    )
 
     # ---- model
     model: str = _flag(
@@ -226,7 +229,7 @@ class TrainConfig:
     remote_sync_protocol: str = _flag(
         "s3", "s3 (needs an s3:// URL) or fsspec (any fsspec URL); both use the same parallel, retried uploads.", CKPT
     )
-    storage_options: str | None = _flag(
+    storage_options: str | dict[str, Any] | None = _flag(
         None,
         "JSON of fsspec options for remote paths, e.g. "
         '\'{"client_kwargs": {"endpoint_url": "http://host:9000"}}\'; '
@@ -377,14 +380,40 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise UserError(f"--config {path}: not valid YAML{where}; fix the file") from None
     if not isinstance(data, dict):
         raise UserError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
-    known = {f.name for f in config_fields()}
+    fields = {f.name: f for f in config_fields()}
     out = {}
     for key, value in data.items():
         name = str(key).lstrip("-").replace("-", "_")
-        if name not in known or name == "config":
+        if name not in fields or name == "config":
             raise UserError(f"--config {path}: unknown option '{key}'; see `bigclip --help` for names")
+        expected = _yaml_type_problem(fields[name], value)
+        if expected:
+            raise UserError(f"--config {path}: {key}: {value!r} is not {expected}; fix the value or remove the line")
         out[name] = value
     return out
+
+
+# A field's annotation (a string: `from __future__ import annotations`) -> what a YAML value may be.
+_YAML_TYPES = {
+    "str": (("a string",), lambda v: isinstance(v, str)),
+    "int": (("an integer",), lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": (("a number",), lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "bool": (("true or false",), lambda v: isinstance(v, bool)),
+    "list": (("a list",), lambda v: isinstance(v, list)),
+    "dict": (("a mapping",), lambda v: isinstance(v, dict)),
+    "None": (("null",), lambda v: v is None),
+}
+
+
+def _yaml_type_problem(field: dataclasses.Field, value: Any) -> str | None:
+    """None when `value` fits the field's annotation, else what it should have been (a YAML file bypasses
+    argparse's type conversion, so `model: null` must be caught here, not deep in the run)."""
+    kinds = [re.sub(r"\[.*", "", part.strip()) for part in str(field.type).split("|")]
+    if any(kind not in _YAML_TYPES for kind in kinds):
+        return None  # Any, or a type this check does not describe
+    if any(_YAML_TYPES[kind][1](value) for kind in kinds):
+        return None
+    return " or ".join(_YAML_TYPES[kind][0][0] for kind in kinds)
 
 
 def resolve(cli_values: dict[str, Any]) -> TrainConfig:

@@ -154,6 +154,16 @@ def build_loss_fn(cfg, world: World):
 
 
 # -------------------------------------------------------------------------------------------- a run
+def _create_run_folder(cfg, paths) -> None:
+    try:
+        os.makedirs(paths.checkpoints, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"--logs {local_logs_dir(cfg)}: cannot create the run folder {paths.root} ({e.strerror}); pass --logs "
+            f"a directory you can write"
+        ) from None
+
+
 def _report_eval(metrics: dict[str, float], state: TrainState, sinks: MetricSinks) -> None:
     if not metrics:
         return
@@ -197,8 +207,7 @@ def _run(cfg, world: World) -> int:
     raise_together(world, lambda: check_new_run(paths, resuming=cfg.resume is not None))
     preflight(cfg, name, world)  # a remote store that cannot be written stops the run before any work
     active = world.is_main or (cfg.log_local and world.local_rank == 0)
-    if world.is_main:
-        os.makedirs(paths.checkpoints, exist_ok=True)
+    raise_together(world, lambda: _create_run_folder(cfg, paths))
     setup_console_logging(paths.out_log if world.is_main else None, active, cfg.debug)
     config_dict = config_mod.to_dict(cfg)
     config_dict["name"] = name

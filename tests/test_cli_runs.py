@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import webdataset as wds
 from helpers import REPO, python_train, read_metrics, subprocess_env
 from PIL import Image
@@ -108,3 +109,34 @@ def test_webdataset_run_whose_shards_hold_no_usable_sample_stops_with_one_line(t
                         "--name", "bad"])  # fmt: skip
     assert out.returncode != 0
     assert "the training data yielded no batch this epoch" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["yaml_null", "yaml_wrong_type", "csv_not_utf8", "logs_not_creatable"],
+)
+def test_bad_inputs_stop_with_one_line_and_leave_earlier_runs_alone(tmp_path, capsys, case):
+    """Each bad input: exit code 2, one line naming the file or flag, no traceback; an earlier run's files under
+    the same --logs are untouched."""
+    from bigclip import cli
+
+    logs = tmp_path / "logs"
+    earlier = logs / "earlier"
+    earlier.mkdir(parents=True)
+    (earlier / "out.log").write_text("an earlier run\n")
+    flags = ["--model", "test-tiny", "--dataset-type", "synthetic", "--logs", str(logs), "--name", "new"]
+    named = {"yaml_null": "model: None is not a string", "yaml_wrong_type": "lr: '0.1' is not a number",
+             "csv_not_utf8": "not UTF-8 text", "logs_not_creatable": "cannot create the run folder"}[case]  # fmt: skip
+    if case.startswith("yaml"):
+        (tmp_path / "run.yaml").write_text("model: null\n" if case == "yaml_null" else "lr: '0.1'\n")
+        flags += ["--config", str(tmp_path / "run.yaml")]
+    elif case == "csv_not_utf8":
+        (tmp_path / "pairs.csv").write_bytes(b"filepath\ttitle\n\xff\xfe.jpg\ta caption\n")
+        flags = ["--model", "test-tiny", "--train-data", str(tmp_path / "pairs.csv"), "--logs", str(logs)]
+    else:
+        (tmp_path / "file").write_text("a file, not a directory")
+        flags[flags.index(str(logs))] = str(tmp_path / "file" / "logs")
+    code = cli.main(flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("bigclip: error: ") and named in err[0], err
+    assert os.listdir(earlier) == ["out.log"] and (earlier / "out.log").read_text() == "an earlier run\n"

@@ -32,6 +32,18 @@ def read_pairs(
     if not os.path.isfile(path):
         raise UserError(f"{flag} {path}: file not found; pass an existing CSV file")
     sep = _separator(separator)
+    try:
+        images, captions = _read_rows(path, flag, sep, img_key, caption_key)
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{flag} {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x}); save the file as UTF-8"
+        ) from None
+    if not images:
+        raise UserError(f"{flag} {path}: the file has no rows; add image,caption rows")
+    return images, captions
+
+
+def _read_rows(path: str, flag: str, sep: str, img_key: str, caption_key: str) -> tuple[list[str], list[str | None]]:
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f, delimiter=sep)
         columns = reader.fieldnames or []
@@ -45,8 +57,6 @@ def read_pairs(
         for row in reader:
             images.append(row[img_key] or "")
             captions.append(row[caption_key])
-    if not images:
-        raise UserError(f"{flag} {path}: the file has no rows; add image,caption rows")
     return images, captions
 
 
