@@ -4,10 +4,12 @@ import os
 import time
 
 import pytest
+import torch
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
 from bigclip.ckpt import storage as storage_mod
 from bigclip.ckpt.manifest import MANIFEST, Manifest, unsafe_path
+from bigclip.ckpt.rng import load_rank_state_file, rank_state_bytes, read_data_position
 from bigclip.ckpt.storage import Storage, StorageError, redact_options, redact_url
 from bigclip.ckpt.verify import CorruptCheckpoint, fetch_verified
 
@@ -85,3 +87,17 @@ def test_a_manifest_naming_paths_outside_the_checkpoint_is_refused(s3, s3_bucket
     with pytest.raises(CorruptCheckpoint, match=r"names '../../escaped.txt', a path outside the checkpoint"):
         fetch_verified(url, str(download))
     assert not any(p.name == "escaped.txt" for p in tmp_path.rglob("*"))
+
+
+class _Payload:
+    """Stands for any object whose unpickling would run code."""
+
+
+def test_a_rank_file_with_arbitrary_objects_is_not_unpickled(tmp_path):
+    good = tmp_path / "rank_00000.pt"
+    good.write_bytes(rank_state_bytes({"epoch": 1, "ranks": [[1, 2]]}))
+    assert load_rank_state_file(str(good)) == {"epoch": 1, "ranks": [[1, 2]]}  # weights_only=True loads it
+    bad = tmp_path / "rank_00001.pt"
+    torch.save({"torch": torch.get_rng_state(), "data": {"x": _Payload()}}, bad)
+    with pytest.raises(CorruptCheckpoint, match="holds objects other than tensors and plain values"):
+        read_data_position(str(bad))
