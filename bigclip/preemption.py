@@ -8,10 +8,13 @@ scheduler, which signals every process of the job step, and again from the launc
 save must not be cut short by the echo. What stops a rank for good is the scheduler's SIGKILL after its grace
 period; an uncommitted checkpoint it leaves behind is never loaded (the commit marker is written last).
 
-`NOTICE` is the process's one flag. launch/train.py installs it before anything heavy is imported, so a
-notice that comes while a big run is still starting (imports, sharded init, loading weights) is kept, not
-fatal: the run then stops after its first step with a checkpoint. This module imports nothing of bigclip's
-or torch's for that reason.
+Before training starts (setup: imports, downloads, a resume retrying an unreachable store, building a giant
+model) there is nothing to save, and the loop that would read the flag is not running yet: a notice then
+stops the process at once, with one line (`StoppedBeforeTraining`, a BaseException so that no retry loop's
+`except Exception` swallows it). The run arms the flag (`arm()`) right before its first step. `NOTICE` is the
+process's one flag; launch/train.py installs it before anything heavy is imported, which is why this module
+imports nothing of bigclip's or torch's. A wait inside C++ (a rendezvous, a collective) only sees the signal
+when it returns; --dist-timeout bounds those.
 """
 
 from __future__ import annotations
@@ -25,11 +28,20 @@ logger = logging.getLogger("bigclip")
 NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+class StoppedBeforeTraining(BaseException):
+    """A preemption notice came before the first training step: nothing to save, the process ends now."""
+
+
 class PreemptionFlag:
     def __init__(self) -> None:
         self.requested = False
+        self.armed = False  # True from the first training step on: a notice then means "save and stop"
         self.signal_name = ""  # the notice that came first
         self._previous: dict[int, object] = {}
+
+    def arm(self) -> None:
+        """The training loop is about to run: from now on a notice is read at the next step boundary."""
+        self.armed = True
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -45,10 +57,12 @@ class PreemptionFlag:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
-        self.requested, self.signal_name = False, ""
+        self.requested, self.armed, self.signal_name = False, False, ""
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if not self.armed:
+            raise StoppedBeforeTraining(f"{name} received before training started: nothing to save; stopping")
         if self.requested:
             logger.info(f"{name} received again: the final checkpoint is already under way")
             return

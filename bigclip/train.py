@@ -31,6 +31,7 @@ from bigclip.loss import build_loss
 from bigclip.model import create_model, get_tokenizer, preprocess_cfg
 from bigclip.model.pretrained import model_weights, resolve_pretrained, resolve_pretrained_image, timm_model_name
 from bigclip.model.registry import CONFIG_NAME, is_schema_name
+from bigclip.preemption import NOTICE
 from bigclip.progress import EpochProgress
 from bigclip.schedule import build_schedule
 from bigclip.train_state import TrainState
@@ -230,6 +231,7 @@ def _run(cfg, world: World) -> int:
         if "train" in data:  # a resumable loader continues from this rank's saved position
             data["train"].restore(state.data)
             checkpointer.data_position = data["train"].position
+        NOTICE.arm()  # from here a preemption notice saves a final checkpoint at the next step
         metrics = _train(cfg, world, engine, loss_fn, data, tokenizer, state, checkpointer, sinks)
         checkpointer.finish()
         if state.nonfinite_steps:

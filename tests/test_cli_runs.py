@@ -1,8 +1,10 @@
 """The user-facing entry points as subprocesses: help, one-line errors, a CSV run with a bad row."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import webdataset as wds
@@ -140,3 +142,27 @@ def test_bad_inputs_stop_with_one_line_and_leave_earlier_runs_alone(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("bigclip: error: ") and named in err[0], err
     assert os.listdir(earlier) == ["out.log"] and (earlier / "out.log").read_text() == "an earlier run\n"
+
+
+def test_sigterm_during_setup_stops_at_once_with_one_line(tmp_path):
+    """A --resume from a store that does not answer retries for minutes; a preemption notice then ends the
+    process within seconds (nothing was trained, nothing to save)."""
+    resume = "s3://bucket/runs/r/checkpoints/step_1"
+    cmd = [sys.executable, os.path.join(REPO, "launch", "train.py"), "--model", "test-tiny", "--dataset-type",
+           "synthetic", "--logs", str(tmp_path), "--name", "r", "--resume", resume]  # fmt: skip
+    env = subprocess_env(AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    log = tmp_path / "r" / "out.log"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (log.exists() and "bigclip config" in log.read_text()):
+        time.sleep(0.2)
+    time.sleep(2)  # into the resume's retries
+    assert proc.poll() is None, proc.communicate()
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - sent < 20
+    assert proc.returncode == 143
+    assert (
+        err.strip().splitlines()[-1] == "bigclip: SIGTERM received before training started: nothing to save; stopping"
+    )

@@ -98,11 +98,14 @@ def test_a_second_preemption_notice_does_not_cut_the_final_save_short():
     """Under a launcher the notice arrives twice (from Slurm, and forwarded by the launcher)."""
     import signal
 
-    from bigclip.preemption import PreemptionFlag
+    from bigclip.preemption import PreemptionFlag, StoppedBeforeTraining
 
     flag = PreemptionFlag()
     flag.install()
     try:
+        with pytest.raises(StoppedBeforeTraining, match="SIGTERM received before training started"):
+            os.kill(os.getpid(), signal.SIGTERM)  # before the first step: nothing to save, stop now
+        flag.arm()
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGTERM)  # would kill the process if not handled
         assert flag.requested and flag.signal_name == "SIGUSR1"
