@@ -80,9 +80,8 @@ def get_tokenizer(model_name: str, context_length: int | None = None, cache_dir:
 
 
 def use_int8_linears(model: CLIP, variant: str, name: str) -> None:
-    """Swap the transformer blocks' MLP linears for `variant` in place (before any engine wraps the model)."""
-    if variant not in switchback.VARIANTS:
-        raise UserError(f"--use-bnb-linear {variant}: choose one of {', '.join(switchback.VARIANTS)}")
+    """Swap the transformer blocks' MLP linears for `variant` in place (before any engine wraps the model). The
+    variant name is checked where the flag is validated (config) and by replace_linears."""
     swapped = sum(switchback.replace_linears(block, variant) for block in model.transformer_blocks())
     if not swapped:
         raise UserError(f"--use-bnb-linear {variant}: --model {name} has no transformer MLP linear layer to replace")
