@@ -236,6 +236,20 @@ class TrainConfig:
         "credentials may go here or in AWS_* variables (never logged).",
         CKPT,
     )
+    storage_timeout: float = _flag(
+        60.0,
+        "Seconds a remote store may go unanswered or failing when bigclip first reaches it (the start-of-run "
+        "write check, --resume, bigclip export) before every rank stops with one line; checkpoint uploads "
+        "retry longer, see --checkpoint-upload-timeout (new in bigclip).",
+        CKPT,
+    )
+    checkpoint_upload_timeout: float = _flag(
+        600.0,
+        "Seconds one checkpoint upload step retries an unreachable or failing store before that checkpoint is "
+        "given up (training goes on, the next save tries again); also the longest the final and the "
+        "preemption checkpoint are waited for (new in bigclip).",
+        CKPT,
+    )
     checkpoint_async: str = _flag(
         "auto",
         "Where checkpoint files are written and uploaded: auto (thread), thread, "
@@ -537,8 +551,10 @@ def _validate_numbers(cfg: TrainConfig) -> None:
         v = getattr(cfg, name)
         if v is not None and (not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
             _fail(name, v, "must be a non-negative number")
-    if not isinstance(cfg.dist_timeout, (int, float)) or not (0 < cfg.dist_timeout < float("inf")):
-        _fail("dist_timeout", cfg.dist_timeout, "must be a positive number of seconds")
+    for name in ("dist_timeout", "storage_timeout", "checkpoint_upload_timeout"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < float("inf")):
+            _fail(name, v, "must be a positive number of seconds")
     if not isinstance(cfg.save_every_minutes, (int, float)) or not (cfg.save_every_minutes >= 0):
         _fail("save_every_minutes", cfg.save_every_minutes, "must be a non-negative number of minutes")
     for name in ("beta1", "beta2"):

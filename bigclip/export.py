@@ -35,17 +35,29 @@ def _parser() -> argparse.ArgumentParser:
         help="parameter names of the output (default: openclip)",
     )
     p.add_argument("--storage-options", default=None, help="JSON of fsspec options for a URL checkpoint")
+    p.add_argument(
+        "--storage-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a URL checkpoint's store may go unanswered before export stops (default: 60)",
+    )
     return p
 
 
-def export(checkpoint: str, output: str, names: str = "openclip", storage_options: dict | None = None) -> int:
+def export(
+    checkpoint: str,
+    output: str,
+    names: str = "openclip",
+    storage_options: dict | None = None,
+    storage_timeout: float = 60.0,
+) -> int:
     if not output.endswith((".pt", ".pth", ".bin", ".safetensors")):
         raise UserError(f"bigclip export: output {output}: name it .pt or .safetensors")
     tmp = None
     try:
         if is_url(checkpoint):
             tmp = tempfile.mkdtemp(prefix="bigclip-export-")
-            manifest = fetch_verified(checkpoint, os.path.join(tmp, "ckpt"), storage_options)
+            manifest = fetch_verified(checkpoint, os.path.join(tmp, "ckpt"), storage_options, timeout=storage_timeout)
             directory = os.path.join(tmp, "ckpt")
         else:
             manifest = verify_local(checkpoint)
@@ -74,4 +86,7 @@ def export(checkpoint: str, output: str, names: str = "openclip", storage_option
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    return export(args.checkpoint, args.output, args.names, parse_storage_options(args.storage_options))
+    if not args.storage_timeout > 0:
+        raise UserError(f"bigclip export: --storage-timeout {args.storage_timeout}: give a positive number of seconds")
+    options = parse_storage_options(args.storage_options)
+    return export(args.checkpoint, args.output, args.names, options, args.storage_timeout)

@@ -8,8 +8,9 @@ import time
 
 import pytest
 import webdataset as wds
-from helpers import REPO, python_train, read_metrics, subprocess_env
+from helpers import REPO, TINY_SYNTHETIC, TRAIN_SCRIPT, python_train, read_metrics, subprocess_env, torchrun_cmd
 from PIL import Image
+from tcp_proxy import TcpProxy
 
 
 def test_python_m_bigclip_help_is_grouped():
@@ -166,3 +167,34 @@ def test_sigterm_during_setup_stops_at_once_with_one_line(tmp_path):
     assert (
         err.strip().splitlines()[-1] == "bigclip: SIGTERM received before training started: nothing to save; stopping"
     )
+
+
+def test_an_unanswering_store_stops_every_rank_within_storage_timeout(tmp_path):
+    """--resume from an endpoint that accepts connections and never answers (botocore alone would wait 60 s
+    per try, 5 tries): both ranks stop with one line each, naming the URL and the flag, well within
+    --storage-timeout plus start-up; `bigclip export` from it the same."""
+    url = "s3://bucket/runs/r/checkpoints/step_1"
+    with TcpProxy.hanging() as endpoint:
+        env = subprocess_env(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x")
+        start = time.monotonic()
+        train = subprocess.run(
+            torchrun_cmd(2, TRAIN_SCRIPT, "--", *TINY_SYNTHETIC, "--logs", str(tmp_path), "--name", "r",
+                         "--resume", url, "--storage-timeout", "4"),
+            capture_output=True, text=True, env=env, timeout=180,
+        )  # fmt: skip
+        train_s = time.monotonic() - start
+        start = time.monotonic()
+        export = subprocess.run(
+            [sys.executable, "-m", "bigclip", "export", url, str(tmp_path / "w.pt"), "--storage-timeout", "4"],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        export_s = time.monotonic() - start
+    assert train.returncode != 0 and export.returncode == 2
+    said = [line for line in train.stderr.splitlines() if line.startswith("bigclip: error: ")]
+    assert sorted(line.split(" on ")[0] for line in said) == ["bigclip: error: rank 0", "bigclip: error: rank 1"]
+    for line in said + export.stderr.strip().splitlines():
+        assert "s3://bucket/runs/r/checkpoints/step_1" in line and "--storage-timeout" in line, line
+    assert export.stderr.count("\n") == 1
+    assert "bigclip/" not in train.stderr.replace("bigclip: error", "")  # torchrun's own report, no bigclip frame
+    # start-up (imports, rendezvous) is most of it; without the bound this took minutes
+    assert train_s < 60 and export_s < 40, (train_s, export_s)

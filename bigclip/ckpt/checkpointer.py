@@ -25,7 +25,15 @@ from typing import Any
 from bigclip.ckpt.cadence import SaveCadence
 from bigclip.ckpt.manager import CheckpointManager
 from bigclip.ckpt.remote_sync import RemoteSync
-from bigclip.ckpt.storage import Storage, is_url, join, parse_storage_options, redact_url
+from bigclip.ckpt.storage import (
+    Storage,
+    StorageUnavailable,
+    is_url,
+    join,
+    parse_storage_options,
+    redact_url,
+    unreachable,
+)
 from bigclip.dist import raise_together
 from bigclip.errors import UserError
 from bigclip.preemption import NOTICE
@@ -59,9 +67,13 @@ def preflight(cfg, name: str, world) -> None:
         return
 
     def check() -> None:
-        store = Storage(root, parse_storage_options(cfg.storage_options), retry_seconds=30)
+        store = Storage(root, parse_storage_options(cfg.storage_options), cfg.storage_timeout, bounded=True)
         store.check_writable()
-        if cfg.resume is None and store.exists("params.yaml"):
+        try:
+            taken = cfg.resume is None and store.exists("params.yaml")
+        except StorageUnavailable as e:
+            raise unreachable(e) from None
+        if taken:
             raise UserError(
                 f"--name {name}: {store.display} already holds a run; pass a new --name, or "
                 f"--resume latest to continue that run"
@@ -88,6 +100,8 @@ class Checkpointer:
             storage_options=options,
             keep_last_k=cfg.keep_last_k,
             async_mode=cfg.checkpoint_async,
+            storage_timeout=cfg.storage_timeout,
+            upload_timeout=cfg.checkpoint_upload_timeout,
         )
         self.cadence = SaveCadence(cfg, world)
         self.preemption = NOTICE
@@ -95,7 +109,9 @@ class Checkpointer:
         self.sync = None
         self._stopped_at: int | None = None  # the step after which SIGTERM stopped the run
         if self.remote_root and world.is_main:
-            self.sync = RemoteSync(paths.root, Storage(self.remote_root, options), cfg.remote_sync_frequency)
+            self.sync = RemoteSync(
+                paths.root, Storage(self.remote_root, options, cfg.checkpoint_upload_timeout), cfg.remote_sync_frequency
+            )
             self.sync.sync_once()  # params.yaml and the log so far, before any training
             self.sync.start()
         self._where = paths.checkpoints + (f" and {redact_url(self.manager.remote.root)}" if self.remote_root else "")

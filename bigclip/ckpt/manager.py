@@ -38,7 +38,15 @@ import torch.distributed as dist
 
 from bigclip.ckpt.manifest import MANIFEST, TRAIN_STATE, Manifest, check_sizes, rng_file
 from bigclip.ckpt.rng import load_rank_state_file, rank_state_bytes, read_data_position
-from bigclip.ckpt.storage import Storage, StorageError, StorageUnavailable, _write_durably, fsync_dir, is_url
+from bigclip.ckpt.storage import (
+    Storage,
+    StorageError,
+    StorageUnavailable,
+    _write_durably,
+    fsync_dir,
+    is_url,
+    unreachable,
+)
 from bigclip.ckpt.upload import FileSink, lower_priority
 from bigclip.ckpt.verify import CorruptCheckpoint, fetch_verified, read_local_manifest, verify_local
 from bigclip.dist import World, barrier, broadcast_object, raise_together
@@ -95,9 +103,14 @@ class CheckpointManager:
         keep_last_k: int = 0,
         async_mode: str = "auto",
         keep_local: bool = True,
+        storage_timeout: float = 60.0,
+        upload_timeout: float | None = None,
     ):
         """directory: local checkpoints folder. remote: URL of the remote checkpoints folder (or None).
-        keep_local=False keeps no local copies (the local folder is only a staging area)."""
+        keep_local=False keeps no local copies (the local folder is only a staging area).
+        storage_timeout (--storage-timeout): how long the store may go unanswered when it is first reached
+        (the write check, listing and reading checkpoints to resume). upload_timeout
+        (--checkpoint-upload-timeout): how long each step of a save retries before the save is given up."""
         if async_mode not in ASYNC_MODES:
             raise UserError(f"--checkpoint-async {async_mode!r}: choose one of {', '.join(ASYNC_MODES)}")
         self.directory = os.path.abspath(directory)
@@ -107,7 +120,10 @@ class CheckpointManager:
         self.keep_last_k = keep_last_k
         self.keep_local = keep_local
         self.storage_options = dict(storage_options or {})
-        self.remote = Storage(remote, self.storage_options) if remote else None
+        self.storage_timeout = storage_timeout
+        self.remote = Storage(remote, self.storage_options, upload_timeout) if remote else None
+        # The same store for first contact: every attempt abandoned at the --storage-timeout deadline.
+        self._probe = Storage(remote, self.storage_options, storage_timeout, bounded=True) if remote else None
         # Checkpoint collectives get their own gloo group: running them from the save thread on the
         # training group interleaves with the loop's collectives and corrupts both.
         self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
@@ -427,8 +443,8 @@ class CheckpointManager:
 
     # --------------------------------------------------------------------------- finding what to resume
     def _check_remote(self) -> None:
-        if self.remote is not None:
-            raise_together(self.world, self.remote.check_writable)
+        if self._probe is not None:
+            raise_together(self.world, self._probe.check_writable)
 
     def _candidates(self, local: bool = True, remote: bool = True, check: bool = True) -> list[Candidate]:
         out: list[Candidate] = []
@@ -447,9 +463,16 @@ class CheckpointManager:
                         continue
                 out.append(Candidate(manifest.step, is_numbered(name), True, path, manifest))
         if remote and self.remote is not None:
-            listing = self.remote.list_files()
-            tags = sorted({rel.split("/", 1)[0] for rel in listing if rel.endswith("/" + MANIFEST)})
-            raw = self.remote.read_many([f"{t}/{MANIFEST}" for t in tags])
+            # Retention lists through the upload store (a save rides out outages); a resume through the probe.
+            store = self.remote if not check else self._probe
+            try:
+                listing = store.list_files()
+                tags = sorted({rel.split("/", 1)[0] for rel in listing if rel.endswith("/" + MANIFEST)})
+                raw = store.read_many([f"{t}/{MANIFEST}" for t in tags])
+            except StorageUnavailable as e:
+                if not check:
+                    raise
+                raise unreachable(e) from None
             for tag in tags:
                 manifest = Manifest.from_bytes(raw.get(f"{tag}/{MANIFEST}"))
                 if manifest is None or not _TAG.fullmatch(tag):
@@ -465,11 +488,18 @@ class CheckpointManager:
     def latest(self) -> str | None:
         """The committed checkpoint with the highest step, local or remote (ties: numbered, then local).
         Collective."""
-        best = None
-        if self.world.is_main:
-            ranked = sorted(self._candidates(), key=lambda c: (c.step, c.numbered, c.local), reverse=True)
-            best = ranked[0].location if ranked else None
-        return broadcast_object(best, self.world)
+        ranked = self._ranked()
+        return ranked[0] if ranked else None
+
+    def _ranked(self) -> list[str]:
+        """Every committed checkpoint, newest first (collective: rank 0 lists, and a store that cannot be
+        reached stops every rank with its line, not rank 0 alone)."""
+
+        def rank_candidates() -> list[str]:
+            key = lambda c: (c.step, c.numbered, c.local)  # noqa: E731
+            return [c.location for c in sorted(self._candidates(), reverse=True, key=key)]
+
+        return broadcast_object(raise_together(self.world, rank_candidates) or [], self.world)
 
     def resume(self, spec: str | None) -> tuple[str, dict[str, Any]] | None:
         """Load `spec` ('latest', a local path or a URL); returns (location, train state) or None.
@@ -479,13 +509,7 @@ class CheckpointManager:
             return None
         if spec != "latest":
             return spec, self.load(spec)
-        ranked: list[str] = []
-        if self.world.is_main:
-            ranked = [
-                c.location
-                for c in sorted(self._candidates(), reverse=True, key=lambda c: (c.step, c.numbered, c.local))
-            ]
-        ranked = broadcast_object(ranked, self.world)
+        ranked = self._ranked()
         for location in ranked:
             try:
                 return location, self.load(location)
@@ -507,7 +531,7 @@ class CheckpointManager:
 
         def fetch() -> Manifest:
             if remote:
-                return fetch_verified(location, directory, self.storage_options, self._io)
+                return fetch_verified(location, directory, self.storage_options, self._io, self.storage_timeout)
             return verify_local(directory)
 
         try:

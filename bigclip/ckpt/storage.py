@@ -130,7 +130,14 @@ def _is_permanent(err: BaseException) -> bool:
 class Storage:
     """A root directory or URL. Picklable (the fsspec filesystem is rebuilt on first use)."""
 
-    def __init__(self, root: str, options: dict[str, Any] | None = None, retry_seconds: float | None = None):
+    def __init__(
+        self, root: str, options: dict[str, Any] | None = None, retry_seconds: float | None = None, bounded=False
+    ):
+        """retry_seconds: how long an operation retries transient failures. bounded: also abandon an attempt
+        that has not answered by then — for the first contact with a store, where an endpoint that accepts
+        connections but never answers must not hold every rank for the client's own timeouts and retries
+        (botocore: 60 s per read, 5 tries). Not for uploads: a large file may rightly take longer."""
+        self.bounded = bounded
         self.root = root.rstrip("/") if is_url(root) else os.path.abspath(root)
         self.options = dict(options or {})
         self.retry_seconds = RETRY_SECONDS if retry_seconds is None else retry_seconds
@@ -148,6 +155,7 @@ class Storage:
             "root": self.root,
             "options": self.options,
             "retry_seconds": self.retry_seconds,
+            "bounded": self.bounded,
             "remote": self.remote,
             "protocol": self.protocol,
         }
@@ -195,7 +203,7 @@ class Storage:
 
     def child(self, rel: str) -> Storage:
         """The same store rooted at rel (sharing the connection pool)."""
-        sub = Storage(self.url(rel), self.options, self.retry_seconds)
+        sub = Storage(self.url(rel), self.options, self.retry_seconds, self.bounded)
         sub._fs = self._fs
         sub.health = self.health
         return sub
@@ -223,7 +231,7 @@ class Storage:
         delay, attempt = 0.5, 0
         while True:
             try:
-                result = fn()
+                result = _answer_within(fn, deadline - time.monotonic()) if self.bounded else fn()
                 self.health["degraded"] = False
                 return result
             except Exception as err:  # noqa: BLE001 — classified below; the fsspec backends raise many types
@@ -401,9 +409,36 @@ class Storage:
             self.put_bytes(probe, b"ok")
             self.rm(probe)
         except StorageUnavailable as e:
-            raise StorageError(
-                f"{e}; check the endpoint (AWS_ENDPOINT_URL / --storage-options) and the network"
-            ) from None
+            raise unreachable(e) from None
+
+
+def unreachable(err: StorageUnavailable) -> StorageError:
+    """The one line for a store that did not answer within --storage-timeout."""
+    return StorageError(
+        f"{err}; check the endpoint (AWS_ENDPOINT_URL / --storage-options) and the network, or give it longer "
+        f"with --storage-timeout"
+    )
+
+
+def _answer_within(fn: Callable[[], T], seconds: float) -> T:
+    """fn(), or TimeoutError (retried like any transient failure) when it has not returned within `seconds`.
+    The call goes on in a daemon thread that is abandoned: a hung socket must not keep the process alive."""
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 — handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=call, name="bigclip-storage-call", daemon=True)
+    thread.start()
+    thread.join(max(seconds, 0.1))
+    if thread.is_alive():
+        raise TimeoutError(f"no answer within {max(seconds, 0.1):.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _write_durably(path: str, data: bytes) -> None:

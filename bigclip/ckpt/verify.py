@@ -8,7 +8,7 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 from bigclip.ckpt.manifest import MANIFEST, Manifest, check_file, unsafe_path
-from bigclip.ckpt.storage import Storage, StorageError
+from bigclip.ckpt.storage import Storage, StorageError, StorageUnavailable, unreachable
 from bigclip.errors import UserError
 
 logger = logging.getLogger("bigclip")
@@ -63,12 +63,22 @@ def verify_local(directory: str) -> Manifest:
 
 
 def fetch_verified(
-    url: str, directory: str, options: dict | None = None, pool: ThreadPoolExecutor | None = None
+    url: str,
+    directory: str,
+    options: dict | None = None,
+    pool: ThreadPoolExecutor | None = None,
+    timeout: float = 60.0,
 ) -> Manifest:
-    """Download the checkpoint at `url` into `directory` (parallel, retried) and verify every file."""
+    """Download the checkpoint at `url` into `directory` (parallel, retried) and verify every file.
+
+    timeout (--storage-timeout): how long the store may leave the manifest unanswered before this stops with
+    one line. Once it has answered, each file is retried for the (longer) upload deadline: a store that
+    answered is worth waiting for through a short outage."""
     store = Storage(url, options)
     try:
-        manifest = Manifest.from_bytes(store.read_bytes(MANIFEST))
+        manifest = Manifest.from_bytes(Storage(url, options, timeout, bounded=True).read_bytes(MANIFEST))
+    except StorageUnavailable as e:
+        raise unreachable(e) from None
     except StorageError as e:
         if "not found" in str(e):
             raise CorruptCheckpoint(
@@ -87,7 +97,7 @@ def fetch_verified(
         local = os.path.join(directory, rel)
         try:
             store.get_file(rel, local)
-        except StorageError as e:
+        except (StorageError, StorageUnavailable) as e:
             return str(e)
         return check_file(local, manifest.files[rel])
 
