@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from collections.abc import Callable
 
 from bigclip import evaluate, export, plan
@@ -46,6 +48,9 @@ SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug (any subcommand, or BIGCLIP_DEBUG=1): the traceback above an error's one line, for bug reports.
+    debug = "--debug" in argv or os.environ.get("BIGCLIP_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     command = _cmd_train
     if argv and argv[0] in SUBCOMMANDS:
         command = SUBCOMMANDS[argv.pop(0)]
@@ -53,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command(argv)
     except UserError as e:
+        if debug:
+            traceback.print_exc()
         _say(f"bigclip: error: {here + ': ' if here else ''}{e}")
         return 2
     except KeyboardInterrupt:

@@ -17,7 +17,9 @@ SUBCOMMANDS_HELP = """subcommands:
   bigclip eval FLAGS        zero-shot --imagenet-val / --imagenet-v2 of --model [--pretrained], JSON on stdout
   bigclip models            list the architectures
   bigclip export CKPT OUT   a checkpoint (directory or URL, any engine) -> OUT.pt / OUT.safetensors
-  bigclip plan [--model M]  memory per GPU under each engine (state, activations, largest batch)"""
+  bigclip plan [--model M]  memory per GPU under each engine (state, activations, largest batch)
+
+Errors are one line (exit code 2); add --debug to any command (or set BIGCLIP_DEBUG=1) for the traceback."""
 
 
 def _argparse_kwargs(f) -> dict[str, Any]:

@@ -104,19 +104,26 @@ def test_report_to_tensorboard_and_wandb_offline(tmp_path):
 
 
 def test_webdataset_run_whose_shards_hold_no_usable_sample_stops_with_one_line(tmp_path):
+    """Undecodable images, a truncated tar and a file that is no tar at all, read by a loader worker: one warning
+    per bad shard or sample, then one error line; no worker traceback."""
     with wds.TarWriter(str(tmp_path / "bad.tar")) as sink:
         for i in range(4):
             sink.write({"__key__": f"b{i}", "jpg": b"not a jpeg", "txt": "a caption"})
-    out = python_train(["--train-data", str(tmp_path / "bad.tar"), "--train-num-samples", "8", "--model", "test-tiny",
-                        "--batch-size", "2", "--workers", "0", "--precision", "fp32", "--logs", str(tmp_path / "logs"),
-                        "--name", "bad"])  # fmt: skip
-    assert out.returncode != 0
-    assert "the training data yielded no batch this epoch" in out.stdout + out.stderr
+    data = (tmp_path / "bad.tar").read_bytes()
+    (tmp_path / "truncated.tar").write_bytes(data[:1500] + b"\x00garbage" * 300)
+    (tmp_path / "junk.tar").write_bytes(b"this is not a tar file" * 100)
+    out = python_train(["--train-data", str(tmp_path / "{bad,truncated,junk}.tar"), "--train-num-samples", "8",
+                        "--model", "test-tiny", "--batch-size", "2", "--workers", "1", "--precision", "fp32",
+                        "--logs", str(tmp_path / "logs"), "--name", "bad"])  # fmt: skip
+    said = out.stdout + out.stderr
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("bigclip: error: the training data yielded no batch")
+    assert "Traceback" not in said and "junk.tar: ReadError" in said
 
 
 @pytest.mark.parametrize(
     "case",
-    ["yaml_null", "yaml_wrong_type", "csv_not_utf8", "logs_not_creatable"],
+    ["yaml_null", "yaml_wrong_type", "csv_not_utf8", "logs_not_creatable", "ds_section_not_object"],
 )
 def test_bad_inputs_stop_with_one_line_and_leave_earlier_runs_alone(tmp_path, capsys, case):
     """Each bad input: exit code 2, one line naming the file or flag, no traceback; an earlier run's files under
@@ -129,10 +136,15 @@ def test_bad_inputs_stop_with_one_line_and_leave_earlier_runs_alone(tmp_path, ca
     (earlier / "out.log").write_text("an earlier run\n")
     flags = ["--model", "test-tiny", "--dataset-type", "synthetic", "--logs", str(logs), "--name", "new"]
     named = {"yaml_null": "model: None is not a string", "yaml_wrong_type": "lr: '0.1' is not a number",
-             "csv_not_utf8": "not UTF-8 text", "logs_not_creatable": "cannot create the run folder"}[case]  # fmt: skip
+             "csv_not_utf8": "not UTF-8 text", "logs_not_creatable": "cannot create the run folder",
+             "ds_section_not_object": '"zero_optimization.offload_optimizer" must be a JSON object'}[case]  # fmt: skip
     if case.startswith("yaml"):
         (tmp_path / "run.yaml").write_text("model: null\n" if case == "yaml_null" else "lr: '0.1'\n")
         flags += ["--config", str(tmp_path / "run.yaml")]
+    elif case == "ds_section_not_object":
+        ds = tmp_path / "ds.json"
+        ds.write_text('{"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}}')
+        flags += ["--engine", "deepspeed", "--ds_config", str(ds)]
     elif case == "csv_not_utf8":
         (tmp_path / "pairs.csv").write_bytes(b"filepath\ttitle\n\xff\xfe.jpg\ta caption\n")
         flags = ["--model", "test-tiny", "--train-data", str(tmp_path / "pairs.csv"), "--logs", str(logs)]
@@ -143,6 +155,10 @@ def test_bad_inputs_stop_with_one_line_and_leave_earlier_runs_alone(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("bigclip: error: ") and named in err[0], err
     assert os.listdir(earlier) == ["out.log"] and (earlier / "out.log").read_text() == "an earlier run\n"
+    if case == "yaml_null":  # --debug: the same line, with the traceback above it for a bug report
+        assert cli.main([*flags, "--debug"]) == 2
+        debug = capsys.readouterr().err.strip().splitlines()
+        assert debug[0] == "Traceback (most recent call last):" and debug[-1] == err[0]
 
 
 def test_sigterm_during_setup_stops_at_once_with_one_line(tmp_path):

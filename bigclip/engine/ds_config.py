@@ -116,11 +116,35 @@ def resolve(
     return for_run(resolve_flags(cfg, device_type, raw), cfg, world_size, hidden_size)
 
 
+# DeepSpeed sections (and sub-sections) that are JSON objects: anything else would reach DeepSpeed's config
+# classes (or bigclip's .get) and end in a traceback instead of a line naming the file and the key.
+OBJECT_SECTIONS = (
+    "bf16", "fp16", "amp", "optimizer", "optimizer.params", "scheduler", "zero_optimization",
+    "zero_optimization.offload_param", "zero_optimization.offload_optimizer", "torch_autocast",
+    "activation_checkpointing", "flops_profiler", "comms_logger", "aio", "checkpoint", "data_types",
+    "tensorboard", "wandb", "csv_monitor", "monitor_config", "compression_training", "data_efficiency",
+    "elasticity", "autotuning", "pipeline", "sparse_attention",
+)  # fmt: skip
+
+
+def _require_objects(ds: dict[str, Any], path: str) -> None:
+    for dotted in OBJECT_SECTIONS:
+        node: Any = ds
+        for key in dotted.split("."):
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is not None and not isinstance(node, dict):
+            raise UserError(
+                f'{path}: "{dotted}" must be a JSON object ({{...}}), not {type(node).__name__} {node!r}; see the '
+                f"examples in ds_configs/"
+            )
+
+
 def resolve_flags(cfg, device_type: str, raw: dict[str, Any] | None = None) -> dict[str, Any]:
     """The file (read once, here) with every value that depends on flags alone filled and checked: what
     flag validation computes and the engine later completes with for_run()."""
     path = cfg.ds_config or "the default DeepSpeed config"
     ds = copy.deepcopy(raw if raw is not None else (read(cfg.ds_config) if cfg.ds_config else DEFAULT_CONFIG))
+    _require_objects(ds, path)
 
     _fill(
         ds,
