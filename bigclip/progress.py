@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
@@ -22,10 +23,21 @@ from bigclip.train_state import TrainState
 
 class EpochProgress:
     def __init__(
-        self, cfg, engine, sinks: MetricSinks, world: World, steps: int, samples: int, state: TrainState, train_data
+        self,
+        cfg,
+        engine,
+        sinks: MetricSinks,
+        world: World,
+        steps: int,
+        samples: int,
+        state: TrainState,
+        train_data,
+        more_metrics: Callable[[], dict[str, float]] = dict,
     ):
         """steps: optimizer steps in the epoch; samples: samples in the epoch over all ranks; train_data: the
-        DataInfo whose skipped samples are reported (summed over ranks) at every log step."""
+        DataInfo whose skipped samples are reported (summed over ranks) at every log step; more_metrics: other
+        parts' counters for every record (the checkpointer's ckpt/skipped)."""
+        self.more_metrics = more_metrics
         self.cfg, self.engine, self.sinks, self.world = cfg, engine, sinks, world
         self.train_data = train_data
         self.steps, self.samples = steps, samples
@@ -76,6 +88,7 @@ class EpochProgress:
         self.sinks.write(
             {
                 **{f"data/skipped_{k}": v for k, v in skipped.items()},
+                **self.more_metrics(),
                 "step": state.step,
                 "epoch": self.epoch,
                 "samples_seen": state.samples_seen,

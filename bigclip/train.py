@@ -259,7 +259,9 @@ def _train(cfg, world, engine, loss_fn, data, tokenizer, state, checkpointer, si
     metrics: dict[str, float] = {}
     while state.epoch < cfg.epochs:
         samples = train_data.num_samples
-        progress = EpochProgress(cfg, engine, sinks, world, steps_per_epoch, samples, state, train_data)
+        progress = EpochProgress(
+            cfg, engine, sinks, world, steps_per_epoch, samples, state, train_data, checkpointer.metrics
+        )
         stop = train_one_epoch(cfg, engine, loss_fn, train_data, state, schedule, checkpointer, progress, world)
         progress.close(state)
         if stop:

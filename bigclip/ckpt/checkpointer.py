@@ -108,6 +108,8 @@ class Checkpointer:
         self.preemption.install()
         self.sync = None
         self._stopped_at: int | None = None  # the step after which SIGTERM stopped the run
+        self._owed = False  # a save fell due while the previous one was in flight: take it when that finishes
+        self.skipped = 0  # due saves not taken at their step (ckpt/skipped in metrics.jsonl)
         if self.remote_root and world.is_main:
             self.sync = RemoteSync(
                 paths.root, Storage(self.remote_root, options, cfg.checkpoint_upload_timeout), cfg.remote_sync_frequency
@@ -144,17 +146,13 @@ class Checkpointer:
         save, stop = self.cadence.after_step(state.step, self.preemption.requested)
         if save and not stop and end_of_epoch and self.cadence.epoch_due(state.epoch + 1):
             save = False  # the epoch-end checkpoint, a moment later, covers this step
-        if save and self.manager.last_saved_step != state.step:
-            tag = f"step_{state.step}"
-            if not stop and self.manager.stalled():
-                # A new save normally waits for the previous one; but while that one is stuck retrying an
-                # unreachable store, waiting would stop training, so a step/minute checkpoint is skipped.
-                if self.world.is_main:
-                    logger.warning(f"checkpoint {tag} skipped: the previous checkpoint is still retrying its upload")
-            else:
-                self._save(tag, state, ["epoch_latest"] if self.cfg.save_most_recent else [])
+        due = save and self.manager.last_saved_step != state.step
         if stop:
+            if due:
+                self._save(f"step_{state.step}", state, self._aliases())  # the preemption save may wait
             self._stopped_at = state.step
+        elif due or self._owed:
+            self._save_unless_busy(state, due, f"step_{state.step}")
         return stop
 
     def after_epoch(self, state: TrainState) -> None:
@@ -162,8 +160,39 @@ class Checkpointer:
         tags = [f"epoch_{state.epoch}"] if self.cadence.epoch_due(state.epoch) else []
         if self.cfg.save_most_recent:
             tags.append("epoch_latest")
-        if tags:
-            self._save(tags[0], state, tags[1:])
+        final = state.epoch >= self.cfg.epochs
+        if final and not tags and self._owed:
+            tags = [f"step_{state.step}"]  # the run's end: a save deferred during the last epoch is taken now
+        if not tags:
+            return
+        if final:
+            self._save(tags[0], state, tags[1:])  # the final save may wait for the one before it
+        else:
+            self._save_unless_busy(state, True, tags[0], tags[1:])
+
+    def _save_unless_busy(self, state: TrainState, due: bool, tag: str, aliases: list[str] | None = None) -> None:
+        """Training never waits on storage: a save that falls due while the previous one is still being written
+        or uploaded (on any rank) is deferred to the first step after that one has finished — several due
+        meanwhile become one — and counted (ckpt/skipped). Collective."""
+        if self.manager.busy():
+            if due:
+                self.skipped += 1
+                if not self._owed and self.world.is_main:
+                    logger.warning(
+                        f"checkpoint {tag} deferred: {self.manager.in_flight} is still being written or uploaded; "
+                        f"training goes on and the checkpoint is taken at the first step after it finishes"
+                    )
+                self._owed = True
+            return
+        if self._owed:
+            tag = f"step_{state.step}"  # named by the state it holds, whatever fell due meanwhile
+            if self.world.is_main:
+                logger.info(f"checkpoint {tag}: the deferred save, now that the previous one has finished")
+        self._owed = False
+        self._save(tag, state, aliases if aliases is not None else self._aliases())
+
+    def _aliases(self) -> list[str]:
+        return ["epoch_latest"] if self.cfg.save_most_recent else []
 
     def _save(self, tag: str, state: TrainState, aliases: list[str]) -> None:
         position = self.data_position() if self.data_position is not None else state.data
@@ -171,6 +200,10 @@ class Checkpointer:
             tag, {**state.to_record(), "config": self.config_dict}, aliases=aliases, data_position=position
         )
         self.cadence.saved()
+
+    def metrics(self) -> dict[str, int]:
+        """What the step records report about checkpoints (once there is something to report)."""
+        return {"ckpt/skipped": self.skipped} if self.skipped else {}
 
     # -- the end
     def finish(self) -> None:

@@ -127,7 +127,7 @@ class CheckpointManager:
         # Checkpoint collectives get their own gloo group: running them from the save thread on the
         # training group interleaves with the loop's collectives and corrupts both.
         self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
-        # stalled() is asked from the main thread while the save thread may be in a collective on self.group.
+        # busy() is asked from the main thread while the save thread may be in a collective on self.group.
         self._control_group = dist.new_group(backend="gloo") if self.group is not None else None
         # The engine names its checkpoint layout; the writer defaults to a thread for every layout (chosen by
         # bench/checkpoint_stall.py: DCP's file writes, hashing and uploads release the GIL; a process costs a
@@ -137,6 +137,7 @@ class CheckpointManager:
         self._save_thread = ThreadPoolExecutor(1, thread_name_prefix="bigclip-ckpt", initializer=lower_priority)
         self._io = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="bigclip-upload", initializer=lower_priority)
         self._pending: Future | None = None
+        self.results_pending_tag: str | None = None  # the tag of the save in flight
         self._staging: Future | None = None  # the state copy of the save in flight
         self._staging_wait = 0.0  # time the loop waited for it (wait_staged)
         self._previous_local: str | None = None
@@ -145,13 +146,17 @@ class CheckpointManager:
         self._check_remote()
 
     # ------------------------------------------------------------------------------------------ saving
-    def stalled(self) -> bool:
-        """The save in flight is stuck behind an unreachable or throttling store (on some rank). Collective,
-        so that every rank takes the same decision about the next save."""
-        stalled = (
-            self._pending is not None and not self._pending.done() and self.remote is not None and self.remote.degraded
-        )
-        return stalled if self.group is None else self._any(stalled)
+    def busy(self) -> bool:
+        """The previous save is still being written or uploaded on some rank. Collective (every rank then takes
+        the same decision about the next save); free when no save was started since the last wait."""
+        if self._pending is None:
+            return False  # the same on every rank: saves start and are waited for at the same calls
+        busy = not self._pending.done()
+        return busy if self.group is None else self._any(busy)
+
+    @property
+    def in_flight(self) -> str:
+        return f"checkpoint {self.results_pending_tag}" if self.results_pending_tag else "the previous checkpoint"
 
     def _any(self, flag: bool) -> bool:
         t = torch.tensor([float(flag)])
@@ -203,6 +208,7 @@ class CheckpointManager:
         else:
             logger.info(f"checkpoint {tag}: saving in the background (the loop paused {blocked:.3f} s)")
             self._pending = self._save_thread.submit(self._write_and_commit, *job)
+            self.results_pending_tag = tag
         return self.location(tag)
 
     def wait_staged(self) -> None:
