@@ -1,6 +1,4 @@
-import sys
-
-from bigclip.cli import main
+from bigclip.cli import exit_process, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import traceback
 from collections.abc import Callable
+from typing import NoReturn
 
 from bigclip import evaluate, export, plan
+from bigclip.ckpt.manager import ABANDONED
 from bigclip.cli_args import build_train_parser, parse_train_args  # noqa: F401  (cli's public names)
 from bigclip.dist import where
 from bigclip.errors import UserError, first_line
@@ -49,11 +52,14 @@ SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # --debug (any subcommand, or BIGCLIP_DEBUG=1): the traceback above an error's one line, for bug reports.
+    # Training and eval also keep OpenCLIP's meaning of the flag (debug-level logging); the other
+    # subcommands' parsers do not know it.
     debug = "--debug" in argv or os.environ.get("BIGCLIP_DEBUG", "") not in ("", "0")
-    argv = [a for a in argv if a != "--debug"]
     command = _cmd_train
     if argv and argv[0] in SUBCOMMANDS:
         command = SUBCOMMANDS[argv.pop(0)]
+    if command not in (_cmd_train, evaluate.main):
+        argv = [a for a in argv if a != "--debug"]
     here = where()  # "rank R on HOST" in a multi-process run: which of hundreds of ranks failed, and where
     try:
         return command(argv)
@@ -62,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         _say(f"bigclip: error: {here + ': ' if here else ''}{e}")
         return 2
+    except BrokenPipeError:  # `bigclip models | head`: the reader has gone; nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         _say("bigclip: interrupted")
         return 130
@@ -72,6 +81,17 @@ def main(argv: list[str] | None = None) -> int:
         if here:  # the traceback follows; this line says whose it is
             _say(f"bigclip: {here} failed: {type(e).__name__}: {first_line(e)}")
         raise
+
+
+def exit_process(code: int) -> NoReturn:
+    """The entry points' exit. When a checkpoint save was given up unfinished, its threads may hang in a
+    store's socket for good: flush what was said and exit without joining them."""
+    if ABANDONED.is_set():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def _say(line: str) -> None:

@@ -270,7 +270,7 @@ class TrainConfig:
     report_to: str = _flag("", "tensorboard, wandb or tensorboard,wandb.", LOG)
     wandb_project_name: str = _flag("open-clip", "wandb project.", LOG)
     wandb_notes: str = _flag("", "wandb notes.", LOG)
-    debug: bool = _flag(False, "Debug logging.", LOG)
+    debug: bool = _flag(False, "Debug logging; an error also prints its traceback above its one line.", LOG)
     log_local: bool = _flag(False, "Log from the first process of every node, not only rank 0.", LOG)
     copy_codebase: bool = _flag(False, "Copy the bigclip package into the run directory.", LOG)
 

@@ -23,7 +23,7 @@ from bigclip.preemption import NOTICE  # noqa: E402
 if __name__ == "__main__":
     NOTICE.install()
 
-from bigclip.cli import main  # noqa: E402
+from bigclip.cli import exit_process, main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

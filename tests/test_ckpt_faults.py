@@ -5,6 +5,7 @@ the server keeps its objects."""
 import json
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -78,3 +79,48 @@ def test_training_goes_on_while_the_store_hangs(s3, s3_bucket, proxy, tmp_path):
     assert "epoch_1" in names and len(names) >= 3, names  # before, after the freeze, and the final one
     manifest = json.loads(s3.fs().cat(f"{s3_bucket}/runs/frozen/checkpoints/epoch_1/{MANIFEST}"))
     assert manifest["step"] == 100 and manifest["world_size"] == 2
+
+
+def test_the_final_save_waits_a_bounded_time_then_the_last_committed_checkpoint_resumes(s3, s3_bucket, proxy, tmp_path):
+    """The store hangs once step_50 has committed: step_100's upload hangs, the saves due after it are deferred,
+    and at the end of the run (step 200) it is waited for at most --checkpoint-upload-timeout, given up with a
+    warning, and the process ends; the final save is not attempted. --resume latest then starts from step_50
+    and reproduces the first run's losses."""
+    logs, remote = str(tmp_path / "logs"), f"s3://{s3_bucket}/runs"
+    flags = [*TINY_SYNTHETIC, "--train-num-samples", "1600", "--epochs", "1", "--lr-scheduler", "const",
+             "--logs", logs, "--name", "r", "--remote-sync", remote, "--save-every-n-steps", "50",
+             "--checkpoint-upload-timeout", "4"]  # fmt: skip
+    env = subprocess_env(**s3.env(AWS_ENDPOINT_URL=proxy.endpoint))
+    run_dir = os.path.join(logs, "r")
+    proc = subprocess.Popen([sys.executable, TRAIN_SCRIPT, *flags], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        log = os.path.join(run_dir, "out.log")
+        wait_for(lambda: os.path.exists(log) and "checkpoint step_50 committed" in open(log).read(), proc, 180,
+                 "step_50 to commit")  # fmt: skip
+        proxy.freeze()
+        frozen_at = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        ended_s = time.monotonic() - frozen_at
+    finally:
+        proxy.thaw()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    said = open(log).read()
+    assert "checkpoint step_100 was NOT committed: the store did not finish it within 4 s" in said
+    assert "checkpoint epoch_1 not attempted" in said
+    assert ended_s < 40, ended_s  # a few steps, the bounded wait, exit; not the client's minutes of retries
+    first = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+    assert max(first) == 200
+    assert committed(s3.fs(), f"{s3_bucket}/runs/r") == ["step_50"]
+
+    again = subprocess.run([sys.executable, TRAIN_SCRIPT, *flags, "--resume", "latest"], env=env, text=True,
+                           capture_output=True, timeout=180)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = open(log).read()
+    assert "/checkpoints/step_50 at epoch 0 (+50 batches), step 50" in said
+    later = [r for r in read_metrics(run_dir) if "loss" in r][len(first) :]
+    assert [r["step"] for r in later] == list(range(51, 201))
+    for r in later:
+        assert r["loss"] == pytest.approx(first[r["step"]], rel=1e-6, abs=1e-7)

@@ -149,7 +149,7 @@ class Checkpointer:
         due = save and self.manager.last_saved_step != state.step
         if stop:
             if due:
-                self._save(f"step_{state.step}", state, self._aliases())  # the preemption save may wait
+                self._save_final(f"step_{state.step}", state, self._aliases())
             self._stopped_at = state.step
         elif due or self._owed:
             self._save_unless_busy(state, due, f"step_{state.step}")
@@ -166,7 +166,7 @@ class Checkpointer:
         if not tags:
             return
         if final:
-            self._save(tags[0], state, tags[1:])  # the final save may wait for the one before it
+            self._save_final(tags[0], state, tags[1:])
         else:
             self._save_unless_busy(state, True, tags[0], tags[1:])
 
@@ -191,6 +191,16 @@ class Checkpointer:
         self._owed = False
         self._save(tag, state, aliases if aliases is not None else self._aliases())
 
+    def _save_final(self, tag: str, state: TrainState, aliases: list[str]) -> None:
+        """The final and the preemption save: these may wait for the save before them, for at most
+        --checkpoint-upload-timeout (then that one is given up, and this one is not tried: the store is not
+        answering)."""
+        self.manager.wait(timeout=self.cfg.checkpoint_upload_timeout)
+        if self.manager.abandoned:
+            logger.warning(f"checkpoint {tag} not attempted: the store did not finish the previous checkpoint")
+            return
+        self._save(tag, state, aliases)
+
     def _aliases(self) -> list[str]:
         return ["epoch_latest"] if self.cfg.save_most_recent else []
 
@@ -209,7 +219,7 @@ class Checkpointer:
     def finish(self) -> None:
         """Wait for the last checkpoint to commit, copy the logs one last time, restore SIGTERM."""
         try:
-            self.manager.wait()
+            self.manager.wait(timeout=self.cfg.checkpoint_upload_timeout)
             last = self.manager.results[-1] if self.manager.results else None
             if self._stopped_at is not None:
                 committed = (
@@ -223,7 +233,7 @@ class Checkpointer:
                     f"--resume latest --name <this run>"
                 )
             if self.sync is not None:
-                self.sync.stop()
+                self.sync.stop(self.cfg.checkpoint_upload_timeout)
                 self.sync = None
         finally:
             self.preemption.restore()
@@ -234,7 +244,7 @@ class Checkpointer:
         self.preemption.restore()
         try:
             if self.sync is not None:
-                self.sync.stop()
+                self.sync.stop(self.cfg.checkpoint_upload_timeout)
                 self.sync = None
             self.manager.close()
         except Exception as e:  # noqa: BLE001

@@ -28,8 +28,10 @@ import pickle
 import re
 import shutil
 import socket
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +57,9 @@ from bigclip.errors import UserError, first_line
 logger = logging.getLogger("bigclip")
 
 ASYNC_MODES = ("auto", "thread", "process", "off")
+# Set once a save has been given up unfinished: its threads may hang in a store's socket for good, so the
+# process entry point exits without joining them (bigclip/cli.py, exit_process).
+ABANDONED = threading.Event()
 UPLOAD_THREADS = 4
 _TAG = re.compile(r"[\w\-]+")
 
@@ -138,6 +143,7 @@ class CheckpointManager:
         self._io = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="bigclip-upload", initializer=lower_priority)
         self._pending: Future | None = None
         self.results_pending_tag: str | None = None  # the tag of the save in flight
+        self.abandoned = False  # a save was given up unfinished (wait's timeout): no further saves
         self._staging: Future | None = None  # the state copy of the save in flight
         self._staging_wait = 0.0  # time the loop waited for it (wait_staged)
         self._previous_local: str | None = None
@@ -227,13 +233,39 @@ class CheckpointManager:
     def location(self, tag: str) -> str:
         return self.remote.url(tag) if self.remote is not None else os.path.join(self.directory, tag)
 
-    def wait(self) -> None:
-        """Block until the last save has committed (or failed); the log says which."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the last save has committed (or failed); the log says which. With a timeout (the final
+        and the preemption save: --checkpoint-upload-timeout), a save still unfinished by then is given up:
+        it never commits, the last committed checkpoint stays latest, and the run can end."""
         if self._pending is not None and not self._pending.done():
-            logger.info("waiting for the last checkpoint to be written and committed ...")
+            bound = f" (at most {timeout:.0f} s)" if timeout is not None else ""
+            logger.info(f"waiting for checkpoint {self.results_pending_tag} to be written and committed{bound} ...")
+            try:
+                self._pending.result(timeout=timeout)
+            except FutureTimeout:
+                self._give_up(timeout)
+                return
+            except Exception:  # noqa: BLE001 — reported by _finish_previous
+                pass
         self._finish_previous()
 
+    def _give_up(self, timeout: float) -> None:
+        tag, self._pending = self.results_pending_tag, None
+        self.abandoned = True
+        ABANDONED.set()
+        error = f"checkpoint {tag}: unfinished after {timeout:.0f} s"
+        self.results.append(SaveResult(tag or "?", self.last_saved_step or 0, error=error))
+        if self.world.is_main:
+            logger.warning(
+                f"checkpoint {tag} was NOT committed: the store did not finish it within {timeout:.0f} s "
+                f"(--checkpoint-upload-timeout); it is given up and the last committed checkpoint stays latest"
+            )
+
     def close(self) -> None:
+        if self.abandoned:  # its threads are stuck in a store's socket: leave them (the process exits without them)
+            self._save_thread.shutdown(wait=False, cancel_futures=True)
+            self._io.shutdown(wait=False, cancel_futures=True)
+            return
         self.wait()
         self._save_thread.shutdown(wait=True)
         self._io.shutdown(wait=True)

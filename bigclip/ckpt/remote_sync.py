@@ -37,8 +37,9 @@ class RemoteSync:
         while not self._stop.wait(self.every_seconds):
             self.sync_once()
 
-    def sync_once(self) -> int:
+    def sync_once(self, store: Storage | None = None, stop_at_first_failure: bool = False) -> int:
         """Upload what changed since the last pass; returns the number of files sent."""
+        store = store or self.remote
         sent = 0
         for dirpath, dirnames, files in os.walk(self.local_root):
             if dirpath == self.local_root:
@@ -57,19 +58,23 @@ class RemoteSync:
                     # A snapshot of the bytes: out.log and metrics.jsonl keep growing while we upload.
                     with open(path, "rb") as f:
                         data = f.read()
-                    self.remote.put_bytes(rel, data)
+                    store.put_bytes(rel, data)
                 except (OSError, StorageError, StorageUnavailable) as e:
-                    logger.warning(
-                        f"--remote-sync: could not copy {rel} to {self.remote.display} ({e}); will try again"
-                    )
+                    logger.warning(f"--remote-sync: could not copy {rel} to {store.display} ({e}); will try again")
+                    if stop_at_first_failure:
+                        return sent
                     continue
                 self._seen[rel] = stamp
                 sent += 1
         return sent
 
-    def stop(self) -> None:
-        """Stop the periodic copy and make one last pass (the run's end waits for it)."""
+    def stop(self, timeout: float) -> None:
+        """Stop the periodic copy and make one last pass; the run's end waits for it, but a store that does not
+        answer holds it at most `timeout` s per file, and the first file that fails ends the pass."""
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-        self.sync_once()
+        self._thread.join(timeout)
+        if self._thread.is_alive():  # stuck in a store's socket (a daemon thread: it does not hold the exit)
+            logger.warning(f"--remote-sync: {self.remote.display} did not answer; the last copy of the logs is skipped")
+            return
+        final = Storage(self.remote.root, self.remote.options, timeout, bounded=True)
+        self.sync_once(final, stop_at_first_failure=True)
