@@ -124,3 +124,79 @@ def test_the_final_save_waits_a_bounded_time_then_the_last_committed_checkpoint_
     assert [r["step"] for r in later] == list(range(51, 201))
     for r in later:
         assert r["loss"] == pytest.approx(first[r["step"]], rel=1e-6, abs=1e-7)
+
+
+def proc_usage(pid: int) -> tuple[int, int, int]:
+    """(open file descriptors, threads, RSS bytes) of a live process."""
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+    return fds, int(status["Threads"]), int(status["VmRSS"].split()[0]) * 1024
+
+
+# Soak bounds, from the end of the run vs after step 20 (measured: see the note in docs/security-and-reliability.md).
+SOAK_MAX_NEW_FDS, SOAK_MAX_NEW_THREADS, SOAK_MAX_RSS_GROWTH = 16, 8, 200 * 2**20
+
+
+def test_soak_a_checkpoint_every_step_through_two_outages(s3, s3_bucket, proxy, tmp_path):
+    """200 steps, a checkpoint to S3 after every step, --keep-last-k 3; the store hangs for longer than the
+    client's timeouts once, and refuses connections for 30 s once. The run finishes; exactly 3 committed
+    checkpoints remain; resuming from the oldest of them reproduces the run's losses; file descriptors,
+    threads and RSS at the end are within fixed bounds of their values after step 20 (no leak)."""
+    logs, remote = str(tmp_path / "logs"), f"s3://{s3_bucket}/runs"
+    # Short client timeouts, so that the freeze outlasts them and the client's own retries are few.
+    client = json.dumps({"config_kwargs": {"connect_timeout": 1, "read_timeout": 2, "retries": {"max_attempts": 1}}})
+    # batch 256: ~0.2 s a step here, so that both outages fall inside the 200 steps
+    flags = [*TINY_SYNTHETIC, "--train-num-samples", "51200", "--batch-size", "256", "--epochs", "1",
+             "--lr-scheduler", "const", "--log-every-n-steps", "1", "--logs", logs, "--name", "soak",
+             "--remote-sync", remote, "--save-every-n-steps", "1",
+             "--keep-last-k", "3", "--delete-previous-checkpoint", "--storage-options", client,
+             "--checkpoint-upload-timeout", "120"]  # fmt: skip
+    env = subprocess_env(**s3.env(AWS_ENDPOINT_URL=proxy.endpoint))
+    run_dir = os.path.join(logs, "soak")
+    proc = subprocess.Popen([sys.executable, TRAIN_SCRIPT, *flags], env=env, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    timeline = {}
+    try:
+        wait_for(lambda: last_step(run_dir) >= 20, proc, 180, "step 20")
+        first = proc_usage(proc.pid)
+        proxy.freeze()  # outage 1: connections hang past the client's 2 s read timeout
+        timeline["freeze"] = last_step(run_dir)
+        time.sleep(6)
+        proxy.thaw()
+        wait_for(lambda: last_step(run_dir) >= timeline["freeze"] + 40, proc, 120, "40 steps after the freeze")
+        proxy.refuse()  # outage 2: connection refused for 30 s
+        timeline["refuse"] = last_step(run_dir)
+        time.sleep(30)
+        proxy.accept()
+        timeline["back"] = last_step(run_dir)
+        wait_for(lambda: last_step(run_dir) >= 195, proc, 240, "step 195")
+        last = proc_usage(proc.pid)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        proxy.thaw()
+        proxy.accept() if proxy._listener is None else None
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert timeline["back"] < 200, timeline  # both outages while training
+    print("soak timeline (steps)", timeline, "usage after step 20", first, "near the end", last)
+    assert last[0] - first[0] <= SOAK_MAX_NEW_FDS, (first, last)
+    assert last[1] - first[1] <= SOAK_MAX_NEW_THREADS, (first, last)
+    assert last[2] - first[2] <= SOAK_MAX_RSS_GROWTH, (first, last)
+
+    names = committed(s3.fs(), f"{s3_bucket}/runs/soak")
+    assert len(names) == 3 and "epoch_1" in names, names
+    log = open(os.path.join(run_dir, "out.log")).read()
+    assert "retrying with backoff" in log and "deferred:" in log  # both outages were felt, and ridden out
+    losses = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+    assert sorted(losses) == list(range(1, 201))
+
+    oldest = min((n for n in names if n.startswith("step_")), key=lambda n: int(n[5:]))
+    again = subprocess.run([sys.executable, TRAIN_SCRIPT, *flags[: flags.index("--name")], "--name", "again",
+                            "--resume", f"{remote}/soak/checkpoints/{oldest}"],
+                           env=env, text=True, capture_output=True, timeout=180)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = {r["step"]: r["loss"] for r in read_metrics(os.path.join(logs, "again")) if "loss" in r}
+    assert sorted(resumed) == list(range(int(oldest[5:]) + 1, 201))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(losses[step], rel=1e-6, abs=1e-7), step
