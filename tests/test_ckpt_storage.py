@@ -1,6 +1,7 @@
 """Storage against a real S3-protocol server (moto on loopback): uploads, retries, fail-fast errors, redaction."""
 
 import os
+import shutil
 import time
 
 import pytest
@@ -101,3 +102,70 @@ def test_a_rank_file_with_arbitrary_objects_is_not_unpickled(tmp_path):
     torch.save({"torch": torch.get_rng_state(), "data": {"x": _Payload()}}, bad)
     with pytest.raises(CorruptCheckpoint, match="holds objects other than tensors and plain values"):
         read_data_position(str(bad))
+
+
+class _RunsCode:
+    """Unpickling this would run a shell command (what a crafted .metadata could do)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_dcp_metadata_and_values_are_read_without_running_code(tmp_path):
+    """DCP's reader would pickle.load .metadata and torch.load(weights_only=False) non-tensor values; bigclip's
+    reads the plain ones and refuses a file that would run code."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from bigclip.ckpt.dcp_layout import DCPLayout
+    from bigclip.ckpt.dcp_safe_read import SafeFileSystemReader, SafeLoadPlanner, first_failure
+    from bigclip.errors import UserError
+
+    genuine = tmp_path / "genuine"
+    state = {"model.w": torch.arange(6.0).reshape(2, 3), "extra": {"step": 3, "name": "adamw"}}
+    dcp.save(state, checkpoint_id=str(genuine), no_dist=True)
+    assert torch.equal(DCPLayout.read_model_state(str(genuine))["w"], state["model.w"])
+    back = {"model.w": torch.zeros(2, 3), "extra": {"step": 0, "name": ""}}
+    dcp.load(back, storage_reader=SafeFileSystemReader(str(genuine)), planner=SafeLoadPlanner(), no_dist=True)
+    assert back["extra"] == {"step": 3, "name": "adamw"} and torch.equal(back["model.w"], state["model.w"])
+
+    marker = tmp_path / "code-ran"
+    crafted = tmp_path / "crafted"
+    shutil.copytree(genuine, crafted)
+    (crafted / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
+    with pytest.raises(UserError, match=r"\.metadata is not plain DCP metadata \(names posix\.system"):
+        DCPLayout.read_model_state(str(crafted))
+    payload = tmp_path / "payload"  # a non-tensor value whose bytes would run code
+    dcp.save({"model.w": state["model.w"], "extra": {"step": _RunsCode(str(marker))}}, checkpoint_id=str(payload),
+             no_dist=True)  # fmt: skip
+    back = {"model.w": torch.zeros(2, 3), "extra": {"step": 0}}
+    with pytest.raises(BaseException) as refused:  # DCP wraps it in its CheckpointException
+        dcp.load(back, storage_reader=SafeFileSystemReader(str(payload)), planner=SafeLoadPlanner(), no_dist=True)
+    assert str(first_failure(refused.value)) == (
+        "extra.step holds objects other than tensors and plain values; not loaded"
+    )
+    assert not marker.exists()
+
+
+def test_deepspeed_files_are_scanned_before_deepspeed_unpickles_them(tmp_path):
+    """DeepSpeed's loaders use torch.load(weights_only=False): bigclip first scans every .pt file's pickle
+    (without running it) and refuses one naming anything beyond weights_only's set and DeepSpeed's bookkeeping
+    classes. (The engine tests resume real ZeRO checkpoints through the same scan.)"""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    from bigclip.ckpt.deepspeed_layout import refuse_unsafe_files
+    from bigclip.errors import UserError
+
+    engine = tmp_path / "ckpt" / "engine_state"
+    engine.mkdir(parents=True)
+    torch.save({"module": {"w": torch.ones(2)}, "loss_scaler": LossScaler(1.0)}, engine / "mp_rank_00_model_states.pt")
+    refuse_unsafe_files(str(tmp_path / "ckpt"))
+    marker = tmp_path / "code-ran"
+    torch.save({"module": {"w": torch.ones(2)}, "x": _RunsCode(str(marker))}, engine / "zero_pp_rank_0_optim_states.pt")
+    with pytest.raises(UserError, match=r"engine_state/zero_pp_rank_0_optim_states.pt names posix.system, which a"):
+        refuse_unsafe_files(str(tmp_path / "ckpt"))
+    assert not marker.exists()

@@ -30,12 +30,14 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from bigclip.ckpt.dcp_safe_read import SafeFileSystemReader, SafeLoadPlanner, first_failure
 from bigclip.ckpt.layout import CheckpointLayout, FileSubmitter
 from bigclip.ckpt.upload import BACKGROUND_NICE
 from bigclip.errors import UserError, first_line
@@ -255,14 +257,18 @@ class DCPLayout(CheckpointLayout):
             with _quiet_single_process():
                 dcp.load(
                     state,
-                    storage_reader=FileSystemReader(directory),
+                    storage_reader=SafeFileSystemReader(directory),
+                    planner=SafeLoadPlanner(),
                     process_group=self.group,
                     no_dist=self.group is None,
                 )
             set_state_dict(
                 self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
             )
-        except Exception as e:  # DCP wraps per-rank failures in CheckpointException
+        except (Exception, CheckpointException) as wrapped:  # DCP wraps each rank's failure (a BaseException)
+            e = first_failure(wrapped)
+            if isinstance(e, UserError):
+                raise UserError(f"checkpoint {directory}: {e}") from None
             raise UserError(
                 f"checkpoint {directory}: does not fit this model/optimizer ({first_line(e)}); resume with the "
                 f"flags (--model, --engine, optimizer) the run was started with"
@@ -276,7 +282,7 @@ class DCPLayout(CheckpointLayout):
     @staticmethod
     def read_model_state(directory: str) -> dict[str, torch.Tensor]:
         """The full model weights of a DCP checkpoint, in one process, without the training world size."""
-        reader = FileSystemReader(directory)
+        reader = SafeFileSystemReader(directory)
         metadata = reader.read_metadata()
         flat = {
             key: torch.empty(md.size, dtype=md.properties.dtype)
@@ -285,6 +291,9 @@ class DCPLayout(CheckpointLayout):
         }
         if not flat:
             raise UserError(f"checkpoint {directory}: holds no model tensors")
-        with _quiet_single_process():
-            dcp.load(flat, storage_reader=reader, no_dist=True)
+        try:
+            with _quiet_single_process():
+                dcp.load(flat, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        except (Exception, CheckpointException) as wrapped:
+            raise UserError(f"checkpoint {directory}: {first_line(first_failure(wrapped))}") from None
         return {key[len("model.") :]: value for key, value in flat.items()}

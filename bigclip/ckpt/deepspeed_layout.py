@@ -31,6 +31,36 @@ from bigclip.errors import UserError, first_line
 
 ENGINE_DIR = "engine_state"
 _DS_TOP_LEVEL = ("latest", "zero_to_fp32.py")
+# DeepSpeed reads its files with torch.load(weights_only=False), and so does its universal converter and
+# zero_to_fp32. A checkpoint may come from a bucket others can write, so before any of them runs, every .pt
+# file is scanned (torch's get_unsafe_globals_in_checkpoint reads the pickle without running it): beyond what
+# weights_only=True allows, only these DeepSpeed bookkeeping classes may appear.
+DEEPSPEED_GLOBALS = frozenset(
+    (
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+    )
+)
+
+
+def refuse_unsafe_files(directory: str) -> None:
+    """UserError when a .pt file under `directory` names a global outside weights_only's set and the
+    DeepSpeed classes above (that is, when loading it could run code)."""
+    for root, _, files in os.walk(directory):
+        for name in sorted(f for f in files if f.endswith(".pt")):
+            path = os.path.join(root, name)
+            try:
+                unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - DEEPSPEED_GLOBALS
+            except Exception as e:  # noqa: BLE001 — not a torch zip file at all
+                problem = f"{name} is not a torch file ({first_line(e)}); not loaded"
+                raise UserError(f"checkpoint {directory}: {problem}") from None
+            if unsafe:
+                raise UserError(
+                    f"checkpoint {directory}: {os.path.relpath(path, directory)} names {sorted(unsafe)[0]}, which a "
+                    f"DeepSpeed checkpoint never holds (loading it could run code); not loaded"
+                )
 
 
 class DeepSpeedLayout(CheckpointLayout):
@@ -74,6 +104,7 @@ class DeepSpeedLayout(CheckpointLayout):
         return {"zero_stage": int(self.ds.zero_optimization_stage())}
 
     def load(self, directory: str, saved_world_size: int = 0, saved_extra: dict | None = None) -> None:
+        refuse_unsafe_files(directory)
         stage, saved_stage = self.describe()["zero_stage"], (saved_extra or {}).get("zero_stage")
         if saved_stage is not None and saved_stage != stage:
             raise UserError(
@@ -162,6 +193,7 @@ class DeepSpeedLayout(CheckpointLayout):
         """Full fp32 model weights of a DeepSpeed checkpoint, in one process (DeepSpeed's zero_to_fp32)."""
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        refuse_unsafe_files(directory)
         return dict(get_fp32_state_dict_from_zero_checkpoint(directory, tag=ENGINE_DIR))
 
 
