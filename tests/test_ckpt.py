@@ -413,3 +413,36 @@ def test_logs_url_and_http_checkpoints(reference, s3, s3_bucket, tmp_path, monke
     finally:
         server.shutdown()
     assert torch.load(tmp_path / "from_http.pt", weights_only=True)["visual.conv1.weight"].shape[0] > 0
+
+
+def test_keep_last_k_deletes_local_checkpoints_and_async_off_commits_before_returning(tmp_path):
+    """No remote store: --keep-last-k applies to the local folder (and deletes); epoch_latest-style aliases are
+    neither counted nor deleted. --checkpoint-async off: save() returns with the checkpoint committed."""
+    ckpts = tmp_path / "checkpoints"
+    manager = CheckpointManager(str(ckpts), tiny_engine(), World(), keep_last_k=2, async_mode="off")
+    for step in range(1, 5):
+        manager.save(f"step_{step}", {"step": step, "epoch": 0}, aliases=["epoch_latest"])
+        assert (ckpts / f"step_{step}" / MANIFEST).exists()  # committed when save() returned
+        assert (ckpts / "epoch_latest" / MANIFEST).exists()
+    assert sorted(os.listdir(ckpts)) == ["epoch_latest", "step_3", "step_4"]
+    assert json.load(open(ckpts / "epoch_latest" / MANIFEST))["step"] == 4
+    manager.close()
+
+
+def test_save_every_minutes_follows_rank_0s_clock_and_restarts_after_each_save(monkeypatch):
+    from bigclip.ckpt import cadence as cadence_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(cadence_mod.time, "monotonic", lambda: now[0])
+    cfg = resolve(dict(model="test-tiny", dataset_type="synthetic", save_every_minutes=0.5, save_frequency=0))
+    cadence = cadence_mod.SaveCadence(cfg, World())
+    due = []
+    for step in range(1, 13):
+        now[0] += 7.0  # a step every 7 s: due at 35 s, then 35 s after each save
+        save, stop = cadence.after_step(step, stop_requested=False)
+        assert not stop
+        if save:
+            due.append(step)
+            cadence.saved()
+    assert due == [5, 10]
+    assert cadence.after_step(13, stop_requested=True) == (True, True)  # a notice always saves

@@ -72,3 +72,29 @@ def test_fsdp_validation_with_unequal_shares_runs_in_lockstep(tmp_path):
         assert got.keys() == want.keys(), name
         for key, value in want.items():
             assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
+
+
+@pytest.mark.parametrize("n", [7, 37])
+def test_retrieval_metrics_against_counting_and_openclip(n):
+    """R@1/5/10, mean and median rank, both directions: against ranks counted one pair at a time in float64
+    (rank of pair i = how many candidates score above the true one, + 1) and against OpenCLIP's
+    get_clip_metrics on the same features."""
+    from open_clip_train.train import get_clip_metrics
+
+    from bigclip.eval import retrieval_metrics
+
+    g = torch.Generator().manual_seed(n)
+    image = torch.nn.functional.normalize(torch.randn(n, 16, generator=g), dim=-1)
+    text = torch.nn.functional.normalize(image + 0.9 * torch.randn(n, 16, generator=g), dim=-1)  # some hits
+    got = retrieval_metrics(image, text, 100.0)
+
+    scores = (image.double() @ text.double().t()).tolist()
+    for name, rows in (("image_to_text", scores), ("text_to_image", [list(c) for c in zip(*scores)])):
+        ranks = sorted(1 + sum(s > row[i] for s in row) for i, row in enumerate(rows))
+        assert got[f"{name}_mean_rank"] == pytest.approx(sum(ranks) / n)
+        assert got[f"{name}_median_rank"] == ranks[(n - 1) // 2]  # the lower median, as torch's
+        for k in (1, 5, 10):
+            assert got[f"{name}_R@{k}"] == pytest.approx(sum(r <= k for r in ranks) / n)
+    assert 0 < got["image_to_text_R@1"] < 1 or n < 10  # neither trivial nor hopeless at n=37
+    theirs = get_clip_metrics(image, text, torch.tensor(100.0))
+    assert got == pytest.approx(theirs)
