@@ -124,6 +124,7 @@ def run_one(spec: dict, world) -> dict:
         out["pretrained_check"] = out_weights
     if spec.get("clamp_check"):
         out["logit_scale_after"] = []
+    frozen_before = _frozen(engine) if spec.get("frozen_check") else None
     engine.train()
     reset_int8_matmuls()
     t0 = time.perf_counter()
@@ -140,6 +141,11 @@ def run_one(spec: dict, world) -> dict:
                 seen = float(engine.module(texts=micro[0][1][:1])["logit_scale"].float().log().mean())
             out["logit_scale_after"].append([seen, _logit_scale_master(engine)])
     out["step_s"] = (time.perf_counter() - t0) / max(1, spec["steps"])
+    if frozen_before is not None:  # --lock-image/--lock-text: frozen weights must come out bit-identical
+        after = _frozen(engine)
+        changed = [n for n in after if not torch.equal(frozen_before[n], after[n])]
+        out["frozen"] = {"count": len(after), "changed": changed}
+    out["param_dtypes"] = sorted({str(p.dtype) for p in engine.model.parameters()})
     out["int8_matmuls"] = sum(INT8_MATMULS.values())  # SwitchBack layers (--use-bnb-linear) in training
     engine.eval()
     images, texts = batch(9999, 0, 0, 4, image_size, context)
@@ -163,18 +169,26 @@ def compare_with_file(engine, path: str) -> dict:
     expected = openclip_to_bigclip(load_file(path))
     worst, compared = 0.0, 0
     for name, p in engine.model.named_parameters():
-        if hasattr(p, "full_tensor"):  # FSDP2: a DTensor shard
-            full = p.full_tensor()
-        elif hasattr(p, "ds_id"):  # ZeRO-3: a partitioned parameter
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([p]):
-                full = p.data.clone()
-        else:
-            full = p.detach()
-        worst = max(worst, (full.float() - expected[name].float()).abs().max().item())
+        worst = max(worst, (_whole(p).float() - expected[name].float()).abs().max().item())
         compared += 1
     return {"max_abs_diff": worst, "compared": compared, "in_file": len(expected)}
+
+
+@torch.no_grad()
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """A parameter whole, whatever the engine did to it (a collective for sharded ones)."""
+    if hasattr(p, "full_tensor"):  # FSDP2: a DTensor shard
+        return p.full_tensor()
+    if hasattr(p, "ds_id"):  # ZeRO-3: a partitioned parameter
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p]):
+            return p.data.clone()
+    return p.detach().clone()
+
+
+def _frozen(engine) -> dict[str, torch.Tensor]:
+    return {n: _whole(p) for n, p in engine.model.named_parameters() if not p.requires_grad}
 
 
 @torch.no_grad()

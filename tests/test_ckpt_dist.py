@@ -126,6 +126,32 @@ def test_sigkill_one_rank_then_resume_latest_gives_the_same_losses(tmp_path, eng
     assert max(first) == 20 or max(second) == 20
 
 
+def test_sigterm_to_torchrun_stops_both_ranks_with_one_final_checkpoint(tmp_path):
+    """SIGTERM to the torchrun agent (what a scheduler sends): it forwards the notice to both ranks, which agree
+    on the step, save one final checkpoint together and stop; --resume latest continues from it to the end.
+    (That a resumed run reproduces the uninterrupted losses is checked by the SIGKILL tests above.)"""
+    flags = [*TINY_SYNTHETIC, "--train-num-samples", "640", "--epochs", "1", "--lr-scheduler", "const",
+             "--name", "sig"]  # fmt: skip
+    run_dir = os.path.join(tmp_path, "logs", "sig")
+    proc = _torchrun(flags, tmp_path)
+    assert wait_for_step(run_dir, 5, proc, timeout=300)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    stopped = max(r["step"] for r in read_metrics(run_dir) if "loss" in r)
+    assert 5 <= stopped < 40, stopped
+    said = [line for line in out.splitlines() if "stopped by SIGTERM" in line]
+    assert len(said) == 1 and f"at step {stopped}: checkpoint step_{stopped} committed" in said[0], out[-3000:]
+    manifest = json.loads(open(os.path.join(run_dir, "checkpoints", f"step_{stopped}", "manifest.json")).read())
+    assert manifest["world_size"] == 2 and manifest["step"] == stopped
+    assert "Traceback" not in out.split("stopped by SIGTERM")[0]  # bigclip's ranks stopped cleanly
+
+    resumed = _torchrun([*flags, "--resume", "latest"], tmp_path)
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out[-3000:]
+    steps = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
+    assert steps == list(range(1, 41)), steps  # the resumed run took up exactly after the final checkpoint
+
+
 WORKER = r'''
 """torchrun worker: for each engine, train 2 steps, save asynchronously, train 2 more while the save runs,
 then build a fresh engine (other seed), resume 'latest' and train the same 2 steps: losses must match."""
@@ -302,6 +328,8 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
         "fsdp": {"engine": "fsdp"},
         "ddp_process_writer": {"engine": "ddp", "checkpoint_async": "process"},
         "fsdp_process_writer": {"engine": "fsdp", "checkpoint_async": "process"},
+        "ddp_async_off": {"engine": "ddp", "checkpoint_async": "off"},
+        "zero1": {"ds_config": os.path.join(ds, "zero1.json")},
         "zero2": {"ds_config": os.path.join(ds, "zero2.json")},
         "zero3": {"ds_config": os.path.join(ds, "zero3.json")},
     }
@@ -323,6 +351,7 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
         assert {"rng/rank_00000.pt", "rng/rank_00001.pt"} <= set(manifest["files"])
     assert results["ddp_process_writer"]["writer"] == results["fsdp_process_writer"]["writer"] == "process"
     assert results["ddp"]["writer"] == results["fsdp"]["writer"] == "thread"
+    assert results["ddp_async_off"]["writer"] == "off"
     assert results["zero2"]["staging"] == {"written_early": [], "saved_equals_staged": True, "masters_moved": True}
     ddp_files = json.loads((tmp_path / "ddp" / "step_2" / "manifest.json").read_text())["files"]
     assert any(f.startswith("__0_") for f in ddp_files) and any(f.startswith("__1_") for f in ddp_files)
@@ -364,7 +393,7 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
     # shards and DeepSpeed's ZeRO-2/3 partitions give exactly the weights the run had at that step.
     from bigclip import cli
 
-    for name in ("fsdp", "zero2", "zero3"):
+    for name in ("fsdp", "zero1", "zero2", "zero3"):
         want = torch.load(tmp_path / f"{name}_step2_model.pt", weights_only=True)
         out = tmp_path / f"{name}_export.pt"
         assert cli.main(["export", str(tmp_path / name / "step_2"), str(out), "--names", "bigclip"]) == 0

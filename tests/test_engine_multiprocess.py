@@ -95,7 +95,11 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
     add("zero3_offload", 5, ds_config=str(tmp_path / "zero3_offload_torch_adamw.json"))
     # locked towers: frozen blocks, and text blocks frozen except their LayerNorms (OpenCLIP's --lock-text)
     for name, flags in (("ddp", {}), ("fsdp", {"engine": "fsdp"}), ("zero3", {"ds_config": DS[3]})):
-        add(f"{name}_locked", 5, **flags, lock_image=True, lock_image_unlocked_groups=1, lock_text=True)
+        runs.append({"name": f"{name}_locked", "steps": 5, "frozen_check": True,
+                     "config": {**tiny, **flags, "lock_image": True, "lock_image_unlocked_groups": 1,
+                                "lock_text": True}})  # fmt: skip
+    for name, flags in (("ddp", {}), ("fsdp", {"engine": "fsdp"})):  # pure bf16: the weights are bf16
+        add(f"{name}_pure_bf16", 3, **flags, precision="bf16")
     add("fsdp_hsdp", 5, engine="fsdp", fsdp_replicate_degree=2)
     add("fsdp_offload_noreshard", 5, engine="fsdp", fsdp_offload_cpu=True, fsdp_no_reshard_after_forward=True)
     for name, flags in (
@@ -147,6 +151,11 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
         assert_same_run(r[name], ddp, FP32_RTOL, steps=len(r[name]["losses"]))
     for name in ("fsdp_locked", "zero3_locked"):
         assert_same_run(r[name], r["ddp_locked"], FP32_RTOL)
+    for name in ("ddp_locked", "fsdp_locked", "zero3_locked"):  # frozen weights untouched, bit for bit
+        assert r[name]["frozen"]["count"] > 50 and r[name]["frozen"]["changed"] == [], (name, r[name]["frozen"])
+    for name in ("ddp_pure_bf16", "fsdp_pure_bf16"):
+        assert r[name]["param_dtypes"] == ["torch.bfloat16"] and all(x == x for x in r[name]["losses"]), name
+    assert r["ddp"]["param_dtypes"] == ["torch.float32"] and r["ddp_bf16"]["param_dtypes"] == ["torch.float32"]
     for name in ("fsdp_bf16", "zero2_bf16", "zero3_bf16"):
         assert_same_run(r[name], r["ddp_bf16"], BF16_RTOL, norms=False)
     for name in ("fsdp_bf16_accum", "zero3_bf16_accum"):  # bf16 gathers + fp32 reductions + accumulation
