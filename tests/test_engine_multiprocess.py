@@ -27,10 +27,10 @@ DS = {stage: os.path.join(REPO, "ds_configs", f"zero{stage}.json") for stage in 
 FP32_RTOL, BF16_RTOL, INT8_RTOL = 1e-4, 3e-2, 1e-4
 
 
-def run_worker(tmp_path, runs, name="runs", timeout=900, **env):
+def run_worker(tmp_path, runs, name="runs", timeout=900, nproc=2, **env):
     spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}_out.json"
     spec.write_text(json.dumps(runs))
-    cmd = torchrun_cmd(2, WORKER, str(spec), str(out))
+    cmd = torchrun_cmd(nproc, WORKER, str(spec), str(out))
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(DS_ACCELERATOR="cpu", **env)
     )
@@ -359,3 +359,18 @@ def test_torchrun_fsdp_run_with_eval_and_checkpoint(tmp_path):
     assert sorted(step_losses(run_dir)) == [1, 2]
     assert any("eval/val_loss" in m for m in read_metrics(run_dir))
     assert os.path.isfile(os.path.join(run_dir, "checkpoints", "epoch_1", "manifest.json"))
+
+
+def test_hsdp_on_a_real_2x2_mesh_matches_ddp(tmp_path):
+    """4 ranks: --fsdp-replicate-degree 2 is a 2 (replicate) x 2 (shard) mesh, where the 2-rank test's
+    replicate-2 x shard-1 is plain replication. Same losses as DDP and as 4-way FSDP; each rank holds half of
+    the parameters and optimizer state (4-way FSDP: a quarter)."""
+    tiny = {"model": "test-tiny", "batch_size": 4}
+    runs = [{"name": name, "steps": 5, "config": {**tiny, **flags}}
+            for name, flags in (("ddp", {}), ("fsdp", {"engine": "fsdp"}),
+                                ("hsdp", {"engine": "fsdp", "fsdp_replicate_degree": 2}))]  # fmt: skip
+    r = run_worker(tmp_path, runs, name="hsdp", nproc=4)
+    assert_same_run(r["hsdp"], r["ddp"], FP32_RTOL)
+    assert_same_run(r["fsdp"], r["ddp"], FP32_RTOL)
+    ddp, fsdp, hsdp = (r[n]["state_bytes"]["total"] for n in ("ddp", "fsdp", "hsdp"))
+    assert hsdp == pytest.approx(ddp / 2, rel=0.05) and fsdp == pytest.approx(ddp / 4, rel=0.05), (ddp, fsdp, hsdp)
