@@ -83,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def run_cli() -> NoReturn:
+    """The `bigclip` console script."""
+    exit_process(main())
+
+
 def exit_process(code: int) -> NoReturn:
     """The entry points' exit. When a checkpoint save was given up unfinished, its threads may hang in a
     store's socket for good: flush what was said and exit without joining them."""

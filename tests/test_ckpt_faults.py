@@ -110,7 +110,7 @@ def test_the_final_save_waits_a_bounded_time_then_the_last_committed_checkpoint_
     said = open(log).read()
     assert "checkpoint step_100 was NOT committed: the store did not finish it within 4 s" in said
     assert "checkpoint epoch_1 not attempted" in said
-    assert ended_s < 40, ended_s  # a few steps, the bounded wait, exit; not the client's minutes of retries
+    assert ended_s < 60, ended_s  # a few steps, the bounded wait, exit; not the client's minutes of retries
     first = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
     assert max(first) == 200
     assert committed(s3.fs(), f"{s3_bucket}/runs/r") == ["step_50"]
