@@ -16,7 +16,7 @@ from bigclip.cli_args import build_train_parser, parse_train_args  # noqa: F401 
 from bigclip.dist import where
 from bigclip.errors import UserError, first_line
 from bigclip.model import get_model_config, list_models
-from bigclip.preemption import StoppedBeforeTraining
+from bigclip.preemption import StoppedAfterTraining, StoppedBeforeTraining
 from bigclip.train import run
 
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _say("bigclip: interrupted")
         return 130
-    except StoppedBeforeTraining as e:
+    except (StoppedBeforeTraining, StoppedAfterTraining) as e:
         _say(f"bigclip: {here + ': ' if here else ''}{e}")
         return 143
     except Exception as e:

@@ -131,6 +131,7 @@ def run_one(spec: dict, world) -> dict:
     for step in range(spec["steps"]):
         engine.set_lr(schedule(step))
         micro = [batch(step, world.rank, j, cfg.batch_size, image_size, context) for j in range(cfg.accum_freq)]
+        micro = [(images.to(engine.precision.param_dtype), texts) for images, texts in micro]  # as the loop does
         if spec.get("clamp_check") and step == 0:
             _set_logit_scale_master(engine, 10.0)
         loss, _ = forward_backward(engine, loss_fn, micro, world)
@@ -149,6 +150,7 @@ def run_one(spec: dict, world) -> dict:
     out["int8_matmuls"] = sum(INT8_MATMULS.values())  # SwitchBack layers (--use-bnb-linear) in training
     engine.eval()
     images, texts = batch(9999, 0, 0, 4, image_size, context)
+    images = images.to(engine.precision.param_dtype)
     with torch.no_grad(), engine.autocast():
         text_only = engine.module(texts=texts)["text_features"].float()
         image_only = engine.module(images=images)["image_features"].float()

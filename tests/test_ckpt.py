@@ -9,16 +9,14 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
-from helpers import TINY_SYNTHETIC, TRAIN_SCRIPT, read_metrics, step_losses, subprocess_env, wait_for_step
+from helpers import TINY_SYNTHETIC, TRAIN_SCRIPT, step_losses, subprocess_env, wait_for_step
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
 from bigclip import cli
 from bigclip.ckpt import CheckpointManager
-from bigclip.ckpt import storage as storage_mod
 from bigclip.ckpt.manifest import MANIFEST
 from bigclip.config import resolve
 from bigclip.dist import World
@@ -44,9 +42,11 @@ def assert_same_losses(got: dict, want: dict, steps) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted run every resumed run is compared with."""
+    """The uninterrupted run every resumed run is compared with. Its saves commit inline (--checkpoint-async
+    off), so the cadence is exact: with background saves, one that falls due while the previous is still
+    being written is deferred (tests/test_ckpt_faults.py)."""
     logs = tmp_path_factory.mktemp("reference")
-    run_dir = run(logs, "full")
+    run_dir = run(logs, "full", "--checkpoint-async", "off")
     return run_dir, step_losses(run_dir)
 
 
@@ -289,53 +289,6 @@ def test_fsspec_protocol_resume_latest_with_save_most_recent(reference, s3, s3_b
     resumed = step_losses(resumed_dir)
     assert sorted(resumed) == list(range(13, 25))
     assert_same_losses(resumed, full, range(13, 25))
-
-
-def test_s3_outage_never_blocks_training(s3, s3_bucket, tmp_path, monkeypatch, capfd):
-    """The server goes away just before the first checkpoint and comes back 10 s later: training keeps
-    stepping, the upload is retried and completes, and every checkpoint that was started commits."""
-    monkeypatch.setattr(storage_mod, "RETRY_SECONDS", 120.0)
-    run_dir = os.path.join(tmp_path, "outage")
-    window = {}
-
-    def outage():
-        s3.stop()
-        window["down_at"] = max(r["step"] for r in read_metrics(run_dir) if "loss" in r)
-        time.sleep(10)
-        window["during"] = [r for r in read_metrics(run_dir) if "loss" in r and r["step"] > window["down_at"]]
-        s3.start()
-
-    watcher = _when_step(run_dir, 5, outage)
-    code = cli.main(
-        [
-            *TINY_SYNTHETIC,
-            "--train-num-samples",
-            "240",
-            "--epochs",
-            "1",
-            "--save-every-n-steps",
-            "6",
-            "--remote-sync",
-            f"s3://{s3_bucket}/runs",
-            "--logs",
-            str(tmp_path),
-            "--name",
-            "outage",
-        ]
-    )
-    watcher.join()
-    out = capfd.readouterr().out
-    assert code == 0
-    during = window["during"]
-    assert len(during) >= 5, "training should keep stepping while the store is down"
-    assert max(r["batch_time"] for r in during) < 5.0
-    assert "retrying" in out
-    committed = sorted(p.split("/")[-2] for p in s3.fs().glob(f"{s3_bucket}/runs/outage/checkpoints/*/{MANIFEST}"))
-    assert "step_6" in committed and "epoch_1" in committed, out[-3000:]
-    started = {
-        line.split("checkpoint ")[1].split(":")[0] for line in out.splitlines() if "saving in the background" in line
-    }
-    assert started <= set(committed)
 
 
 def test_bad_credentials_and_missing_bucket_stop_with_one_line(s3, s3_bucket, tmp_path, monkeypatch, capfd):

@@ -4,6 +4,7 @@ the server keeps its objects."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -124,6 +125,40 @@ def test_the_final_save_waits_a_bounded_time_then_the_last_committed_checkpoint_
     assert [r["step"] for r in later] == list(range(51, 201))
     for r in later:
         assert r["loss"] == pytest.approx(first[r["step"]], rel=1e-6, abs=1e-7)
+
+
+def test_a_notice_after_the_last_step_ends_the_wait_for_the_final_checkpoint(s3, s3_bucket, proxy, tmp_path):
+    """The store hangs once step_50 has committed; the run's end waits for step_100's upload (for up to the
+    default 600 s): a SIGTERM then ends the process within seconds, with one line and exit code 143; nothing
+    more is committed."""
+    logs, remote = str(tmp_path / "logs"), f"s3://{s3_bucket}/runs"
+    flags = [*TINY_SYNTHETIC, "--train-num-samples", "1600", "--epochs", "1", "--lr-scheduler", "const",
+             "--logs", logs, "--name", "r", "--remote-sync", remote, "--save-every-n-steps", "50"]  # fmt: skip
+    env = subprocess_env(**s3.env(AWS_ENDPOINT_URL=proxy.endpoint))
+    log = os.path.join(logs, "r", "out.log")
+    proc = subprocess.Popen([sys.executable, TRAIN_SCRIPT, *flags], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        wait_for(lambda: os.path.exists(log) and "checkpoint step_50 committed" in open(log).read(), proc, 180,
+                 "step_50 to commit")  # fmt: skip
+        proxy.freeze()
+        wait_for(lambda: "waiting for checkpoint step_100" in open(log).read(), proc, 120, "the final wait")
+        time.sleep(1)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        ended_s = time.monotonic() - sent
+    finally:
+        proxy.thaw()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "bigclip: SIGTERM received after training ended: not waiting for the last checkpoint to commit (the last "
+        "committed one stays latest); stopping"
+    )
+    assert ended_s < 15, ended_s
+    assert committed(s3.fs(), f"{s3_bucket}/runs/r") == ["step_50"]
 
 
 def proc_usage(pid: int) -> tuple[int, int, int]:

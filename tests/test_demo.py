@@ -13,6 +13,7 @@ pytestmark = pytest.mark.slow
 
 def run_demo(tmp_path, flags: list[str]) -> tuple[dict, str]:
     """The demo's last evaluation record and its console output."""
+    os.makedirs(tmp_path, exist_ok=True)
     start = time.monotonic()
     out = python_train(flags, cwd=str(tmp_path), timeout=600)
     elapsed = time.monotonic() - start
@@ -38,7 +39,11 @@ def test_demo_learns_digits_zero_shot(fp32_demo):
     assert final["epoch"] == 24
 
 
-def test_demo_with_int8_switchback_learns_as_well_as_fp32(fp32_demo, tmp_path):
-    final, _ = run_demo(tmp_path, ["--use-bnb-linear", "SwitchBackLinearGlobal"])
-    assert final["epoch"] == 24
-    assert final["eval/zeroshot_top1"] >= fp32_demo[0]["eval/zeroshot_top1"] - 0.05, final
+def test_demo_with_int8_switchback_learns_as_well_as_fp32(tmp_path):
+    """8 of the demo's 24 epochs, int8 and fp32 side by side (int8 matmuls on CPU are ~4x slower than fp32,
+    so the whole demo in int8 would cost minutes; measured here: int8 0.453, fp32 0.433 after 8 epochs,
+    0.931 for the whole int8 demo)."""
+    fp32, _ = run_demo(tmp_path / "fp32", ["--epochs", "8"])
+    int8, _ = run_demo(tmp_path / "int8", ["--epochs", "8", "--use-bnb-linear", "SwitchBackLinearGlobal"])
+    assert int8["epoch"] == fp32["epoch"] == 8
+    assert int8["eval/zeroshot_top1"] >= max(fp32["eval/zeroshot_top1"] - 0.05, 0.3), (int8, fp32)

@@ -152,7 +152,7 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
     for name in ("fsdp_locked", "zero3_locked"):
         assert_same_run(r[name], r["ddp_locked"], FP32_RTOL)
     for name in ("ddp_locked", "fsdp_locked", "zero3_locked"):  # frozen weights untouched, bit for bit
-        assert r[name]["frozen"]["count"] > 50 and r[name]["frozen"]["changed"] == [], (name, r[name]["frozen"])
+        assert r[name]["frozen"]["count"] >= 40 and r[name]["frozen"]["changed"] == [], (name, r[name]["frozen"])
     for name in ("ddp_pure_bf16", "fsdp_pure_bf16"):
         assert r[name]["param_dtypes"] == ["torch.bfloat16"] and all(x == x for x in r[name]["losses"]), name
     assert r["ddp"]["param_dtypes"] == ["torch.float32"] and r["ddp_bf16"]["param_dtypes"] == ["torch.float32"]

@@ -36,7 +36,7 @@ from bigclip.ckpt.storage import (
 )
 from bigclip.dist import raise_together
 from bigclip.errors import UserError
-from bigclip.preemption import NOTICE
+from bigclip.preemption import NOTICE, StoppedAfterTraining
 from bigclip.train_state import TrainState
 
 logger = logging.getLogger("bigclip")
@@ -166,6 +166,7 @@ class Checkpointer:
         if not tags:
             return
         if final:
+            self.preemption.training_over()  # a notice from now on ends the waits for the last save at once
             self._save_final(tags[0], state, tags[1:])
         else:
             self._save_unless_busy(state, True, tags[0], tags[1:])
@@ -195,7 +196,7 @@ class Checkpointer:
         """The final and the preemption save: these may wait for the save before them, for at most
         --checkpoint-upload-timeout (then that one is given up, and this one is not tried: the store is not
         answering)."""
-        self.manager.wait(timeout=self.cfg.checkpoint_upload_timeout)
+        self._wait_for_last_save()
         if self.manager.abandoned:
             logger.warning(f"checkpoint {tag} not attempted: the store did not finish the previous checkpoint")
             return
@@ -218,8 +219,9 @@ class Checkpointer:
     # -- the end
     def finish(self) -> None:
         """Wait for the last checkpoint to commit, copy the logs one last time, restore SIGTERM."""
+        self.preemption.training_over()  # (unless a notice stopped training) a notice now ends the waits below
         try:
-            self.manager.wait(timeout=self.cfg.checkpoint_upload_timeout)
+            self._wait_for_last_save()
             last = self.manager.results[-1] if self.manager.results else None
             if self._stopped_at is not None:
                 committed = (
@@ -233,18 +235,32 @@ class Checkpointer:
                     f"--resume latest --name <this run>"
                 )
             if self.sync is not None:
-                self.sync.stop(self.cfg.checkpoint_upload_timeout)
+                with self.preemption.cuts_short():
+                    self.sync.stop(self.cfg.checkpoint_upload_timeout)
                 self.sync = None
+        except StoppedAfterTraining:
+            self.manager.abandon()  # close() then skips the waits too
+            raise
         finally:
             self.preemption.restore()
+
+    def _wait_for_last_save(self) -> None:
+        """At most --checkpoint-upload-timeout; after the last step a preemption notice ends it at once (the
+        save then never commits)."""
+        try:
+            with self.preemption.cuts_short():
+                self.manager.wait(timeout=self.cfg.checkpoint_upload_timeout)
+        except StoppedAfterTraining:
+            self.manager.abandon()
+            raise
 
     def close(self) -> None:
         """Release threads and buffers. After finish() there is nothing left to wait for; on the error path
         a pending save is still waited for (it may commit), but its failure must not hide the real error."""
         self.preemption.restore()
         try:
-            if self.sync is not None:
-                self.sync.stop(self.cfg.checkpoint_upload_timeout)
+            if self.sync is not None:  # after an abandoned save the store is not answering: no last pass
+                self.sync.stop(0.1 if self.manager.abandoned else self.cfg.checkpoint_upload_timeout)
                 self.sync = None
             self.manager.close()
         except Exception as e:  # noqa: BLE001

@@ -249,10 +249,15 @@ class CheckpointManager:
                 pass
         self._finish_previous()
 
-    def _give_up(self, timeout: float) -> None:
-        tag, self._pending = self.results_pending_tag, None
+    def abandon(self) -> None:
+        """Stop waiting for the save in flight (it never commits) and let the process exit without its threads."""
+        self._pending = None
         self.abandoned = True
         ABANDONED.set()
+
+    def _give_up(self, timeout: float) -> None:
+        tag = self.results_pending_tag
+        self.abandon()
         error = f"checkpoint {tag}: unfinished after {timeout:.0f} s"
         self.results.append(SaveResult(tag or "?", self.last_saved_step or 0, error=error))
         if self.world.is_main:
