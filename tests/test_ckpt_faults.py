@@ -235,3 +235,41 @@ def test_soak_a_checkpoint_every_step_through_two_outages(s3, s3_bucket, proxy, 
     assert sorted(resumed) == list(range(int(oldest[5:]) + 1, 201))
     for step, loss in resumed.items():
         assert loss == pytest.approx(losses[step], rel=1e-6, abs=1e-7), step
+
+
+def test_sigkill_of_the_job_during_uploads_never_commits_a_partial_checkpoint(s3, s3_bucket, tmp_path):
+    """A checkpoint to S3 after every step, so that an upload is always in flight; the whole job is SIGKILLed
+    at step 30. In the bucket, every checkpoint folder with a manifest has every file it names at its size,
+    at least one folder has files and no manifest (the upload that was cut), and --resume latest continues
+    from the newest committed checkpoint."""
+    logs, remote = str(tmp_path / "logs"), f"s3://{s3_bucket}/runs"
+    flags = [*TINY_SYNTHETIC, "--train-num-samples", "800", "--epochs", "1", "--lr-scheduler", "const",
+             "--logs", logs, "--name", "k", "--remote-sync", remote, "--save-every-n-steps", "1"]  # fmt: skip
+    env = subprocess_env(**s3.env())
+    run_dir = os.path.join(logs, "k")
+    proc = subprocess.Popen([sys.executable, TRAIN_SCRIPT, *flags], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_for(lambda: last_step(run_dir) >= 30, proc, 180, "step 30")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    fs = s3.fs()
+    prefix = f"{s3_bucket}/runs/k/checkpoints"
+    folders = {p.split("/")[-1] for p in fs.ls(prefix)}
+    done = committed(fs, f"{s3_bucket}/runs/k")
+    for tag in done:
+        manifest = json.loads(fs.cat(f"{prefix}/{tag}/{MANIFEST}"))
+        for rel, meta in manifest["files"].items():
+            assert fs.size(f"{prefix}/{tag}/{rel}") == meta["size"], (tag, rel)
+    cut = folders - set(done)
+    newest = max(int(t[5:]) for t in done if t.startswith("step_"))
+    assert cut and all(int(t[5:]) > newest for t in cut if t.startswith("step_")), (sorted(cut), newest)
+
+    again = subprocess.run([sys.executable, TRAIN_SCRIPT, *flags, "--resume", "latest"], env=env, text=True,
+                           capture_output=True, timeout=180)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (
+        f"checkpoints/step_{newest} at epoch 0 (+{newest} batches), step {newest}"
+        in open(os.path.join(run_dir, "out.log")).read()
+    )
