@@ -2,6 +2,7 @@
 middle of an upload. The S3-protocol server runs behind tests/tcp_proxy.py, which can freeze or refuse while
 the server keeps its objects."""
 
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,27 @@ def wait_for(predicate, proc, timeout: float, what: str) -> None:
         assert proc.poll() is None, f"the run ended before {what}:\n{proc.communicate()[1][-3000:]}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def log_says(log: str, text: str):
+    """A predicate for wait_for: the run's out.log holds `text`."""
+    return lambda: os.path.exists(log) and text in open(log).read()
+
+
+@contextlib.contextmanager
+def store_hung_after_step_50(flags, env, log, proxy):
+    """One process of launch/train.py; once its step_50 checkpoint has committed, the store hangs until the
+    block ends (then the store answers again, and a run still alive is killed)."""
+    proc = subprocess.Popen([sys.executable, TRAIN_SCRIPT, *flags], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        wait_for(log_says(log, "checkpoint step_50 committed"), proc, 180, "step_50 to commit")
+        proxy.freeze()
+        yield proc
+    finally:
+        proxy.thaw()
+        if proc.poll() is None:
+            proc.kill()
 
 
 def last_step(run_dir: str) -> int:
@@ -93,20 +115,11 @@ def test_the_final_save_waits_a_bounded_time_then_the_last_committed_checkpoint_
              "--checkpoint-upload-timeout", "4"]  # fmt: skip
     env = subprocess_env(**s3.env(AWS_ENDPOINT_URL=proxy.endpoint))
     run_dir = os.path.join(logs, "r")
-    proc = subprocess.Popen([sys.executable, TRAIN_SCRIPT, *flags], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    try:
-        log = os.path.join(run_dir, "out.log")
-        wait_for(lambda: os.path.exists(log) and "checkpoint step_50 committed" in open(log).read(), proc, 180,
-                 "step_50 to commit")  # fmt: skip
-        proxy.freeze()
+    log = os.path.join(run_dir, "out.log")
+    with store_hung_after_step_50(flags, env, log, proxy) as proc:
         frozen_at = time.monotonic()
         out, err = proc.communicate(timeout=120)
         ended_s = time.monotonic() - frozen_at
-    finally:
-        proxy.thaw()
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, err[-3000:]
     said = open(log).read()
     assert "checkpoint step_100 was NOT committed: the store did not finish it within 4 s" in said
@@ -136,22 +149,13 @@ def test_a_notice_after_the_last_step_ends_the_wait_for_the_final_checkpoint(s3,
              "--logs", logs, "--name", "r", "--remote-sync", remote, "--save-every-n-steps", "50"]  # fmt: skip
     env = subprocess_env(**s3.env(AWS_ENDPOINT_URL=proxy.endpoint))
     log = os.path.join(logs, "r", "out.log")
-    proc = subprocess.Popen([sys.executable, TRAIN_SCRIPT, *flags], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    try:
-        wait_for(lambda: os.path.exists(log) and "checkpoint step_50 committed" in open(log).read(), proc, 180,
-                 "step_50 to commit")  # fmt: skip
-        proxy.freeze()
-        wait_for(lambda: "waiting for checkpoint step_100" in open(log).read(), proc, 120, "the final wait")
+    with store_hung_after_step_50(flags, env, log, proxy) as proc:
+        wait_for(log_says(log, "waiting for checkpoint step_100"), proc, 120, "the final wait")
         time.sleep(1)
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
         ended_s = time.monotonic() - sent
-    finally:
-        proxy.thaw()
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 143, err[-3000:]
     assert err.strip().splitlines()[-1] == (
         "bigclip: SIGTERM received after training ended: not waiting for the last checkpoint to commit (the last "

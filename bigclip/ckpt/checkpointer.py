@@ -180,8 +180,8 @@ class Checkpointer:
                 self.skipped += 1
                 if not self._owed and self.world.is_main:
                     logger.warning(
-                        f"checkpoint {tag} deferred: {self.manager.in_flight} is still being written or uploaded; "
-                        f"training goes on and the checkpoint is taken at the first step after it finishes"
+                        f"checkpoint {tag} deferred: checkpoint {self.manager.pending_tag} is still being written or "
+                        f"uploaded; training goes on and the checkpoint is taken at the first step after it finishes"
                     )
                 self._owed = True
             return

@@ -142,7 +142,7 @@ class CheckpointManager:
         self._save_thread = ThreadPoolExecutor(1, thread_name_prefix="bigclip-ckpt", initializer=lower_priority)
         self._io = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="bigclip-upload", initializer=lower_priority)
         self._pending: Future | None = None
-        self.results_pending_tag: str | None = None  # the tag of the save in flight
+        self.pending_tag: str | None = None  # the tag of the save in flight
         self.abandoned = False  # a save was given up unfinished (wait's timeout): no further saves
         self._staging: Future | None = None  # the state copy of the save in flight
         self._staging_wait = 0.0  # time the loop waited for it (wait_staged)
@@ -159,10 +159,6 @@ class CheckpointManager:
             return False  # the same on every rank: saves start and are waited for at the same calls
         busy = not self._pending.done()
         return busy if self.group is None else self._any(busy)
-
-    @property
-    def in_flight(self) -> str:
-        return f"checkpoint {self.results_pending_tag}" if self.results_pending_tag else "the previous checkpoint"
 
     def _any(self, flag: bool) -> bool:
         t = torch.tensor([float(flag)])
@@ -214,7 +210,7 @@ class CheckpointManager:
         else:
             logger.info(f"checkpoint {tag}: saving in the background (the loop paused {blocked:.3f} s)")
             self._pending = self._save_thread.submit(self._write_and_commit, *job)
-            self.results_pending_tag = tag
+            self.pending_tag = tag
         return self.location(tag)
 
     def wait_staged(self) -> None:
@@ -239,7 +235,7 @@ class CheckpointManager:
         it never commits, the last committed checkpoint stays latest, and the run can end."""
         if self._pending is not None and not self._pending.done():
             bound = f" (at most {timeout:.0f} s)" if timeout is not None else ""
-            logger.info(f"waiting for checkpoint {self.results_pending_tag} to be written and committed{bound} ...")
+            logger.info(f"waiting for checkpoint {self.pending_tag} to be written and committed{bound} ...")
             try:
                 self._pending.result(timeout=timeout)
             except FutureTimeout:
@@ -256,7 +252,7 @@ class CheckpointManager:
         ABANDONED.set()
 
     def _give_up(self, timeout: float) -> None:
-        tag = self.results_pending_tag
+        tag = self.pending_tag
         self.abandon()
         error = f"checkpoint {tag}: unfinished after {timeout:.0f} s"
         self.results.append(SaveResult(tag or "?", self.last_saved_step or 0, error=error))

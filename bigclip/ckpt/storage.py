@@ -147,8 +147,6 @@ class Storage:
         self.protocol = urlsplit(self.root).scheme if self.remote else "file"
         self._fs = None
         self._lock = threading.Lock()
-        # Shared with child() stores: True from a transient failure until the next success.
-        self.health = {"degraded": False}
 
     def __getstate__(self):
         return {
@@ -164,12 +162,6 @@ class Storage:
         self.__dict__.update(state)
         self._fs = None
         self._lock = threading.Lock()
-        self.health = {"degraded": False}
-
-    @property
-    def degraded(self) -> bool:
-        """The store failed transiently and has not answered successfully since (an outage, throttling)."""
-        return self.health["degraded"]
 
     def __repr__(self) -> str:
         return f"Storage({redact_url(self.root)!r})"
@@ -205,7 +197,6 @@ class Storage:
         """The same store rooted at rel (sharing the connection pool)."""
         sub = Storage(self.url(rel), self.options, self.retry_seconds, self.bounded)
         sub._fs = self._fs
-        sub.health = self.health
         return sub
 
     # -- error handling
@@ -232,7 +223,6 @@ class Storage:
         while True:
             try:
                 result = _answer_within(fn, deadline - time.monotonic()) if self.bounded else fn()
-                self.health["degraded"] = False
                 return result
             except Exception as err:  # noqa: BLE001 — classified below; the fsspec backends raise many types
                 if _is_permanent(err):
@@ -240,7 +230,6 @@ class Storage:
                         raise
                     raise StorageError(self._explain(err, what)) from None
                 attempt += 1
-                self.health["degraded"] = True
                 if time.monotonic() + delay > deadline:
                     raise StorageUnavailable(
                         f"{self.display}: {what} still failing after {attempt} attempts "
