@@ -177,6 +177,7 @@ def bigclip_child(spec: dict, argv: list[str]) -> int:
         return wrapper
 
     def classifier(*args, **kwargs):
+        kwargs["classes_per_batch"] = spec["classes_per_batch"]  # the same text batches as open_clip's
         weights = timed("build_s", classifier_fn)(*args, **kwargs)
         if rank == 0:
             torch.save(weights.cpu(), os.path.join(spec["out"], f"classifier_bigclip{spec['ranks']}.pt"))
@@ -366,7 +367,7 @@ def main() -> None:
         "--openclip-classes-per-batch",
         type=int,
         default=None,
-        help="open_clip's num_classes_per_batch (default: bigclip's, --batch-size // --templates)",
+        help="open_clip's num_classes_per_batch (default: bigclip's here, --batch-size // --templates)",
     )
     parser.add_argument(
         "--image-size",
@@ -384,7 +385,7 @@ def main() -> None:
     if not 1 <= args.templates <= 80:
         parser.error("--templates must be 1 ... 80")
     ranks_threads = max(1, args.threads // 2)
-    bigclip_cpb = max(1, args.batch_size // args.templates)  # bigclip.eval.zero_shot_classifier's rule
+    bigclip_cpb = max(1, args.batch_size // args.templates)  # --batch-size prompts per text forward
     openclip_cpb = args.openclip_classes_per_batch or bigclip_cpb
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -399,8 +400,12 @@ def main() -> None:
             rounds.append(
                 (
                     measure_openclip({**base, "threads": args.threads, "classes_per_batch": openclip_cpb}),
-                    measure_bigclip({**base, "threads": args.threads, "ranks": 1}, args),
-                    measure_bigclip({**base, "threads": ranks_threads, "ranks": 2}, args),
+                    measure_bigclip(
+                        {**base, "threads": args.threads, "ranks": 1, "classes_per_batch": bigclip_cpb}, args
+                    ),
+                    measure_bigclip(
+                        {**base, "threads": ranks_threads, "ranks": 2, "classes_per_batch": bigclip_cpb}, args
+                    ),
                 )
             )
         openclip, one, two = (_fastest([r[i] for r in rounds]) for i in range(3))

@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
         sets = build_zeroshot_sets(cfg, preprocess_val, world.rank, world.world_size)
         tokenizer = get_tokenizer(cfg.model, context_length=cfg.force_context_length, cache_dir=cfg.cache_dir)
         engine.eval()
-        metrics = imagenet_zero_shot(engine, sets, tokenizer, cfg.batch_size, world)
+        metrics = imagenet_zero_shot(engine, sets, tokenizer, world)
         if world.is_main:
             result = {"model": cfg.model, "pretrained": cfg.pretrained, "metrics": metrics}
             result["images"] = {prefix: info.num_samples for prefix, info in sets.items()}
