@@ -177,15 +177,14 @@ SOAK_MAX_NEW_FDS, SOAK_MAX_NEW_THREADS, SOAK_MAX_RSS_GROWTH = 16, 8, 200 * 2**20
 
 
 def test_soak_a_checkpoint_every_step_through_two_outages(s3, s3_bucket, proxy, tmp_path):
-    """200 steps, a checkpoint to S3 after every step, --keep-last-k 3; the store hangs for longer than the
-    client's timeouts once, and refuses connections for 30 s once. The run finishes; exactly 3 committed
+    """300 steps, a checkpoint to S3 after every step, --keep-last-k 3; the store hangs for longer than the
+    client's timeouts once, and refuses connections once (4 s, 40 steps). The run finishes; exactly 3 committed
     checkpoints remain; resuming from the oldest of them reproduces the run's losses; file descriptors,
     threads and RSS at the end are within fixed bounds of their values after step 20 (no leak)."""
     logs, remote = str(tmp_path / "logs"), f"s3://{s3_bucket}/runs"
     # Short client timeouts, so that the freeze outlasts them and the client's own retries are few.
     client = json.dumps({"config_kwargs": {"connect_timeout": 1, "read_timeout": 2, "retries": {"max_attempts": 1}}})
-    # batch 256: ~0.2 s a step here, so that both outages fall inside the 200 steps
-    flags = [*TINY_SYNTHETIC, "--train-num-samples", "51200", "--batch-size", "256", "--epochs", "1",
+    flags = [*TINY_SYNTHETIC, "--train-num-samples", "19200", "--batch-size", "64", "--epochs", "1",
              "--lr-scheduler", "const", "--log-every-n-steps", "1", "--logs", logs, "--name", "soak",
              "--remote-sync", remote, "--save-every-n-steps", "1",
              "--keep-last-k", "3", "--delete-previous-checkpoint", "--storage-options", client,
@@ -200,15 +199,16 @@ def test_soak_a_checkpoint_every_step_through_two_outages(s3, s3_bucket, proxy, 
         first = proc_usage(proc.pid)
         proxy.freeze()  # outage 1: connections hang past the client's 2 s read timeout
         timeline["freeze"] = last_step(run_dir)
-        time.sleep(6)
+        time.sleep(4)
         proxy.thaw()
         wait_for(lambda: last_step(run_dir) >= timeline["freeze"] + 40, proc, 120, "40 steps after the freeze")
-        proxy.refuse()  # outage 2: connection refused for 30 s
-        timeline["refuse"] = last_step(run_dir)
-        time.sleep(30)
+        proxy.refuse()  # outage 2: connections refused for 4 s and 40 steps at least
+        timeline["refuse"], refused_at = last_step(run_dir), time.monotonic()
+        wait_for(lambda: last_step(run_dir) >= timeline["refuse"] + 40, proc, 120, "40 steps into the refusal")
+        time.sleep(max(0.0, refused_at + 4 - time.monotonic()))
         proxy.accept()
-        timeline["back"] = last_step(run_dir)
-        wait_for(lambda: last_step(run_dir) >= 195, proc, 240, "step 195")
+        timeline["back"], timeline["refused_s"] = last_step(run_dir), round(time.monotonic() - refused_at, 1)
+        wait_for(lambda: last_step(run_dir) >= 295, proc, 240, "step 295")
         last = proc_usage(proc.pid)
         _, err = proc.communicate(timeout=240)
     finally:
@@ -217,7 +217,7 @@ def test_soak_a_checkpoint_every_step_through_two_outages(s3, s3_bucket, proxy, 
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    assert timeline["back"] < 200, timeline  # both outages while training
+    assert timeline["back"] < 300, timeline  # both outages while training
     print("soak timeline (steps)", timeline, "usage after step 20", first, "near the end", last)
     assert last[0] - first[0] <= SOAK_MAX_NEW_FDS, (first, last)
     assert last[1] - first[1] <= SOAK_MAX_NEW_THREADS, (first, last)
@@ -228,7 +228,7 @@ def test_soak_a_checkpoint_every_step_through_two_outages(s3, s3_bucket, proxy, 
     log = open(os.path.join(run_dir, "out.log")).read()
     assert "retrying with backoff" in log and "deferred:" in log  # both outages were felt, and ridden out
     losses = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
-    assert sorted(losses) == list(range(1, 201))
+    assert sorted(losses) == list(range(1, 301))
 
     oldest = min((n for n in names if n.startswith("step_")), key=lambda n: int(n[5:]))
     again = subprocess.run([sys.executable, TRAIN_SCRIPT, *flags[: flags.index("--name")], "--name", "again",
@@ -236,37 +236,52 @@ def test_soak_a_checkpoint_every_step_through_two_outages(s3, s3_bucket, proxy, 
                            env=env, text=True, capture_output=True, timeout=180)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = {r["step"]: r["loss"] for r in read_metrics(os.path.join(logs, "again")) if "loss" in r}
-    assert sorted(resumed) == list(range(int(oldest[5:]) + 1, 201))
+    assert sorted(resumed) == list(range(int(oldest[5:]) + 1, 301))
     for step, loss in resumed.items():
         assert loss == pytest.approx(losses[step], rel=1e-6, abs=1e-7), step
 
 
-def test_sigkill_of_the_job_during_uploads_never_commits_a_partial_checkpoint(s3, s3_bucket, tmp_path):
-    """A checkpoint to S3 after every step, so that an upload is always in flight; the whole job is SIGKILLed
-    at step 30. In the bucket, every checkpoint folder with a manifest has every file it names at its size,
-    at least one folder has files and no manifest (the upload that was cut), and --resume latest continues
-    from the newest committed checkpoint."""
+def test_sigkill_of_the_job_during_uploads_never_commits_a_partial_checkpoint(s3, s3_bucket, proxy, tmp_path):
+    """A checkpoint to S3 after every step, so that an upload is always in flight; after step 20 the store is
+    frozen at a moment when a checkpoint folder has files and no manifest, and the whole job is SIGKILLed.
+    In the bucket, every checkpoint folder with a manifest has every file it names at its size, the cut
+    upload never gets a manifest, and --resume latest continues from the newest committed checkpoint."""
     logs, remote = str(tmp_path / "logs"), f"s3://{s3_bucket}/runs"
     flags = [*TINY_SYNTHETIC, "--train-num-samples", "800", "--epochs", "1", "--lr-scheduler", "const",
              "--logs", logs, "--name", "k", "--remote-sync", remote, "--save-every-n-steps", "1"]  # fmt: skip
-    env = subprocess_env(**s3.env())
     run_dir = os.path.join(logs, "k")
+    fs, prefix = s3.fs(), f"{s3_bucket}/runs/k/checkpoints"
+
+    def half_uploaded() -> set[str]:
+        folders = {p.split("/")[-1] for p in fs.ls(prefix)} if fs.exists(prefix) else set()
+        return folders - set(committed(fs, f"{s3_bucket}/runs/k"))
+
+    def frozen_mid_upload() -> bool:
+        """Freeze the store; keep it frozen if a checkpoint is half uploaded at that moment, else thaw."""
+        if last_step(run_dir) < 20:
+            return False
+        proxy.freeze()
+        time.sleep(0.2)  # a request the server already had finishes
+        if half_uploaded():
+            return True
+        proxy.thaw()
+        return False
+
+    env = subprocess_env(**s3.env(AWS_ENDPOINT_URL=proxy.endpoint))
     proc = subprocess.Popen([sys.executable, TRAIN_SCRIPT, *flags], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
-        wait_for(lambda: last_step(run_dir) >= 30, proc, 180, "step 30")
+        wait_for(frozen_mid_upload, proc, 180, "a half-uploaded checkpoint after step 20")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    fs = s3.fs()
-    prefix = f"{s3_bucket}/runs/k/checkpoints"
-    folders = {p.split("/")[-1] for p in fs.ls(prefix)}
+        proxy.thaw()
+    cut = half_uploaded()
     done = committed(fs, f"{s3_bucket}/runs/k")
     for tag in done:
         manifest = json.loads(fs.cat(f"{prefix}/{tag}/{MANIFEST}"))
         for rel, meta in manifest["files"].items():
             assert fs.size(f"{prefix}/{tag}/{rel}") == meta["size"], (tag, rel)
-    cut = folders - set(done)
     newest = max(int(t[5:]) for t in done if t.startswith("step_"))
     assert cut and all(int(t[5:]) > newest for t in cut if t.startswith("step_")), (sorted(cut), newest)
 
