@@ -178,7 +178,7 @@ SOAK_MAX_NEW_FDS, SOAK_MAX_NEW_THREADS, SOAK_MAX_RSS_GROWTH = 16, 8, 200 * 2**20
 
 def test_soak_a_checkpoint_every_step_through_two_outages(s3, s3_bucket, proxy, tmp_path):
     """300 steps, a checkpoint to S3 after every step, --keep-last-k 3; the store hangs for longer than the
-    client's timeouts once, and refuses connections once (4 s, 40 steps). The run finishes; exactly 3 committed
+    client's timeouts once, and refuses connections for 30 s once. The run finishes; exactly 3 committed
     checkpoints remain; resuming from the oldest of them reproduces the run's losses; file descriptors,
     threads and RSS at the end are within fixed bounds of their values after step 20 (no leak)."""
     logs, remote = str(tmp_path / "logs"), f"s3://{s3_bucket}/runs"
@@ -193,23 +193,33 @@ def test_soak_a_checkpoint_every_step_through_two_outages(s3, s3_bucket, proxy, 
     run_dir = os.path.join(logs, "soak")
     proc = subprocess.Popen([sys.executable, TRAIN_SCRIPT, *flags], env=env, text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
-    timeline = {}
+    timeline, usage = {}, {}
+
+    def hold(seconds: float) -> None:
+        """Sleep; meanwhile sample the process's usage once it is near its last step (it may get there during
+        an outage: then it waits for the store to save its final checkpoint)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if "last" not in usage and last_step(run_dir) >= 295 and proc.poll() is None:
+                usage["last"] = proc_usage(proc.pid)
+            time.sleep(0.05)
+
     try:
         wait_for(lambda: last_step(run_dir) >= 20, proc, 180, "step 20")
-        first = proc_usage(proc.pid)
+        usage["first"] = proc_usage(proc.pid)
         proxy.freeze()  # outage 1: connections hang past the client's 2 s read timeout
         timeline["freeze"] = last_step(run_dir)
-        time.sleep(4)
+        hold(4)
         proxy.thaw()
         wait_for(lambda: last_step(run_dir) >= timeline["freeze"] + 40, proc, 120, "40 steps after the freeze")
-        proxy.refuse()  # outage 2: connections refused for 4 s and 40 steps at least
-        timeline["refuse"], refused_at = last_step(run_dir), time.monotonic()
-        wait_for(lambda: last_step(run_dir) >= timeline["refuse"] + 40, proc, 120, "40 steps into the refusal")
-        time.sleep(max(0.0, refused_at + 4 - time.monotonic()))
+        proxy.refuse()  # outage 2: connections refused for 30 s
+        timeline["refuse"] = last_step(run_dir)
+        hold(30)
         proxy.accept()
-        timeline["back"], timeline["refused_s"] = last_step(run_dir), round(time.monotonic() - refused_at, 1)
+        timeline["back"] = last_step(run_dir)
         wait_for(lambda: last_step(run_dir) >= 295, proc, 240, "step 295")
-        last = proc_usage(proc.pid)
+        hold(0)
+        usage.setdefault("last", proc_usage(proc.pid))
         _, err = proc.communicate(timeout=240)
     finally:
         proxy.thaw()
@@ -217,7 +227,8 @@ def test_soak_a_checkpoint_every_step_through_two_outages(s3, s3_bucket, proxy, 
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    assert timeline["back"] < 300, timeline  # both outages while training
+    assert timeline["refuse"] < 280, timeline  # both outages began while training (the 2nd may outlast it)
+    first, last = usage["first"], usage["last"]
     print("soak timeline (steps)", timeline, "usage after step 20", first, "near the end", last)
     assert last[0] - first[0] <= SOAK_MAX_NEW_FDS, (first, last)
     assert last[1] - first[1] <= SOAK_MAX_NEW_THREADS, (first, last)
