@@ -17,6 +17,7 @@ from bigclip.dist import where
 from bigclip.errors import UserError, first_line
 from bigclip.model import get_model_config, list_models
 from bigclip.preemption import StoppedAfterTraining, StoppedBeforeTraining
+from bigclip.storage_options import redact_urls_in
 from bigclip.train import run
 
 
@@ -101,6 +102,6 @@ def exit_process(code: int) -> NoReturn:
 
 def _say(line: str) -> None:
     """One write per line: ranks sharing a terminal or log file must not run their lines together (print
-    writes the text and the newline separately)."""
-    sys.stderr.write(line + "\n")
+    writes the text and the newline separately). URLs in it lose their credentials and signatures."""
+    sys.stderr.write(redact_urls_in(line) + "\n")
     sys.stderr.flush()

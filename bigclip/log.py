@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from bigclip.errors import UserError
+from bigclip.storage_options import redact_urls_in
 
 logger = logging.getLogger("bigclip")
 
@@ -68,6 +69,18 @@ def check_new_run(paths: RunPaths, resuming: bool) -> None:
         )
 
 
+class RedactUrls(logging.Filter):
+    """Every line bigclip logs (its modules', the data loader workers') leaves URLs without credentials or
+    query-string signatures: data URLs reach messages from many places (shard errors, skipped samples)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = redact_urls_in(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True
+
+
 def setup_console_logging(out_log: str | None, active: bool, debug: bool) -> None:
     level = logging.DEBUG if debug else logging.INFO
     logger.handlers.clear()
@@ -76,11 +89,13 @@ def setup_console_logging(out_log: str | None, active: bool, debug: bool) -> Non
     fmt = logging.Formatter("%(asctime)s | %(message)s", datefmt="%Y-%m-%d,%H:%M:%S")
     console = logging.StreamHandler(sys.stdout)
     console.setFormatter(fmt)
+    console.addFilter(RedactUrls())
     logger.addHandler(console)
     if out_log and active:
         os.makedirs(os.path.dirname(out_log), exist_ok=True)
         file_handler = logging.FileHandler(out_log)
         file_handler.setFormatter(fmt)
+        file_handler.addFilter(RedactUrls())
         logger.addHandler(file_handler)
 
 

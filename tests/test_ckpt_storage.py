@@ -1,5 +1,6 @@
 """Storage against a real S3-protocol server (moto on loopback): uploads, retries, fail-fast errors, redaction."""
 
+import logging
 import os
 import shutil
 import time
@@ -13,6 +14,8 @@ from bigclip.ckpt.manifest import MANIFEST, Manifest, unsafe_path
 from bigclip.ckpt.rng import load_rank_state_file, rank_state_bytes, read_data_position
 from bigclip.ckpt.storage import Storage, StorageError, redact_options, redact_url
 from bigclip.ckpt.verify import CorruptCheckpoint, fetch_verified
+from bigclip.log import setup_console_logging
+from bigclip.storage_options import redact_urls_in
 
 
 def test_multipart_upload_listing_and_download(s3, s3_bucket, tmp_path, monkeypatch):
@@ -73,6 +76,37 @@ def test_secrets_are_redacted():
     assert redact_url("s3://user:pass@bucket/x") == "s3://***@bucket/x"
     assert redact_url("https://h/x.tar?X-Amz-Signature=abc&sig=1") == "https://h/x.tar?<redacted>"
     assert redact_url("/local/path") == "/local/path"
+
+
+def test_urls_inside_log_lines_and_errors_lose_credentials_and_signatures(tmp_path, capsys):
+    """redact_urls_in on free text (several "::"-joined data URLs, a pipe: command, a shard named in a warning),
+    and the log handlers: a data-loader warning quoting such a URL reaches neither out.log nor the console."""
+    line = "--train-data http://u:PASS@h:1/x-{000..001}.tar?sig=SIG&a=b::s3://b/k?tok=TOK: not found"
+    assert (
+        redact_urls_in(line)
+        == "--train-data http://***@h:1/x-{000..001}.tar?<redacted>::s3://b/k?<redacted>: not found"
+    )
+    assert redact_urls_in("pipe:curl -s https://h/x.tar?X-Amz-Signature=SIG | cat") == (
+        "pipe:curl -s https://h/x.tar?<redacted> | cat"
+    )
+    assert redact_urls_in("0001 in s3://bucket/a.tar: bad image") == "0001 in s3://bucket/a.tar: bad image"
+
+    out_log, root = str(tmp_path / "out.log"), logging.getLogger("bigclip")
+    before = (list(root.handlers), root.propagate, root.level)
+    setup_console_logging(out_log, active=True, debug=False)
+    try:
+        logging.getLogger("bigclip.data.skips").warning(
+            "train data: skipped a sample (bad_image) 0001 in %s: cannot identify image file",
+            "https://user:PLANTED-PASS@host/shard-000.tar?X-Amz-Signature=PLANTED-SIG",
+        )
+    finally:
+        for handler in root.handlers:
+            handler.close()
+        root.handlers[:], root.propagate = before[0], before[1]
+        root.setLevel(before[2])
+    said = open(out_log).read() + capsys.readouterr().out
+    assert said.count("https://***@host/shard-000.tar?<redacted>: cannot identify image file") == 2, said
+    assert "PLANTED" not in said
 
 
 def test_a_manifest_naming_paths_outside_the_checkpoint_is_refused(s3, s3_bucket, tmp_path):

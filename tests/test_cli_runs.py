@@ -123,7 +123,7 @@ def test_webdataset_run_whose_shards_hold_no_usable_sample_stops_with_one_line(t
 
 @pytest.mark.parametrize(
     "case",
-    ["yaml_null", "yaml_wrong_type", "csv_not_utf8", "logs_not_creatable", "ds_section_not_object"],
+    ["yaml_null", "yaml_wrong_type", "csv_not_utf8", "logs_not_creatable", "ds_section_not_object", "url_secrets"],
 )
 def test_bad_inputs_stop_with_one_line_and_leave_earlier_runs_alone(tmp_path, capsys, case):
     """Each bad input: exit code 2, one line naming the file or flag, no traceback; an earlier run's files under
@@ -137,7 +137,8 @@ def test_bad_inputs_stop_with_one_line_and_leave_earlier_runs_alone(tmp_path, ca
     flags = ["--model", "test-tiny", "--dataset-type", "synthetic", "--logs", str(logs), "--name", "new"]
     named = {"yaml_null": "model: None is not a string", "yaml_wrong_type": "lr: '0.1' is not a number",
              "csv_not_utf8": "not UTF-8 text", "logs_not_creatable": "cannot create the run folder",
-             "ds_section_not_object": '"zero_optimization.offload_optimizer" must be a JSON object'}[case]  # fmt: skip
+             "ds_section_not_object": '"zero_optimization.offload_optimizer" must be a JSON object',
+             "url_secrets": "--train-data http://***@127.0.0.1:9/shard-000.tar?<redacted>: "}[case]  # fmt: skip
     if case.startswith("yaml"):
         (tmp_path / "run.yaml").write_text("model: null\n" if case == "yaml_null" else "lr: '0.1'\n")
         flags += ["--config", str(tmp_path / "run.yaml")]
@@ -145,6 +146,9 @@ def test_bad_inputs_stop_with_one_line_and_leave_earlier_runs_alone(tmp_path, ca
         ds = tmp_path / "ds.json"
         ds.write_text('{"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}}')
         flags += ["--engine", "deepspeed", "--ds_config", str(ds)]
+    elif case == "url_secrets":  # a data URL's password and presigned signature: in no line, in no file
+        url = "http://user:PLANTED-PASS@127.0.0.1:9/shard-{000..001}.tar?X-Amz-Signature=PLANTED-SIG"
+        flags += ["--dataset-type", "webdataset", "--train-data", url, "--train-num-samples", "16"]
     elif case == "csv_not_utf8":
         (tmp_path / "pairs.csv").write_bytes(b"filepath\ttitle\n\xff\xfe.jpg\ta caption\n")
         flags = ["--model", "test-tiny", "--train-data", str(tmp_path / "pairs.csv"), "--logs", str(logs)]
@@ -155,6 +159,8 @@ def test_bad_inputs_stop_with_one_line_and_leave_earlier_runs_alone(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("bigclip: error: ") and named in err[0], err
     assert os.listdir(earlier) == ["out.log"] and (earlier / "out.log").read_text() == "an earlier run\n"
+    written = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
+    assert "PLANTED" not in err[0] and not any(b"PLANTED" in open(path, "rb").read() for path in written)
     if case == "yaml_null":  # --debug: the same line, with the traceback above it for a bug report
         assert cli.main([*flags, "--debug"]) == 2
         debug = capsys.readouterr().err.strip().splitlines()
