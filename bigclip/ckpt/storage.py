@@ -27,12 +27,12 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import fsspec
 
 from bigclip.errors import UserError, first_line
-from bigclip.storage_options import parse_storage_options  # noqa: F401  (re-exported for callers)
+from bigclip.storage_options import parse_storage_options, redact_urls_in  # noqa: F401  (parse_storage_options: re-exported)
 
 logger = logging.getLogger("bigclip")
 T = TypeVar("T")
@@ -60,15 +60,10 @@ REDACTED = "<redacted>"
 
 def redact_url(url: str | None) -> str | None:
     """A URL that can be logged: user:password@ and the query string (a presigned URL's signature, a SAS
-    token) replaced."""
+    token) replaced (the same rule as for URLs inside any log or error line)."""
     if not url or not is_url(url):
         return url
-    parts = urlsplit(url)
-    if "@" in parts.netloc:
-        parts = parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1])
-    if parts.query:
-        parts = parts._replace(query=REDACTED)
-    return urlunsplit(parts)
+    return redact_urls_in(url)
 
 
 def redact_options(options: Any) -> Any:
