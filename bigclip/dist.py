@@ -16,6 +16,7 @@ rendezvous timeout bounds the wait there (--rdzv_conf join_timeout=S for c10d, t
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import re
 import socket
@@ -220,6 +221,10 @@ def describe_world(world: World) -> list[str]:
 
 def shutdown() -> None:
     if dist.is_initialized():
+        # A DDP wrapper held in a reference cycle and freed only at interpreter exit, after its process
+        # group is gone, aborts the process now and then on gloo ("terminate called without an active
+        # exception"): free such objects while the group still exists.
+        gc.collect()
         dist.destroy_process_group()
 
 

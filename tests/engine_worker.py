@@ -19,7 +19,7 @@ import time
 import torch
 
 from bigclip.config import resolve
-from bigclip.dist import init_distributed
+from bigclip.dist import init_distributed, shutdown
 from bigclip.engine import build_engine
 from bigclip.engine.memory import peak_rss_bytes
 from bigclip.loop import forward_backward, optimizer_step
@@ -247,7 +247,7 @@ def main() -> int:
 
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+    shutdown()  # frees the runs' DDP wrappers before the process group goes
     return 0
 
 

@@ -195,7 +195,9 @@ def _worker(rank: int, world: int, port: int, mode: str) -> None:
             check_against_global(True, (False, False), "triton", "bidir")
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        from bigclip.dist import shutdown
+
+        shutdown()  # frees the DDP wrappers of _check_ddp_step before the process group goes
 
 
 def test_two_ranks_all_variants_chunked():
