@@ -119,6 +119,8 @@ def run_one(spec: dict, world) -> dict:
         "build_rss_bytes": build_rss,
         "build_state_bytes": build_state,
         "num_params": sum(p.numel() for p in engine.model.parameters()) if engine.name == "ddp" else None,
+        # the optimizer that updates the weights (DeepSpeed's own where the JSON names one)
+        "optimizer": type(getattr(getattr(engine, "ds", None), "basic_optimizer", None) or engine.optimizer).__name__,
     }
     if spec.get("compare_with_pretrained"):
         out["pretrained_check"] = out_weights
