@@ -270,6 +270,7 @@ from bigclip.loop import forward_backward, optimizer_step
 from bigclip.train import build_loss_fn
 from bigclip.ckpt import CheckpointManager
 from bigclip.errors import UserError
+from bigclip.log import setup_console_logging
 
 def batch(step, rank):  # the 2-rank run's batches
     g = torch.Generator().manual_seed(1000 * step + rank)
@@ -291,6 +292,7 @@ def mean_over_ranks(loss, world):
 
 spec, out_path, root = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
 world = init_distributed("cpu", "gloo")
+setup_console_logging(None, world.rank == 0, False)  # rank 0's info lines on stdout, as in a run
 results = {}
 for name, config in spec.items():
     config = dict(config)
@@ -370,6 +372,9 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
             cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(DS_ACCELERATOR="cpu")
         )
         assert proc.returncode == 0, (nproc, (proc.stdout + proc.stderr)[-4000:])
+        said = [line for line in proc.stdout.splitlines() if "saved by 2 ranks, resumed on" in line]
+        assert len(said) == len(spec) and all(f"resumed on {nproc}: what the epoch had left" in x for x in said), said
+        assert all(("ranks 2+ start with fresh random state" in x) == (nproc == 4) for x in said), said
         resharded = json.loads(out.read_text())
         assert "saved with DeepSpeed ZeRO stage 2, this run uses stage 3" in resharded.pop("zero2_into_zero3")["error"]
         for name, r in resharded.items():

@@ -604,11 +604,13 @@ class CheckpointManager:
             # Each rank's data position is only its own share of the epoch; at another world size every rank
             # needs all of them to deal out what was left.
             data_position = {"world_size": manifest.world_size, "ranks": read_data_positions(directory, manifest)}
-        elif self.world.is_main:
-            logger.info(
-                f"checkpoint {directory}: saved by {manifest.world_size} ranks, resumed on "
-                f"{self.world.world_size}: new ranks start with fresh random state"
-            )
+            if self.world.is_main:
+                fresh = self.world.world_size > manifest.world_size
+                logger.info(
+                    f"checkpoint {directory}: saved by {manifest.world_size} ranks, resumed on "
+                    f"{self.world.world_size}: what the epoch had left is dealt out to the new ranks"
+                    + (f"; ranks {manifest.world_size}+ start with fresh random state" if fresh else "")
+                )
         with open(os.path.join(directory, TRAIN_STATE)) as f:
             record = json.load(f)
         record["data"] = data_position  # this rank's own, not rank 0's
