@@ -22,7 +22,7 @@ Times measured here (Slurm 22.05.8, this config):
   *before* limit-N (never after; with `--time=1 --signal=B:USR1@30` it came 7-27 s after start) and a job
   hits TIMEOUT up to 30 s after its limit. To signal at a chosen moment, `scancel --batch --signal=USR1 ID`.
 - a job that requeues itself (`scontrol requeue $SLURM_JOB_ID`; JobRequeue=1, so no `--requeue` needed)
-  keeps its id, sits PENDING (Reason=BeginTime) for cred_expire+1 s and runs again ~11 s after the requeue
+  keeps its id, sits PENDING (Reason=BeginTime) for cred_expire+1 s (cred_expire=5 here: ~6 s) and runs again
   with SLURM_RESTART_COUNT=1 (Slurm's default cred_expire=120 makes that ~3 min on a real cluster). The
   rerun truncates its --output file unless submitted with `--open-mode=append`.
 
@@ -104,7 +104,7 @@ class SlurmCluster:
         root: Path,
         *,
         kill_wait: int = 10,
-        cred_expire: int = 10,
+        cred_expire: int = 5,
         sched_interval: int = 1,
         cpus: int | None = None,
         real_memory_mb: int = 2048,

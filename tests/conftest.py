@@ -1,0 +1,49 @@
+"""Suite-wide set-up: DeepSpeed's C++ ops are built in the machine's idle time.
+
+In a fresh environment DeepSpeed JIT-builds two ops on first use: its shared-memory collectives
+(deepspeed_shm_comm, ~30 s, the first DeepSpeed run) and CPU Adam (cpu_adam, ~45 s,
+ds_configs/zero3_offload.json). When the session runs DeepSpeed tests, both are built from the start in a
+process at the lowest CPU priority, so the compiler uses cores the tests leave idle (single-process runs,
+waits on timeouts and requeues) instead of running inside a test. A test that needs an op before it is ready
+waits on torch's build lock and then loads it, as with any concurrent build; built ops are cached in
+torch's extensions directory and the process does nothing there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+_BUILD_OPS = """
+from deepspeed.accelerator import get_accelerator
+for name in ("ShareMemCommBuilder", "CPUAdamBuilder"):
+    get_accelerator().create_op_builder(name).load()
+"""
+_WAIT_S = 900  # an unfinished build would leave torch's lock behind: let it finish
+
+
+def _uses_deepspeed(path: str, seen: dict[str, bool]) -> bool:
+    if path not in seen:
+        with open(path) as f:
+            seen[path] = "ds_config" in f.read()
+    return seen[path]
+
+
+def pytest_collection_finish(session) -> None:
+    seen: dict[str, bool] = {}
+    if not any(_uses_deepspeed(str(item.path), seen) for item in session.items):
+        return
+    session.config._deepspeed_op_build = subprocess.Popen(
+        [sys.executable, "-c", _BUILD_OPS],
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},  # the tests' accelerator, so the same builds
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: os.nice(19),
+    )
+
+
+def pytest_sessionfinish(session) -> None:
+    build = getattr(session.config, "_deepspeed_op_build", None)
+    if build is not None:
+        build.wait(timeout=_WAIT_S)
