@@ -37,7 +37,7 @@ def worker(args) -> None:
     import torch
 
     from bigclip.config import resolve
-    from bigclip.dist import init_distributed
+    from bigclip.dist import init_distributed, shutdown
     from bigclip.engine import build_engine, build_model
     from bigclip.engine.memory import peak_rss_bytes
     from bigclip.loop import forward_backward, optimizer_step
@@ -88,7 +88,7 @@ def worker(args) -> None:
         with open(args.out, "w") as f:
             json.dump(gathered, f)
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()  # frees the DDP wrapper while the group exists
 
 
 # ------------------------------------------------------------------------------------------- driver side

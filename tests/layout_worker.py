@@ -22,7 +22,7 @@ import torch.distributed as dist
 from bigclip.ckpt.layout import CheckpointLayout
 from bigclip.ckpt.layouts import LAYOUTS
 from bigclip.config import resolve
-from bigclip.dist import World, init_distributed, raise_together
+from bigclip.dist import World, init_distributed, raise_together, shutdown
 from bigclip.engine import build_engine, build_model
 from bigclip.errors import UserError
 from bigclip.loop import forward_backward, optimizer_step
@@ -154,7 +154,7 @@ def main() -> int:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()  # frees the DDP wrappers while the group exists
     return 0
 
 
