@@ -18,12 +18,14 @@ Activations per sample (16-bit, Korthikanti et al. 2022 without dropout and with
 no s×s scores): each block stores about s·h·(16 + 4r) bytes (s tokens, width h, MLP ratio r). With
 --grad-checkpointing each block keeps only its 2·s·h-byte input, plus one block's full activations while it
 is recomputed. Both towers count; the contrastive loss is chunked (no B×B logits) and is ignored here.
+ResNet and timm image towers are not transformers: their parameters count, their activations are not
+estimated, and no batch size is suggested for them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bigclip.errors import OneLineErrorParser
 from bigclip.model import create_model, get_model_config
@@ -41,7 +43,19 @@ class ModelFacts:
     params: int
     block_params: int  # the largest transformer block
     root_params: int  # parameters outside the blocks (embeddings, projections, norms, logit scale)
-    towers: list[tuple[int, int, int, float]]  # (layers, tokens, width, mlp ratio) per tower
+    towers: list[tuple[int, int, int, float]]  # (layers, tokens, width, mlp ratio) per transformer tower
+    # Towers whose activations the arithmetic does not describe (ResNet and timm image towers): their
+    # parameters count, their activations do not, so a batch size that "fits" would be a guess.
+    uncounted: list[str] = field(default_factory=list)
+
+
+def _vit_image_tower(v: dict, image_size: tuple[int, int]) -> tuple[int, int, int, float] | None:
+    """(layers, tokens, width, mlp ratio) of bigclip's own ViT image tower, None for other kinds."""
+    if "timm_model_name" in v or not isinstance(v.get("patch_size"), int) or not isinstance(v.get("layers"), int):
+        return None
+    h, w = image_size
+    tokens = (h // v["patch_size"]) * (w // v["patch_size"]) + 1
+    return v["layers"], tokens, v["width"], float(v.get("mlp_ratio", 4.0))
 
 
 def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
@@ -51,18 +65,14 @@ def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
     block_sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     params = sum(p.numel() for p in model.parameters())
     v, t = cfg["vision_cfg"], cfg["text_cfg"]
-    h, w = model.visual.image_size
-    vision_tokens = (h // v["patch_size"]) * (w // v["patch_size"]) + 1
-    return ModelFacts(
-        name,
-        params,
-        max(block_sizes),
-        params - sum(block_sizes),
-        [
-            (v["layers"], vision_tokens, v["width"], float(v.get("mlp_ratio", 4.0))),
-            (t["layers"], t["context_length"], t["width"], float(t.get("mlp_ratio", 4.0))),
-        ],
-    )
+    towers = [(t["layers"], t["context_length"], t["width"], float(t.get("mlp_ratio", 4.0)))]
+    uncounted = []
+    vision = _vit_image_tower(v, model.visual.image_size)
+    if vision is not None:
+        towers.insert(0, vision)
+    else:
+        uncounted.append(f"image tower ({v.get('timm_model_name') or 'ResNet'})")
+    return ModelFacts(name, params, max(block_sizes), params - sum(block_sizes), towers, uncounted)
 
 
 def state_bytes(engine: str, psi: int, n: int, precision: str = "amp", facts: ModelFacts | None = None) -> float:
@@ -101,7 +111,10 @@ def activation_bytes(facts: ModelFacts, batch: int, checkpointing: bool) -> floa
 
 def max_batch(
     facts: ModelFacts, engine: str, n: int, gpu_bytes: float, checkpointing: bool, precision: str = "amp"
-) -> int:
+) -> int | None:
+    """The largest micro-batch per GPU that fits; None when some tower's activations are not counted."""
+    if facts.uncounted:
+        return None
     free = gpu_bytes - OVERHEAD_BYTES - state_bytes(engine, facts.params, n, precision, facts)
     per_sample = activation_bytes(facts, 1, checkpointing)
     return max(0, math.floor(free / per_sample))
@@ -124,7 +137,12 @@ def render(
             f"{facts.block_params / 1e6:.0f}M, outside blocks {facts.root_params / 1e6:.0f}M), "
             f"precision {precision}",
             "",
-            f"Activations for {batch} samples per GPU: {_gb(act)} GiB, with --grad-checkpointing {_gb(act_ckpt)} GiB.",
+            f"Activations for {batch} samples per GPU: {_gb(act)} GiB, with --grad-checkpointing {_gb(act_ckpt)} GiB"
+            + (
+                f" (not counting the {', '.join(facts.uncounted)}: no batch size is suggested)."
+                if facts.uncounted
+                else "."
+            ),
             "",
             "State per GPU (GiB) = parameters + gradients + optimizer state; then the largest "
             f"micro-batch per GPU that fits ({_gb(OVERHEAD_BYTES)} GiB reserved), without / with "
@@ -146,7 +164,7 @@ def render(
                 gpu_bytes = mem * 1e9
                 a = max_batch(facts, engine, gpus[0], gpu_bytes, False, precision)
                 b = max_batch(facts, engine, gpus[0], gpu_bytes, True, precision)
-                fits.append(f"{a} / {b}")
+                fits.append("n/a" if a is None else f"{a} / {b}")
             lines.append(f"| {engine} | " + " | ".join(states) + " | " + " | ".join(fits) + " |")
         lines.append("")
     lines.append(

@@ -214,6 +214,39 @@ def test_plan_arithmetic_and_printout(capsys):
     assert "ViT-H-14" in out and "| zero3 |" in out and "| fsdp |" in out and "max batch @ 40 GB" in out
 
 
+def test_plan_for_towers_without_an_activation_formula(capsys, tmp_path):
+    """ResNet and timm image towers: the state rows hold (parameter count as OpenCLIP's model), the activations
+    are said to be partial and no batch size is suggested, rather than a traceback or a made-up number."""
+    import open_clip
+
+    from bigclip.plan import max_batch, model_facts, state_bytes
+
+    facts = model_facts("RN50")
+    assert facts.params == sum(p.numel() for p in open_clip.create_model("RN50").parameters())
+    assert facts.uncounted == ["image tower (ResNet)"] and len(facts.towers) == 1  # the text transformer
+    assert state_bytes("ddp", facts.params, 8) == 16 * facts.params
+    assert max_batch(facts, "ddp", 8, 80e9, False) is None
+    timm_dir = tmp_path / "timm"
+    timm_dir.mkdir()
+    text_cfg = {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}
+    vision_cfg = {"timm_model_name": "test_resnet", "timm_pool": "", "timm_proj": "linear", "image_size": 64}
+    (timm_dir / "open_clip_config.json").write_text(
+        json.dumps({"model_cfg": {"embed_dim": 32, "vision_cfg": vision_cfg, "text_cfg": text_cfg}})
+    )
+    assert cli.main(["plan", "--model", "RN50", f"local-dir:{timm_dir}", "--gpus", "8", "--gpu-mem", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "not counting the image tower (ResNet)" in out and "not counting the image tower (test_resnet)" in out
+    assert out.count("| ddp | ") == 2 and "| ddp | 1.5 | n/a |" in out
+    # --dry-run's memory line says the same
+    from bigclip import dry_run
+    from bigclip.config import resolve
+    from bigclip.dist import World
+
+    lines = dry_run.report(resolve({"model": "RN50", "dataset_type": "synthetic", "batch_size": 16}), World())
+    assert "model RN50: 102.0M parameters" in lines
+    assert lines[-1].endswith("+ the image tower (ResNet)'s activations, not estimated"), lines[-1]
+
+
 # ------------------------------------------------------------------------------------- world size 1
 def test_fsdp_in_a_single_process(tmp_path):
     """--engine fsdp without a launcher: world size 1 (a process group of one), same losses as ddp."""
