@@ -23,7 +23,7 @@ def _memory_lines(cfg, world: World, setup: str, facts) -> list[str]:
         f"memory per GPU ({setup}, precision {precision}, {world.world_size} rank(s), micro-batch {cfg.batch_size}"
         f"{', --grad-checkpointing' if cfg.grad_checkpointing else ''}): state {state / gib:.1f} GiB + activations "
         f"{activations / gib:.1f} GiB + {plan.OVERHEAD_BYTES / gib:.0f} GiB reserved = {total / gib:.1f} GiB"
-        + (f" + the {', '.join(facts.uncounted)}'s activations, not estimated" if facts.uncounted else ""),
+        + (f" + the {facts.uncounted}'s activations, not estimated" if facts.uncounted else ""),
     ]
 
 

@@ -25,7 +25,7 @@ estimated, and no batch size is suggested for them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from bigclip.errors import OneLineErrorParser
 from bigclip.model import create_model, get_model_config
@@ -44,9 +44,9 @@ class ModelFacts:
     block_params: int  # the largest transformer block
     root_params: int  # parameters outside the blocks (embeddings, projections, norms, logit scale)
     towers: list[tuple[int, int, int, float]]  # (layers, tokens, width, mlp ratio) per transformer tower
-    # Towers whose activations the arithmetic does not describe (ResNet and timm image towers): their
-    # parameters count, their activations do not, so a batch size that "fits" would be a guess.
-    uncounted: list[str] = field(default_factory=list)
+    # A tower whose activations the arithmetic does not describe (ResNet and timm image towers): its
+    # parameters count, its activations do not, so a batch size that "fits" would be a guess.
+    uncounted: str | None = None
 
 
 def _vit_image_tower(v: dict, image_size: tuple[int, int]) -> tuple[int, int, int, float] | None:
@@ -66,12 +66,12 @@ def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
     params = sum(p.numel() for p in model.parameters())
     v, t = cfg["vision_cfg"], cfg["text_cfg"]
     towers = [(t["layers"], t["context_length"], t["width"], float(t.get("mlp_ratio", 4.0)))]
-    uncounted = []
+    uncounted = None
     vision = _vit_image_tower(v, model.visual.image_size)
     if vision is not None:
         towers.insert(0, vision)
     else:
-        uncounted.append(f"image tower ({v.get('timm_model_name') or 'ResNet'})")
+        uncounted = f"image tower ({v.get('timm_model_name') or 'ResNet'})"
     return ModelFacts(name, params, max(block_sizes), params - sum(block_sizes), towers, uncounted)
 
 
@@ -112,7 +112,7 @@ def activation_bytes(facts: ModelFacts, batch: int, checkpointing: bool) -> floa
 def max_batch(
     facts: ModelFacts, engine: str, n: int, gpu_bytes: float, checkpointing: bool, precision: str = "amp"
 ) -> int | None:
-    """The largest micro-batch per GPU that fits; None when some tower's activations are not counted."""
+    """The largest micro-batch per GPU that fits; None when a tower's activations are not counted."""
     if facts.uncounted:
         return None
     free = gpu_bytes - OVERHEAD_BYTES - state_bytes(engine, facts.params, n, precision, facts)
@@ -138,11 +138,7 @@ def render(
             f"precision {precision}",
             "",
             f"Activations for {batch} samples per GPU: {_gb(act)} GiB, with --grad-checkpointing {_gb(act_ckpt)} GiB"
-            + (
-                f" (not counting the {', '.join(facts.uncounted)}: no batch size is suggested)."
-                if facts.uncounted
-                else "."
-            ),
+            + (f" (not counting the {facts.uncounted}: no batch size is suggested)." if facts.uncounted else "."),
             "",
             "State per GPU (GiB) = parameters + gradients + optimizer state; then the largest "
             f"micro-batch per GPU that fits ({_gb(OVERHEAD_BYTES)} GiB reserved), without / with "

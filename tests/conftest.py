@@ -23,16 +23,9 @@ for name in ("ShareMemCommBuilder", "CPUAdamBuilder"):
 _WAIT_S = 900  # an unfinished build would leave torch's lock behind: let it finish
 
 
-def _uses_deepspeed(path: str, seen: dict[str, bool]) -> bool:
-    if path not in seen:
-        with open(path) as f:
-            seen[path] = "ds_config" in f.read()
-    return seen[path]
-
-
 def pytest_collection_finish(session) -> None:
-    seen: dict[str, bool] = {}
-    if not any(_uses_deepspeed(str(item.path), seen) for item in session.items):
+    modules = {item.path for item in session.items}
+    if not any("ds_config" in path.read_text() for path in modules):
         return
     session.config._deepspeed_op_build = subprocess.Popen(
         [sys.executable, "-c", _BUILD_OPS],

@@ -223,7 +223,7 @@ def test_plan_for_towers_without_an_activation_formula(capsys, tmp_path):
 
     facts = model_facts("RN50")
     assert facts.params == sum(p.numel() for p in open_clip.create_model("RN50").parameters())
-    assert facts.uncounted == ["image tower (ResNet)"] and len(facts.towers) == 1  # the text transformer
+    assert facts.uncounted == "image tower (ResNet)" and len(facts.towers) == 1  # the text transformer
     assert state_bytes("ddp", facts.params, 8) == 16 * facts.params
     assert max_batch(facts, "ddp", 8, 80e9, False) is None
     timm_dir = tmp_path / "timm"
