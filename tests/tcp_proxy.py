@@ -3,6 +3,7 @@
     proxy = TcpProxy(("127.0.0.1", s3.port))     # proxy.endpoint: http://127.0.0.1:<its own port>
     proxy.freeze()   # connections are accepted and held, no byte is relayed: a store that hangs
     proxy.thaw()     # relaying resumes where it stopped (held bytes are delivered)
+    proxy.reset()    # every open connection is reset and its held bytes dropped (new ones are accepted)
     proxy.refuse()   # the listening socket is closed and every connection reset: connection refused
     proxy.accept()   # listening again on the same port
     proxy.close()
@@ -50,7 +51,7 @@ class TcpProxy:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)
             listener.close()
-        self._reset_all()
+        self.reset()
 
     def freeze(self) -> None:
         self._frozen.set()
@@ -62,7 +63,7 @@ class TcpProxy:
         self._closing.set()
         self.refuse()
 
-    def _reset_all(self) -> None:
+    def reset(self) -> None:
         with self._lock:
             conns, self._conns = self._conns, []
         for c in conns:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -257,8 +258,8 @@ def test_sigkill_of_the_job_during_uploads_never_commits_a_partial_checkpoint(s3
     """A checkpoint to S3 after every step, so that an upload is always in flight; after step 20 the store is
     frozen at a moment when a checkpoint folder has files and no manifest, and the whole job is SIGKILLed.
     In the bucket, every checkpoint folder with a manifest has every file it names at its size, the cut
-    upload never gets a manifest, and --resume latest continues from the newest committed checkpoint (local or in
-    the bucket)."""
+    upload never gets a manifest, and --resume latest on a node without the local
+    copies continues from the bucket's newest committed checkpoint."""
     logs, remote = str(tmp_path / "logs"), f"s3://{s3_bucket}/runs"
     flags = [*TINY_SYNTHETIC, "--train-num-samples", "800", "--epochs", "1", "--lr-scheduler", "const",
              "--logs", logs, "--name", "k", "--remote-sync", remote, "--save-every-n-steps", "1"]  # fmt: skip
@@ -289,6 +290,9 @@ def test_sigkill_of_the_job_during_uploads_never_commits_a_partial_checkpoint(s3
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        # The job's connections die with it: what the frozen proxy still holds (say, the cut save's manifest PUT,
+        # sent in full just before the freeze) must not reach the server after the kill.
+        proxy.reset()
         proxy.thaw()
     cut = half_uploaded()
     done = committed(fs, f"{s3_bucket}/runs/k")
@@ -299,20 +303,18 @@ def test_sigkill_of_the_job_during_uploads_never_commits_a_partial_checkpoint(s3
     newest = max(int(t[5:]) for t in done if t.startswith("step_"))
     assert cut and all(int(t[5:]) > newest for t in cut if t.startswith("step_")), (sorted(cut), newest)
 
-    # The local copy commits before the bucket's manifest is written, so when the freeze lands on that last PUT
-    # the newest committed checkpoint is local (complete, verified by its manifest) and latest resumes it.
+    # A save commits its local copy just before the bucket's manifest, so the local disk is never behind the bucket.
+    # The job then restarts on a node without that disk: latest must come from the bucket, past the cut upload.
     local_dir = os.path.join(run_dir, "checkpoints")
     local = [
         t for t in os.listdir(local_dir) if t.startswith("step_") and os.path.exists(f"{local_dir}/{t}/{MANIFEST}")
     ]
-    newest_local = max((int(t[5:]) for t in local), default=-1)
-    expected = f"{local_dir}/step_{newest_local}" if newest_local >= newest else f"s3://{prefix}/step_{newest}"
-    step = max(newest, newest_local)
+    assert max(int(t[5:]) for t in local) >= newest, (sorted(local), newest)
+    shutil.rmtree(local_dir)
 
     again = subprocess.run([sys.executable, TRAIN_SCRIPT, *flags, "--resume", "latest"], env=env, text=True,
                            capture_output=True, timeout=180)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     log = open(os.path.join(run_dir, "out.log")).read()
-    assert f"resumed from {expected} at epoch 0 (+{step} batches), step {step}" in log, re.findall(
-        "resumed from.*", log
-    )
+    expected = f"resumed from s3://{prefix}/step_{newest} at epoch 0 (+{newest} batches), step {newest}"
+    assert expected in log, re.findall("resumed from.*", log)
