@@ -30,15 +30,9 @@ def _memory_lines(cfg, world: World, setup: str, facts) -> list[str]:
 def report(cfg, world: World) -> list[str]:
     """The lines to print (on rank 0). Collective: every rank must call it."""
     lines = describe_world(world)
-    try:
-        facts = plan.model_facts(cfg.model, cfg.force_image_size[0] if cfg.force_image_size else None)
-    except (KeyError, TypeError, ValueError) as e:  # towers the plan's arithmetic does not describe
-        facts = None
-        lines.append(f"model {cfg.model}: no memory plan for this architecture ({e})")
-    params = facts.params if facts else 0
-    setup, layout = describe_plan(cfg, world, params)
-    lines.append(f"model {cfg.model}: {params / 1e6:.1f}M parameters" if facts else f"model {cfg.model}")
+    # Every architecture bigclip builds has facts (towers without an activation formula say so themselves).
+    facts = plan.model_facts(cfg.model, cfg.force_image_size[0] if cfg.force_image_size else None)
+    setup, layout = describe_plan(cfg, world, facts.params)
+    lines.append(f"model {cfg.model}: {facts.params / 1e6:.1f}M parameters")
     lines.append(f"engine {layout}")
-    if facts:
-        lines += _memory_lines(cfg, world, setup, facts)
-    return lines
+    return lines + _memory_lines(cfg, world, setup, facts)

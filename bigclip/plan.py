@@ -65,13 +65,10 @@ def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
     block_sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     params = sum(p.numel() for p in model.parameters())
     v, t = cfg["vision_cfg"], cfg["text_cfg"]
-    towers = [(t["layers"], t["context_length"], t["width"], float(t.get("mlp_ratio", 4.0)))]
-    uncounted = None
+    text = (t["layers"], t["context_length"], t["width"], float(t.get("mlp_ratio", 4.0)))
     vision = _vit_image_tower(v, model.visual.image_size)
-    if vision is not None:
-        towers.insert(0, vision)
-    else:
-        uncounted = f"image tower ({v.get('timm_model_name') or 'ResNet'})"
+    towers = [vision, text] if vision else [text]
+    uncounted = None if vision else f"image tower ({v.get('timm_model_name') or 'ResNet'})"
     return ModelFacts(name, params, max(block_sizes), params - sum(block_sizes), towers, uncounted)
 
 
