@@ -78,13 +78,12 @@ def start_s3() -> tuple[subprocess.Popen, str]:
 def build(model_name: str, batch_size: int, ds_config: str | None = None):
     import torch
 
+    from bigclip.build import build_engine, build_loss_fn
     from bigclip.config import resolve
     from bigclip.dist import World
-    from bigclip.engine import build_engine
     from bigclip.engine.single import ensure_process_group
     from bigclip.loop import forward_backward, optimizer_step
     from bigclip.model import create_model, get_model_config
-    from bigclip.train import build_loss_fn
 
     world = World()
     ensure_process_group(world)  # a 1-rank group: what the process writer needs, as in any torchrun job
@@ -101,8 +100,8 @@ def build(model_name: str, batch_size: int, ds_config: str | None = None):
         )
     )
     torch.manual_seed(0)
-    engine = build_engine(cfg, create_model(model_name), world)
-    loss_fn = build_loss_fn(cfg, world)
+    engine = build_engine(cfg.sections.engine, create_model(model_name), world)
+    loss_fn = build_loss_fn(cfg.sections.loss, world)
     arch = get_model_config(model_name)
     size, ctx = arch["vision_cfg"]["image_size"], arch["text_cfg"]["context_length"]
     g = torch.Generator().manual_seed(0)

@@ -10,7 +10,7 @@ JPEGs of smooth random pixels plus a little noise, sides drawn from --image-size
 random caption as .txt), apply the same callables (open_clip.image_transform(224, is_train=True), OpenCLIP's
 training augmentation, and open_clip.get_tokenizer("ViT-B-32")) and deliver the same number of batches:
 
-  bigclip   bigclip.data.get_data(cfg, ...) with a bigclip.config.TrainConfig (train_data, train_num_samples,
+  bigclip   bigclip.data.get_data(cfg, ...) with a bigclip.data.DataConfig (train_data, train_num_samples,
             batch_size, workers, dataset_resampled), iterating data["train"].dataloader: the loader training uses
             (ShardStream under torchdata's StatefulDataLoader; s3:// shards are read through s3fs)
   OpenCLIP  open_clip_train.data.get_wds_dataset(args, preprocess, is_train=True, epoch=0, tokenizer=...)
@@ -153,11 +153,10 @@ def _openclip_loader(spec: dict, preprocess, tokenizer):
 def _bigclip_loader(spec: dict, preprocess, tokenizer):
     import dataclasses
 
-    from bigclip.config import TrainConfig
-    from bigclip.data import get_data
+    from bigclip.data import DataConfig, get_data
 
     cfg = dataclasses.replace(
-        TrainConfig(),
+        DataConfig(),
         train_data=spec["url"],
         train_num_samples=spec["num_samples"],
         batch_size=spec["batch_size"],

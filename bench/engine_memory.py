@@ -36,13 +36,12 @@ ENGINES = {
 def worker(args) -> None:
     import torch
 
+    from bigclip.build import build_engine, build_loss_fn, build_model
     from bigclip.config import resolve
     from bigclip.dist import init_distributed, shutdown
-    from bigclip.engine import build_engine, build_model
     from bigclip.engine.memory import peak_rss_bytes
     from bigclip.loop import forward_backward, optimizer_step
     from bigclip.model import create_model, get_model_config
-    from bigclip.train import build_loss_fn
 
     world = init_distributed("cpu")
     cfg = resolve(
@@ -61,9 +60,10 @@ def worker(args) -> None:
     arch = get_model_config(cfg.model)
     size, context = arch["vision_cfg"]["image_size"], arch["text_cfg"]["context_length"]
     torch.manual_seed(0)
-    model = build_model(cfg, world, functools.partial(create_model, cfg.model))
-    engine = build_engine(cfg, model, world)
-    loss_fn = build_loss_fn(cfg, world)
+    run = cfg.sections
+    model = build_model(run.model, run.engine, world, functools.partial(create_model, cfg.model))
+    engine = build_engine(run.engine, model, world)
+    loss_fn = build_loss_fn(run.loss, world)
     engine.train()
     g = torch.Generator().manual_seed(world.rank)
     state, times = None, []

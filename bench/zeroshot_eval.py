@@ -103,10 +103,11 @@ def openclip_child(spec: dict) -> dict:
     saved = os.path.join(spec["out"], "classifier_openclip.pt")
     start, cpu = time.perf_counter(), _cpu_seconds()
     if spec.get("check"):
+        from bigclip.build import build_transforms
         from bigclip.cli_args import parse_train_args
-        from bigclip.train import build_transforms
 
-        preprocess = build_transforms(parse_train_args(spec["check"])[0])[1]
+        run = parse_train_args(spec["check"])[0].sections
+        preprocess = build_transforms(run.model, run.data)[1]
         classifier = torch.load(saved, weights_only=True)
     else:
         classifier = open_clip.build_zero_shot_classifier(

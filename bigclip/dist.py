@@ -31,6 +31,22 @@ from bigclip.errors import UserError, first_line
 
 
 @dataclass(frozen=True)
+class DistConfig:
+    """The distributed flags (OpenCLIP's names): where to run and how to join the process group."""
+
+    device: str = "cuda"
+    dist_backend: str | None = None
+    dist_url: str | None = None
+    dist_timeout: float = 1800.0
+    no_set_device_rank: bool = False
+
+
+def check_dist(cfg: DistConfig) -> None:
+    if cfg.device not in ("cuda", "cpu") and not cfg.device.startswith("cuda:"):
+        raise UserError(f"--device {cfg.device!r}: choose cuda or cpu")
+
+
+@dataclass(frozen=True)
 class LaunchEnv:
     rank: int
     local_rank: int
@@ -178,6 +194,13 @@ def init_distributed(
                 f"started with the same MASTER_ADDR/MASTER_PORT and world size, or raise --dist-timeout"
             ) from e
     return world
+
+
+def join_world(cfg: DistConfig, local_rank: int | None = None) -> World:
+    """init_distributed with the run's flags (--device, --dist-backend, --dist-url, --dist-timeout)."""
+    return init_distributed(
+        cfg.device, cfg.dist_backend, cfg.dist_url, local_rank, not cfg.no_set_device_rank, cfg.dist_timeout
+    )
 
 
 def _ranges(ranks: list[int]) -> str:

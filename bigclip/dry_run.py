@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from bigclip import plan
 from bigclip.dist import World, describe_world
-from bigclip.engine import describe_plan
+from bigclip.engine import EngineConfig, describe_plan
+from bigclip.model.config import ModelConfig
 
 
-def _memory_lines(cfg, world: World, setup: str, facts) -> list[str]:
+def _memory_lines(cfg: EngineConfig, world: World, setup: str, facts: plan.ModelFacts) -> list[str]:
     precision = "fp32" if cfg.precision == "fp32" else "amp"
     state = plan.state_bytes(setup, facts.params, world.world_size, precision, facts)
     activations = plan.activation_bytes(facts, cfg.batch_size, cfg.grad_checkpointing)
@@ -27,12 +28,12 @@ def _memory_lines(cfg, world: World, setup: str, facts) -> list[str]:
     ]
 
 
-def report(cfg, world: World) -> list[str]:
+def report(model: ModelConfig, engine: EngineConfig, world: World) -> list[str]:
     """The lines to print (on rank 0). Collective: every rank must call it."""
     lines = describe_world(world)
     # Every architecture bigclip builds has facts (towers without an activation formula say so themselves).
-    facts = plan.model_facts(cfg.model, cfg.force_image_size[0] if cfg.force_image_size else None)
-    setup, layout = describe_plan(cfg, world, facts.params)
-    lines.append(f"model {cfg.model}: {facts.params / 1e6:.1f}M parameters")
+    facts = plan.model_facts(model.model, model.force_image_size[0] if model.force_image_size else None)
+    setup, layout = describe_plan(engine, world, facts.params)
+    lines.append(f"model {model.model}: {facts.params / 1e6:.1f}M parameters")
     lines.append(f"engine {layout}")
-    return lines + _memory_lines(cfg, world, setup, facts)
+    return lines + _memory_lines(engine, world, setup, facts)

@@ -9,6 +9,7 @@ are all-reduced, and retrieval over the whole validation set uses features gathe
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -215,7 +216,17 @@ def imagenet_zero_shot(engine, data: dict, tokenizer, world: World) -> dict[str,
     return metrics
 
 
-def evaluate(engine, data: dict, tokenizer, cfg, completed_epoch: int, world: World) -> dict[str, float]:
+@dataclass(frozen=True)
+class EvalConfig:
+    """When evaluation runs (OpenCLIP's frequencies, in epochs) and what the validation set should hold."""
+
+    val_frequency: int = 1
+    zeroshot_frequency: int = 2
+    epochs: int = 32  # the last epoch always evaluates
+    val_num_samples: int | None = None
+
+
+def evaluate(engine, data: dict, tokenizer, cfg: EvalConfig, completed_epoch: int, world: World) -> dict[str, float]:
     """Run what is due after `completed_epoch` epochs (OpenCLIP's frequencies; the last epoch always)."""
     metrics: dict[str, float] = {}
     last = completed_epoch == cfg.epochs

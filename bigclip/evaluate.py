@@ -9,34 +9,26 @@ from __future__ import annotations
 
 import json
 
+from bigclip.build import build_engine, build_model, build_tokenizer, build_transforms, seed_everything
 from bigclip.cli_args import parse_train_args
 from bigclip.data.imagenet import build_zeroshot_sets
-from bigclip.dist import init_distributed, shutdown
-from bigclip.engine import build_engine
+from bigclip.dist import join_world, shutdown
 from bigclip.errors import UserError
 from bigclip.eval import imagenet_zero_shot
-from bigclip.model import get_tokenizer
-from bigclip.train import build_model, build_transforms, seed_everything
 
 
 def main(argv: list[str]) -> int:
     cfg, launcher = parse_train_args(argv)
     if not (cfg.imagenet_val or cfg.imagenet_v2):
         raise UserError("bigclip eval: nothing to evaluate; pass --imagenet-val DIR and/or --imagenet-v2 DIR")
-    world = init_distributed(
-        cfg.device,
-        cfg.dist_backend,
-        cfg.dist_url,
-        launcher.get("local_rank"),
-        not cfg.no_set_device_rank,
-        cfg.dist_timeout,
-    )
+    run = cfg.sections
+    world = join_world(run.dist, launcher.get("local_rank"))
     try:
         seed_everything(cfg.seed)
-        engine = build_engine(cfg, build_model(cfg, world), world)
-        _, preprocess_val, _ = build_transforms(cfg)
-        sets = build_zeroshot_sets(cfg, preprocess_val, world.rank, world.world_size)
-        tokenizer = get_tokenizer(cfg.model, context_length=cfg.force_context_length, cache_dir=cfg.cache_dir)
+        engine = build_engine(run.engine, build_model(run.model, run.engine, world), world)
+        _, preprocess_val, _ = build_transforms(run.model, run.data)
+        sets = build_zeroshot_sets(run.data, preprocess_val, world.rank, world.world_size)
+        tokenizer = build_tokenizer(run.model)
         engine.eval()
         metrics = imagenet_zero_shot(engine, sets, tokenizer, world)
         if world.is_main:

@@ -12,12 +12,14 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from bigclip.errors import UserError
+from bigclip.registry import Registry
 from bigclip.storage_options import redact_urls_in
 
 logger = logging.getLogger("bigclip")
@@ -33,18 +35,10 @@ class RunPaths:
     tensorboard: str  # logs/<name>/tensorboard
 
 
-def default_run_name(cfg, date: str) -> str:
+def default_run_name(date: str, model: str, lr: float, batch_size: int, workers: int, precision: str) -> str:
     """OpenCLIP's automatic name: date, model, lr, batch size, workers and precision."""
-    lr = cfg.lr if cfg.lr is not None else 5e-4
     return "-".join(
-        [
-            date,
-            f"model_{cfg.model.replace('/', '-')}",
-            f"lr_{lr}",
-            f"b_{cfg.batch_size}",
-            f"j_{cfg.workers}",
-            f"p_{cfg.precision}",
-        ]
+        [date, f"model_{model.replace('/', '-')}", f"lr_{lr}", f"b_{batch_size}", f"j_{workers}", f"p_{precision}"]
     )
 
 
@@ -123,39 +117,102 @@ class AverageMeter:
         return self.sum / max(1, self.count)
 
 
-class MetricSinks:
-    """metrics.jsonl always; tensorboard and wandb when --report-to names them. Only active ranks write."""
+@dataclass(frozen=True)
+class ReportConfig:
+    """Where metrics go besides metrics.jsonl (--report-to) and what the trackers are told."""
 
-    def __init__(self, cfg, paths: RunPaths, active: bool, config_dict: dict[str, Any], argv: list[str] | None = None):
+    report_to: str = ""
+    wandb_project_name: str = "open-clip"
+    wandb_notes: str = ""
+
+
+class Tracker(Protocol):
+    def log(self, scalars: dict[str, float], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+# --report-to NAME -> (config, run paths, the run's config as a dict, argv as trackers may record it) -> tracker.
+# Each tracker is imported only when asked for: each takes seconds to import.
+REPORT_TARGETS: Registry[Callable[[ReportConfig, RunPaths, dict, list[str] | None], Tracker]] = Registry(
+    "--report-to", unknown=lambda names: f"use {', '.join(names)} or {','.join(names)}"
+)
+
+
+def _scalar_name(key: str) -> str:
+    return key if "/" in key else f"train/{key}"
+
+
+class _TensorBoard:
+    def __init__(self, cfg: ReportConfig, paths: RunPaths, config_dict: dict, argv: list[str] | None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(paths.tensorboard)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for k, v in scalars.items():
+            self.writer.add_scalar(_scalar_name(k), v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Wandb:
+    def __init__(self, cfg: ReportConfig, paths: RunPaths, config_dict: dict, argv: list[str] | None):
+        import wandb
+
+        real_argv = sys.argv
+        sys.argv = [real_argv[0], *argv] if argv is not None else real_argv
+        try:  # wandb records sys.argv in its run files: it must see the scrubbed one
+            self.run = wandb.init(
+                project=cfg.wandb_project_name,
+                name=os.path.basename(paths.root),
+                notes=cfg.wandb_notes,
+                dir=paths.root,
+                config=config_dict,
+            )
+        finally:
+            sys.argv = real_argv
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log({_scalar_name(k): v for k, v in scalars.items()}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+REPORT_TARGETS.register("tensorboard", _TensorBoard, help="event files in <run>/tensorboard")
+REPORT_TARGETS.register("wandb", _Wandb, help="a Weights & Biases run")
+
+
+def report_targets(value: str) -> list[str]:
+    """The tracker names of a --report-to value (comma-separated); an unknown one is a UserError."""
+    names = [t for t in value.split(",") if t]
+    for name in names:
+        if name not in REPORT_TARGETS:
+            raise UserError(f"--report-to {value!r}: {REPORT_TARGETS.advice()}")
+    return names
+
+
+class MetricSinks:
+    """metrics.jsonl always; the trackers --report-to names (tensorboard, wandb). Only active ranks write."""
+
+    def __init__(
+        self,
+        cfg: ReportConfig,
+        paths: RunPaths,
+        active: bool,
+        config_dict: dict[str, Any],
+        argv: list[str] | None = None,
+    ):
         """`argv`: the command line as trackers may record it (secrets scrubbed); wandb stores sys.argv."""
         self.active = active
         self._jsonl = None
-        self._tb = None
-        self._wandb = None
+        self._trackers: list[Tracker] = []
         if not active:
             return
         self._jsonl = open(paths.metrics, "a", buffering=1)
-        targets = {t for t in cfg.report_to.split(",") if t}
-        # The trackers are imported only when asked for: each takes seconds to import.
-        if "tensorboard" in targets:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(paths.tensorboard)
-        if "wandb" in targets:
-            import wandb
-
-            real_argv = sys.argv
-            sys.argv = [real_argv[0], *argv] if argv is not None else real_argv
-            try:  # wandb records sys.argv in its run files: it must see the scrubbed one
-                self._wandb = wandb.init(
-                    project=cfg.wandb_project_name,
-                    name=os.path.basename(paths.root),
-                    notes=cfg.wandb_notes,
-                    dir=paths.root,
-                    config=config_dict,
-                )
-            finally:
-                sys.argv = real_argv
+        for name in report_targets(cfg.report_to):
+            self._trackers.append(REPORT_TARGETS.get(name)(cfg, paths, config_dict, argv))
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:
@@ -164,19 +221,14 @@ class MetricSinks:
         self._jsonl.write(json.dumps(record) + "\n")
         step = record.get("step", 0)
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
-        if self._tb is not None:
-            for k, v in scalars.items():
-                self._tb.add_scalar(k if "/" in k else f"train/{k}", v, step)
-        if self._wandb is not None:
-            self._wandb.log({(k if "/" in k else f"train/{k}"): v for k, v in scalars.items()}, step=step)
+        for tracker in self._trackers:
+            tracker.log(scalars, step)
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        for tracker in self._trackers:
+            tracker.close()
 
 
 def train_line(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +19,21 @@ from bigclip.progress import EpochProgress
 from bigclip.train_state import TrainState
 
 MAX_CONSECUTIVE_NONFINITE = 10
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """What the loop itself reads: how batches make a step, how many epochs, how often it reports."""
+
+    batch_size: int = 64
+    accum_freq: int = 1
+    epochs: int = 32
+    log_every_n_steps: int = 100
+    precision: str = "amp"  # named in the start line only
+
+    def samples_per_step(self, world_size: int) -> int:
+        return self.batch_size * self.accum_freq * world_size
+
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -87,13 +103,21 @@ def optimizer_step(engine) -> float:
 
 
 def train_one_epoch(
-    cfg, engine, loss_fn, train_data, state: TrainState, schedule, checkpointer, progress: EpochProgress, world
+    cfg: LoopConfig,
+    engine,
+    loss_fn,
+    train_data,
+    state: TrainState,
+    schedule,
+    checkpointer,
+    progress: EpochProgress,
+    world: World,
 ) -> bool:
     """The steps of epoch `state.epoch` from `state.batches_in_epoch` on. Returns True when the run must stop
     (SIGTERM; its final checkpoint is on its way), False when the epoch's steps are done."""
     steps = train_data.num_batches // cfg.accum_freq
     step_in_epoch = state.batches_in_epoch // cfg.accum_freq
-    samples_per_step = cfg.batch_size * cfg.accum_freq * world.world_size
+    samples_per_step = cfg.samples_per_step(world.world_size)
     train_data.set_epoch(state.epoch, skip_batches=state.batches_in_epoch)
     engine.train()
     groups = _micro_batches(train_data.dataloader, cfg.accum_freq, steps - step_in_epoch, engine, world)

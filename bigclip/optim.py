@@ -4,14 +4,16 @@ Weight decay follows OpenCLIP: parameters with fewer than two dimensions (gains,
 and bias), and anything named like a norm or bias, are not decayed. The rule works on names and shapes, so
 it gives the same groups before and after an engine wraps or shards the model.
 
-`--opt` picks torch's AdamW, bigclip's StableAdamW (AdamW with per-tensor update clipping) or any timm
-optimizer.
+`--opt` picks a name registered in OPTIMIZERS: torch's AdamW, bigclip's StableAdamW (AdamW with per-tensor
+update clipping) or any timm optimizer (timm/<name>).
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,8 +22,42 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from bigclip.errors import UserError
+from bigclip.registry import Registry
 
 ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.98, "eps": 1e-6}
+DEFAULT_LR = 5e-4  # OpenCLIP's --lr default
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The flags an optimizer reads (OpenCLIP's names; None: the optimizer's default)."""
+
+    opt: str = "adamw"
+    lr: float | None = None
+    beta1: float | None = None
+    beta2: float | None = None
+    eps: float | None = None
+    wd: float = 0.2
+    momentum: float | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """What an --opt name means: how to build it over parameter groups, and what it needs of its parameters."""
+
+    build: Callable[[OptimizerConfig, list[dict]], torch.optim.Optimizer]
+    # True when each update needs whole tensors (per-tensor statistics): an engine that hands the optimizer
+    # flattened partitions of many tensors (DeepSpeed ZeRO, its bf16/fp16 wrappers) cannot run it exactly.
+    per_tensor: bool = False
+    check: Callable[[OptimizerConfig], None] = lambda cfg: None
+
+
+def _unknown_optimizer(names: list[str]) -> str:
+    others = [n for n in names if n not in ("adamw", "timm/<optimizer name>")]
+    return "choose adamw or timm/<optimizer name>" + (f", or {', '.join(others)}" if others else "")
+
+
+OPTIMIZERS: Registry[OptimizerKind] = Registry("--opt", unknown=_unknown_optimizer)
 
 
 def _no_decay(name: str, p: torch.Tensor) -> bool:
@@ -40,9 +76,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def hyperparameters(cfg) -> dict:
+def hyperparameters(cfg: OptimizerConfig) -> dict:
     return {
-        "lr": cfg.lr if cfg.lr is not None else 5e-4,
+        "lr": cfg.lr if cfg.lr is not None else DEFAULT_LR,
         "beta1": cfg.beta1 if cfg.beta1 is not None else ADAM_DEFAULTS["beta1"],
         "beta2": cfg.beta2 if cfg.beta2 is not None else ADAM_DEFAULTS["beta2"],
         "eps": cfg.eps if cfg.eps is not None else ADAM_DEFAULTS["eps"],
@@ -50,12 +86,38 @@ def hyperparameters(cfg) -> dict:
     }
 
 
-def create_optimizer(cfg, groups: list[dict]) -> torch.optim.Optimizer:
+def optimizer_kind(cfg: OptimizerConfig) -> OptimizerKind:
+    return OPTIMIZERS.get(cfg.opt)
+
+
+def check_optimizer(cfg: OptimizerConfig) -> None:
+    """The optimizer flags' rules, before any work: a registered --opt, and that optimizer's own rules."""
+    optimizer_kind(cfg).check(cfg)
+
+
+def create_optimizer(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    return optimizer_kind(cfg).build(cfg, groups)
+
+
+def _adamw(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
     hp = hyperparameters(cfg)
-    if cfg.opt == "adamw":
-        return torch.optim.AdamW(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
-    if cfg.opt == "stableadamw":
-        return StableAdamW(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
+    return torch.optim.AdamW(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
+
+
+def _stableadamw(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    hp = hyperparameters(cfg)
+    return StableAdamW(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
+
+
+def _check_stableadamw(cfg: OptimizerConfig) -> None:
+    if cfg.eps is not None and cfg.eps <= 0:
+        raise UserError(
+            f"--eps {cfg.eps!r}: must be positive with --opt stableadamw (eps^2 floors the second moment it clips by)"
+        )
+
+
+def _timm(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    hp = hyperparameters(cfg)
     name = cfg.opt.split("/", 1)[1]
     kwargs = {}
     if cfg.momentum is not None:
@@ -205,3 +267,14 @@ class StableAdamW(torch.optim.Optimizer):
             denom = exp_avg_sq.sqrt().add_(group["eps"])
             param.addcdiv_(exp_avg, denom, value=-eta)
         return loss
+
+
+OPTIMIZERS.register("adamw", OptimizerKind(_adamw), help="torch's AdamW")
+OPTIMIZERS.register(
+    "stableadamw",
+    OptimizerKind(_stableadamw, per_tensor=True, check=_check_stableadamw),
+    help="AdamW with per-tensor update clipping, Wortsman et al. 2023; new in bigclip",
+)
+OPTIMIZERS.register(
+    "timm/", OptimizerKind(_timm), prefix=True, shown_as="timm/<optimizer name>", help="any timm optimizer"
+)

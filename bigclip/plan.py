@@ -3,7 +3,8 @@
     bigclip plan --model ViT-bigG-14 --gpus 8 64 256 1024 --gpu-mem 40 80 --batch-size 32
 
 Training state per GPU (Ψ parameters, N data-parallel ranks; ZeRO paper, Rajbhandari et al. 2020, with
-K = 12 bytes of fp32 master weights + Adam moments per parameter):
+K = 12 bytes of fp32 master weights + Adam moments per parameter). Each engine states its own memory model
+(Engine.memory_models in engine/*.py); what they say today:
 
     precision amp (bf16/fp16 compute)            precision fp32 (what the CPU benchmark measures)
     ddp     16Ψ  (fp32 weights, grads, Adam)     16Ψ
@@ -27,74 +28,40 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from bigclip.engine import ModelSize, memory_setups
+from bigclip.engine import state_bytes as engine_state_bytes
 from bigclip.errors import OneLineErrorParser
-from bigclip.model import create_model, get_model_config
+from bigclip.model import create_model
 
 GiB = 1024**3
-# The engine setups the plan compares (an engine and, for DeepSpeed, the ZeRO stage and offload).
-SETUPS = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp")
 # CUDA context, allocator fragmentation, communication buckets: kept out of the arithmetic, reserved here.
 OVERHEAD_BYTES = 3 * GiB
 
 
-@dataclass
-class ModelFacts:
-    name: str
-    params: int
-    block_params: int  # the largest transformer block
-    root_params: int  # parameters outside the blocks (embeddings, projections, norms, logit scale)
-    towers: list[tuple[int, int, int, float]]  # (layers, tokens, width, mlp ratio) per transformer tower
+@dataclass(frozen=True)
+class ModelFacts(ModelSize):
+    name: str = ""
+    towers: tuple[tuple[int, int, int, float], ...] = ()  # (layers, tokens, width, mlp ratio) per transformer tower
     # A tower whose activations the arithmetic does not describe (ResNet and timm image towers): its
     # parameters count, its activations do not, so a batch size that "fits" would be a guess.
     uncounted: str | None = None
 
 
-def _vit_image_tower(v: dict, image_size: tuple[int, int]) -> tuple[int, int, int, float] | None:
-    """(layers, tokens, width, mlp ratio) of bigclip's own ViT image tower, None for other kinds."""
-    if "timm_model_name" in v or not isinstance(v.get("patch_size"), int) or not isinstance(v.get("layers"), int):
-        return None
-    h, w = image_size
-    tokens = (h // v["patch_size"]) * (w // v["patch_size"]) + 1
-    return v["layers"], tokens, v["width"], float(v.get("mlp_ratio", 4.0))
-
-
 def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
     model = create_model(name, device="meta", image_size=image_size)
-    cfg = get_model_config(name)
-    blocks = model.transformer_blocks()
-    block_sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    block_sizes = [sum(p.numel() for p in b.parameters()) for b in model.transformer_blocks()]
     params = sum(p.numel() for p in model.parameters())
-    v, t = cfg["vision_cfg"], cfg["text_cfg"]
-    text = (t["layers"], t["context_length"], t["width"], float(t.get("mlp_ratio", 4.0)))
-    vision = _vit_image_tower(v, model.visual.image_size)
-    towers = [vision, text] if vision else [text]
-    uncounted = None if vision else f"image tower ({v.get('timm_model_name') or 'ResNet'})"
-    return ModelFacts(name, params, max(block_sizes), params - sum(block_sizes), towers, uncounted)
+    vision, text = model.visual.activation_shape(), model.text.activation_shape()
+    towers = tuple(shape for shape in (vision, text) if shape is not None)
+    uncounted = None if vision else f"image tower ({model.visual.description})"
+    return ModelFacts(
+        params, max(block_sizes), params - sum(block_sizes), name=name, towers=towers, uncounted=uncounted
+    )
 
 
-def state_bytes(engine: str, psi: int, n: int, precision: str = "amp", facts: ModelFacts | None = None) -> float:
-    """Parameters + gradients + optimizer state per GPU (bytes)."""
-    if precision == "fp32":
-        return {
-            "ddp": 16 * psi,
-            "zero1": 8 * psi + 12 * psi / n,
-            "zero2": 4 * psi + 16 * psi / n,
-            "zero3": 20 * psi / n,
-            "zero3_offload": 0.0,
-            "fsdp": 16 * psi / n,
-        }[engine]
-    table = {
-        "ddp": 16 * psi,
-        "zero1": 4 * psi + 12 * psi / n,
-        "zero2": 2 * psi + 14 * psi / n,
-        "zero3": 16 * psi / n,
-        "zero3_offload": 0.0,
-        "fsdp": 16 * psi / n,
-    }
-    value = table[engine]
-    if engine == "fsdp" and facts is not None:
-        value += 2 * (2 * facts.block_params + facts.root_params)  # bf16 gathered: 2 blocks + the root
-    return value
+def state_bytes(setup: str, psi: int, n: int, precision: str = "amp", facts: ModelSize | None = None) -> float:
+    """Parameters + gradients + optimizer state per GPU (bytes): the engine's own memory model for `setup`."""
+    return engine_state_bytes(setup, psi, n, precision, facts)
 
 
 def activation_bytes(facts: ModelFacts, batch: int, checkpointing: bool) -> float:
@@ -150,7 +117,7 @@ def render(
             + " |"
         )
         lines += [header, "|" + "---|" * (1 + len(gpus) + len(gpu_mem))]
-        for engine in SETUPS:
+        for engine in memory_setups():
             states = [_gb(state_bytes(engine, facts.params, n, precision, facts)) for n in gpus]
             fits = []
             for mem in gpu_mem:

@@ -5,22 +5,27 @@ amp            fp16 autocast + dynamic loss scaling on GPU; on CPU bfloat16 auto
 amp_bf16       bfloat16 autocast (amp_bfloat16 is the same)
 bf16 / fp16    weights and activations in that dtype, no autocast (pure_bf16 / pure_fp16 are the same)
 fp32           everything in float32
+
+Each name is registered in PRECISIONS with the function that says what it means on a device.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from bigclip.registry import Registry
 
 
 @dataclass(frozen=True)
 class Precision:
     name: str
     autocast_dtype: torch.dtype | None
-    param_dtype: torch.dtype
-    loss_scaling: bool  # images are fed in param_dtype: pure bf16/fp16 weights need bf16/fp16 inputs
+    param_dtype: torch.dtype  # images are fed in param_dtype: pure bf16/fp16 weights need bf16/fp16 inputs
+    loss_scaling: bool
 
     def autocast(self, device: torch.device):
         if self.autocast_dtype is None:
@@ -28,16 +33,36 @@ class Precision:
         return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
 
 
-def resolve_precision(name: str, device: torch.device) -> Precision:
-    on_gpu = device.type == "cuda"
-    if name == "amp":
-        if on_gpu:
-            return Precision(name, torch.float16, torch.float32, True)
-        return Precision(name, torch.bfloat16, torch.float32, False)
-    if name in ("amp_bf16", "amp_bfloat16"):
-        return Precision(name, torch.bfloat16, torch.float32, False)
-    if name in ("bf16", "pure_bf16"):
-        return Precision(name, None, torch.bfloat16, False)
-    if name in ("fp16", "pure_fp16"):
-        return Precision(name, None, torch.float16, False)
+PRECISIONS: Registry[Callable[[str, torch.device], Precision]] = Registry("--precision")
+
+
+@PRECISIONS.register("amp", help="fp16 autocast with loss scaling on GPU, bfloat16 autocast on CPU")
+def _amp(name: str, device: torch.device) -> Precision:
+    if device.type == "cuda":
+        return Precision(name, torch.float16, torch.float32, True)
+    return Precision(name, torch.bfloat16, torch.float32, False)
+
+
+@PRECISIONS.register("amp_bf16", aliases=("amp_bfloat16",), help="bfloat16 autocast")
+def _amp_bf16(name: str, device: torch.device) -> Precision:
+    return Precision(name, torch.bfloat16, torch.float32, False)
+
+
+@PRECISIONS.register("bf16", aliases=("pure_bf16",), help="bfloat16 weights, no autocast")
+def _bf16(name: str, device: torch.device) -> Precision:
+    return Precision(name, None, torch.bfloat16, False)
+
+
+@PRECISIONS.register("fp16", aliases=("pure_fp16",), help="float16 weights, no autocast")
+def _fp16(name: str, device: torch.device) -> Precision:
+    return Precision(name, None, torch.float16, False)
+
+
+@PRECISIONS.register("fp32", help="everything in float32")
+def _fp32(name: str, device: torch.device) -> Precision:
     return Precision(name, None, torch.float32, False)
+
+
+def resolve_precision(name: str, device: torch.device) -> Precision:
+    """What --precision `name` means on `device`; an unknown name is a UserError listing the registered ones."""
+    return PRECISIONS.get(name)(name, device)

@@ -24,7 +24,9 @@ from bigclip.train_state import TrainState
 class EpochProgress:
     def __init__(
         self,
-        cfg,
+        log_every: int,
+        batch_size: int,
+        samples_per_step: int,
         engine,
         sinks: MetricSinks,
         world: World,
@@ -34,14 +36,17 @@ class EpochProgress:
         train_data,
         more_metrics: Callable[[], dict[str, float]] = dict,
     ):
-        """steps: optimizer steps in the epoch; samples: samples in the epoch over all ranks; train_data: the
+        """log_every: --log-every-n-steps; batch_size: per rank and micro-batch (the loss average's weight);
+        samples_per_step: over all ranks and micro-batches; steps:
+        optimizer steps in the epoch; samples: samples in the epoch over all ranks; train_data: the
         DataInfo whose skipped samples are reported (summed over ranks) at every log step; more_metrics: other
         parts' counters for every record (the checkpointer's ckpt/skipped)."""
         self.more_metrics = more_metrics
-        self.cfg, self.engine, self.sinks, self.world = cfg, engine, sinks, world
+        self.log_every, self.batch_size = log_every, batch_size
+        self.engine, self.sinks, self.world = engine, sinks, world
         self.train_data = train_data
         self.steps, self.samples = steps, samples
-        self.samples_per_step = cfg.batch_size * cfg.accum_freq * world.world_size
+        self.samples_per_step = samples_per_step
         self.epoch = state.epoch
         self.batch_time, self.data_time, self.loss = AverageMeter(), AverageMeter(), AverageMeter()
         self.bar = None
@@ -63,11 +68,11 @@ class EpochProgress:
         self.batch_time.update(time.perf_counter() - self._end)
         self._end = time.perf_counter()
         if math.isfinite(loss):
-            self.loss.update(loss, self.cfg.batch_size)
+            self.loss.update(loss, self.batch_size)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{self.engine.get_lr():.2e}")
-        due = step_in_epoch % self.cfg.log_every_n_steps == 0 or step_in_epoch == self.steps
+        due = step_in_epoch % self.log_every == 0 or step_in_epoch == self.steps
         if due and math.isfinite(loss):
             self._log(state, step_in_epoch, loss, grad_norm)
 

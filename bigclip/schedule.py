@@ -1,15 +1,38 @@
 """Learning-rate schedules with OpenCLIP's shapes, as pure functions of the step.
 
 A schedule is a plain function step -> lr, so the loop sets the rate on whatever optimizer the engine
-owns (torch, timm or DeepSpeed's) and a resumed run recomputes it from the step alone.
+owns (torch, timm or DeepSpeed's) and a resumed run recomputes it from the step alone. Each --lr-scheduler
+name is registered in SCHEDULES with the function that builds its schedule from a ScheduleConfig.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+
+from bigclip.errors import UserError
+from bigclip.optim import DEFAULT_LR
+from bigclip.registry import Registry
 
 Schedule = Callable[[int], float]
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The flags a schedule reads (OpenCLIP's names)."""
+
+    lr_scheduler: str = "cosine"
+    lr: float | None = None
+    warmup: int = 10000
+    epochs: int = 32
+    epochs_cooldown: int | None = None
+    lr_cooldown_end: float = 0.0
+    lr_cooldown_power: float = 1.0
+
+
+def base_lr(cfg: ScheduleConfig) -> float:
+    return cfg.lr if cfg.lr is not None else DEFAULT_LR
 
 
 def _warmup(base_lr: float, warmup: int, step: int) -> float:
@@ -49,14 +72,35 @@ def constant_cooldown(
     return lr
 
 
-def build_schedule(cfg, steps_per_epoch: int) -> Schedule:
+# name -> (config, optimizer steps per epoch) -> schedule
+SCHEDULES: Registry[Callable[[ScheduleConfig, int], Schedule]] = Registry("--lr-scheduler")
+
+
+@SCHEDULES.register("cosine", help="warmup, then cosine decay to 0 at the last step")
+def _cosine(cfg: ScheduleConfig, steps_per_epoch: int) -> Schedule:
+    return cosine(base_lr(cfg), cfg.warmup, steps_per_epoch * cfg.epochs)
+
+
+@SCHEDULES.register("const", help="warmup, then constant")
+def _const(cfg: ScheduleConfig, steps_per_epoch: int) -> Schedule:
+    return constant(base_lr(cfg), cfg.warmup)
+
+
+@SCHEDULES.register("const-cooldown", help="warmup, constant, then a polynomial cooldown over --epochs-cooldown")
+def _const_cooldown(cfg: ScheduleConfig, steps_per_epoch: int) -> Schedule:
+    total, cooldown = steps_per_epoch * cfg.epochs, steps_per_epoch * cfg.epochs_cooldown
+    return constant_cooldown(base_lr(cfg), cfg.warmup, total, cooldown, cfg.lr_cooldown_power, cfg.lr_cooldown_end)
+
+
+def check_schedule(cfg: ScheduleConfig) -> None:
+    """The schedule flags' rules, before any work."""
+    SCHEDULES.entry(cfg.lr_scheduler)
+    if cfg.lr_scheduler == "const-cooldown" and cfg.epochs_cooldown is None:
+        raise UserError("--lr-scheduler const-cooldown needs --epochs-cooldown N")
+    if cfg.epochs_cooldown is not None and not (0 <= cfg.epochs_cooldown <= cfg.epochs):
+        raise UserError(f"--epochs-cooldown {cfg.epochs_cooldown!r}: must be between 0 and --epochs ({cfg.epochs})")
+
+
+def build_schedule(cfg: ScheduleConfig, steps_per_epoch: int) -> Schedule:
     """steps_per_epoch counts optimizer steps (batches // accum_freq), as OpenCLIP does."""
-    total = steps_per_epoch * cfg.epochs
-    base_lr = cfg.lr if cfg.lr is not None else 5e-4
-    if cfg.lr_scheduler == "cosine":
-        return cosine(base_lr, cfg.warmup, total)
-    if cfg.lr_scheduler == "const":
-        return constant(base_lr, cfg.warmup)
-    return constant_cooldown(
-        base_lr, cfg.warmup, total, steps_per_epoch * cfg.epochs_cooldown, cfg.lr_cooldown_power, cfg.lr_cooldown_end
-    )
+    return SCHEDULES.get(cfg.lr_scheduler)(cfg, steps_per_epoch)

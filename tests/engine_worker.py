@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from bigclip.build import build_loss_fn, build_model
 from bigclip.config import resolve
 from bigclip.dist import init_distributed, shutdown
 from bigclip.engine import build_engine
@@ -26,7 +27,6 @@ from bigclip.loop import forward_backward, optimizer_step
 from bigclip.model import get_model_config
 from bigclip.model.switchback import INT8_MATMULS, reset_int8_matmuls
 from bigclip.schedule import build_schedule
-from bigclip.train import build_loss_fn, build_model
 
 
 def current_rss() -> int:
@@ -101,16 +101,18 @@ def run_one(spec: dict, world) -> dict:
     reset_peak_rss()
     rss0 = current_rss()
     t0 = time.perf_counter()
-    model = build_model(cfg, world)  # the run's own: the engine picks whole or meta; --pretrained applied
-    engine = build_engine(cfg, model, world)
+    model = build_model(
+        cfg.sections.model, cfg.sections.engine, world
+    )  # the run's own: the engine picks whole or meta; --pretrained applied
+    engine = build_engine(cfg.sections.engine, model, world)
     build_s = time.perf_counter() - t0
     build_rss = peak_rss_bytes() - rss0  # the high-water mark while building, above what was there before
     build_state = engine.state_bytes()["total"]  # what the engine keeps: the rest of build_rss was transient
     if spec.get("compare_with_pretrained"):
         out_weights = compare_with_file(engine, cfg.pretrained)
-    loss_fn = build_loss_fn(cfg, world)
+    loss_fn = build_loss_fn(cfg.sections.loss, world)
     # one schedule for every run, however many steps it takes, so shorter runs follow the longer ones
-    schedule = build_schedule(cfg, spec.get("schedule_steps", 20))
+    schedule = build_schedule(cfg.sections.schedule, spec.get("schedule_steps", 20))
 
     out = {
         "losses": [],

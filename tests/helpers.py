@@ -9,6 +9,16 @@ import subprocess
 import sys
 import time
 
+
+def loss_for(siglip, local_loss=False, gather_with_grad=False, impl="auto", dist_impl=None, rank=0, world_size=1):
+    """The loss module OpenCLIP's flags (--siglip, --local-loss, --gather-with-grad) and bigclip's --loss-impl /
+    --loss-dist-impl make, in that order."""
+    from bigclip.loss import LossConfig, build_loss
+
+    family = "siglip" if siglip else "clip"
+    return build_loss(LossConfig(family, local_loss, gather_with_grad, impl, dist_impl), rank, world_size)
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_SCRIPT = os.path.join(REPO, "launch", "train.py")
 

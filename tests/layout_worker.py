@@ -19,6 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from bigclip.build import build_loss_fn
 from bigclip.ckpt.layout import CheckpointLayout
 from bigclip.ckpt.layouts import LAYOUTS
 from bigclip.config import resolve
@@ -27,7 +28,6 @@ from bigclip.engine import build_engine, build_model
 from bigclip.errors import UserError
 from bigclip.loop import forward_backward, optimizer_step
 from bigclip.model import create_model
-from bigclip.train import build_loss_fn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINES = {
@@ -78,7 +78,9 @@ def full_model(engine) -> dict[str, torch.Tensor]:  # collective
 
 def fresh_engine(cfg, world: World, seed: int):
     torch.manual_seed(seed)
-    return build_engine(cfg, build_model(cfg, world, functools.partial(create_model, cfg.model)), world)
+    return build_engine(
+        cfg.sections.engine, build_model(cfg.sections.engine, world, functools.partial(create_model, cfg.model)), world
+    )
 
 
 def round_trip(name: str, flags: dict, root: str, world: World, group) -> dict:
@@ -87,7 +89,7 @@ def round_trip(name: str, flags: dict, root: str, world: World, group) -> dict:
          "wd": 0.1, "seed": 0, "workers": 0, **flags}
     )  # fmt: skip
     a = fresh_engine(cfg, world, seed=0)
-    loss_fn = build_loss_fn(cfg, world)
+    loss_fn = build_loss_fn(cfg.sections.loss, world)
     train(a, loss_fn, world, range(2))
     layout = a.checkpoint_layout(group, "thread")
     directory = os.path.join(root, name)

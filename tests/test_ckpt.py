@@ -71,7 +71,7 @@ def bigclip_log():
 def tiny_engine(seed=0):
     cfg = resolve(dict(model="test-tiny", dataset_type="synthetic", precision="fp32"))
     torch.manual_seed(seed)
-    return build_engine(cfg, create_model("test-tiny"), World())
+    return build_engine(cfg.sections.engine, create_model("test-tiny"), World())
 
 
 def test_cadence_and_exact_mid_epoch_resume(reference, tmp_path):

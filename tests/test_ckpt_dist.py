@@ -161,7 +161,7 @@ from bigclip.dist import init_distributed
 from bigclip.engine import build_engine, build_model
 from bigclip.model import create_model
 from bigclip.loop import forward_backward, optimizer_step
-from bigclip.train import build_loss_fn
+from bigclip.build import build_loss_fn
 from bigclip.ckpt import CheckpointManager
 
 def batch(step, rank):
@@ -210,8 +210,9 @@ def main():  # the process writer's daemon re-imports __main__: nothing may run 
                        "gather_with_grad": True, **config})
         directory = os.path.join(root, name)
         torch.manual_seed(0)
-        a = build_engine(cfg, build_model(cfg, world, functools.partial(create_model, cfg.model)), world)
-        loss_fn = build_loss_fn(cfg, world)
+        engine_cfg = cfg.sections.engine
+        a = build_engine(engine_cfg, build_model(engine_cfg, world, functools.partial(create_model, cfg.model)), world)
+        loss_fn = build_loss_fn(cfg.sections.loss, world)
         train(a, loss_fn, world, range(2))
         manager = CheckpointManager(directory, a, world, async_mode=cfg.checkpoint_async)
         manager.save("step_2", {"step": 2, "epoch": 0, "samples_seen": 16, "batches_in_epoch": 2})
@@ -221,7 +222,8 @@ def main():  # the process writer's daemon re-imports __main__: nothing may run 
         writer = manager.mode
         manager.close()
         torch.manual_seed(1)
-        b = build_engine(cfg, build_model(cfg, world, functools.partial(create_model, cfg.model)), world)
+        engine_cfg = cfg.sections.engine
+        b = build_engine(engine_cfg, build_model(engine_cfg, world, functools.partial(create_model, cfg.model)), world)
         manager = CheckpointManager(directory, b, world)
         location, state = manager.resume("latest")
         after_b = train(b, loss_fn, world, range(2, 4))
@@ -267,7 +269,7 @@ from bigclip.dist import init_distributed
 from bigclip.engine import build_engine, build_model
 from bigclip.model import create_model
 from bigclip.loop import forward_backward, optimizer_step
-from bigclip.train import build_loss_fn
+from bigclip.build import build_loss_fn
 from bigclip.ckpt import CheckpointManager
 from bigclip.errors import UserError
 from bigclip.log import setup_console_logging
@@ -301,8 +303,9 @@ for name, config in spec.items():
                    "batch_size": 8 // world.world_size, "lr": 1e-3, "wd": 0.1, "seed": 0, "workers": 0,
                    "local_loss": True, "gather_with_grad": True, **config})
     torch.manual_seed(7)
-    engine = build_engine(cfg, build_model(cfg, world, functools.partial(create_model, cfg.model)), world)
-    loss_fn = build_loss_fn(cfg, world)
+    engine_cfg = cfg.sections.engine
+    engine = build_engine(engine_cfg, build_model(engine_cfg, world, functools.partial(create_model, cfg.model)), world)
+    loss_fn = build_loss_fn(cfg.sections.loss, world)
     manager = CheckpointManager(os.path.join(root, f"ws{world.world_size}", name), engine, world)
     try:
         state = manager.load(os.path.join(root, source, "step_2"))
@@ -385,7 +388,7 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
     cfg = resolve(dict(model="test-tiny", dataset_type="synthetic", precision="fp32", batch_size=4))
     for name in ("ddp", "fsdp"):
         torch.manual_seed(5)
-        engine = build_engine(cfg, create_model("test-tiny"), World())
+        engine = build_engine(cfg.sections.engine, create_model("test-tiny"), World())
         state = CheckpointManager(str(tmp_path / "ws1"), engine, World()).load(str(tmp_path / name / "step_2"))
         assert state["step"] == 2
         want = torch.load(tmp_path / f"{name}_step2_model.pt", weights_only=True)

@@ -5,20 +5,28 @@
   layout's one-process reader gives the same weights for export.
 - raise_together: a problem found on one rank stops every rank with that rank's message.
 - TrainState is saved and restored as one object; older records keep defaults for new fields.
-- Engines own their flags' rules (config validation asks every engine).
-- The package has no import cycles (imports inside functions count) and no stdlib imports inside functions.
+- Engines own their flags' rules (config validation asks every engine); validation writes nothing back.
+- The package has no import cycles (imports inside functions count), no stdlib imports inside functions, and
+  imports inside functions only the optional or slow packages docs/architecture.md lists.
+- Nothing outside bigclip/engine/ names an engine (AST: no comparison with, lookup of, or class of one).
+- Components take their typed slice of the config: every slice field is a flag of the same name (or one the run
+  decides), and only the run's entry points take the whole TrainConfig.
 """
 
 import ast
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import typing
 
 import pytest
 from helpers import REPO, subprocess_env, torchrun_cmd
 
-from bigclip.config import resolve
+from bigclip.config import Sections, TrainConfig, resolve
+from bigclip.config.fields import default_of
+from bigclip.engine import ENGINES, memory_setups
 from bigclip.errors import UserError
 from bigclip.train_state import TrainState
 
@@ -90,10 +98,25 @@ def test_deepspeed_json_is_resolved_once_at_validation():
         {"dataset_type": "synthetic", "model": "test-tiny", "batch_size": 16, "accum_freq": 2,
          "ds_config": os.path.join(REPO, "ds_configs", "zero3.json")}
     )  # fmt: skip
-    values = cfg.ds_config_values
+    values = cfg.sections.engine.resolved
     assert values["train_micro_batch_size_per_gpu"] == 16 and values["gradient_accumulation_steps"] == 2
     assert values["zero_optimization"]["stage"] == 3
     assert "train_batch_size" not in values or values["train_batch_size"] == "auto"  # the world adds it
+    assert cfg.sections is cfg.sections  # built once: the file is read at validation only
+
+
+def test_validation_writes_nothing_onto_the_flags():
+    """The resolved DeepSpeed JSON is returned by the engine's check and carried by the engine's slice; the flags
+    are frozen and hold only what the user gave (params.yaml records exactly them)."""
+    cfg = resolve(
+        {"dataset_type": "synthetic", "model": "test-tiny", "ds_config": os.path.join(REPO, "ds_configs", "zero2.json")}
+    )
+    assert "ds_config_values" not in dataclasses.asdict(cfg) and "resolved" not in dataclasses.asdict(cfg)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.engine = "ddp"
+    unresolved = dataclasses.replace(cfg.sections.engine, resolved=None)
+    assert ENGINES.get("deepspeed").check_config(unresolved) == cfg.sections.engine.resolved
+    assert unresolved.resolved is None
 
 
 def _modules() -> dict[str, str]:
@@ -159,7 +182,10 @@ def test_no_import_cycles_counting_imports_inside_functions():
 
 
 # docs/architecture.md's layers: what each top-level module or package of bigclip may import.
-FOUNDATION = {"errors", "dist", "precision", "optim", "schedule", "train_state", "log", "storage_options", "preemption"}
+FOUNDATION = {
+    "errors", "registry", "dist", "precision", "optim", "schedule", "train_state", "log", "storage_options",
+    "preemption",
+}  # fmt: skip
 COMPONENTS = {"model", "loss", "data", "ckpt"}
 ALLOWED = {
     **{m: FOUNDATION for m in FOUNDATION},
@@ -200,4 +226,118 @@ def test_no_standard_library_imports_inside_functions():
                 elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                     names = [node.module]
                 found += [f"{module}:{node.lineno} {n}" for n in names if n.split(".")[0] in sys.stdlib_module_names]
+    assert found == []
+
+
+# Imports inside functions: only packages that are optional or take seconds to import, each needed by few runs
+# (docs/architecture.md, "Imports inside functions"). Module prefix -> why.
+LAZY_IMPORTS = {
+    "deepspeed": "optional extra; only DeepSpeed runs and checkpoints need it",
+    "bigclip.ckpt.deepspeed_staging": "imports DeepSpeed at module level (its checkpoint-engine subclass)",
+    "triton": "optional: CPU-only installs have none",
+    "bigclip.loss.triton": "imports Triton at module level",
+    "bigclip.loss": "the Triton loss backend, imported by name on first use (loss/select.py)",
+    "bigclip.model": "the Triton SwitchBack kernels, imported on first CUDA use (model/switchback.py)",
+    "wandb": "seconds to import; only --report-to wandb",
+    "torch.utils.tensorboard": "seconds to import; only --report-to tensorboard",
+    "sklearn": "seconds to import; only the embedded demo's digits",
+    "open_clip": "seconds to import; only BPE tokenization, pretrained tags and ImageNet class names",
+    "huggingface_hub": "only hub downloads (pretrained tags, hf-hub: models, timm trunk weights)",
+    "torch.distributed.checkpoint": "DCP's private helpers, guarded by try/except: they may move between releases",
+}
+
+
+def test_function_level_imports_are_the_documented_lazy_ones():
+    found = []
+    for module, path in _modules().items():
+        for func in ast.walk(ast.parse(open(path).read())):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(func):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                allowed = lambda n: any(n == p or n.startswith(p + ".") for p in LAZY_IMPORTS)  # noqa: E731
+                found += [f"{module}:{node.lineno} {n}" for n in names if not allowed(n)]
+    assert found == []
+    documented = open(os.path.join(REPO, "docs", "architecture.md")).read()
+    assert all(f"`{prefix}`" in documented for prefix in LAZY_IMPORTS)
+
+
+def _engine_names() -> set[str]:
+    return set(ENGINES) | set(memory_setups())
+
+
+def test_no_engine_names_outside_the_engine_package():
+    """Outside bigclip/engine/: no comparison with an engine's (or memory setup's) name, no registry lookup by one,
+    and no reference to an engine class. Engine facts (flag rules, memory models, layouts) are asked of engines."""
+    names, classes = _engine_names(), {cls.__name__ for _, cls in ENGINES.items()}
+    found = []
+    for module, path in _modules().items():
+        if module == "bigclip.engine" or module.startswith("bigclip.engine."):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            literal = lambda n: isinstance(n, ast.Constant) and n.value in names  # noqa: E731
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                tuples = [e for s in sides if isinstance(s, (ast.Tuple, ast.List, ast.Set)) for e in s.elts]
+                if any(literal(s) for s in sides + tuples):
+                    found.append(f"{module}:{node.lineno} compares with an engine name")
+            elif isinstance(node, (ast.Call, ast.Subscript)):
+                args = node.args if isinstance(node, ast.Call) else [node.slice]
+                if any(literal(a) for a in args):
+                    found.append(f"{module}:{node.lineno} looks up an engine by name")
+            elif (
+                isinstance(node, ast.Name)
+                and node.id in classes
+                or isinstance(node, ast.alias)
+                and node.name in classes
+            ):
+                found.append(f"{module}:{node.lineno} names an engine class")
+    assert found == []
+
+
+# Slice fields the run sets from another component's decision, not from a flag of the same name.
+DECIDED = {
+    ("model", "init"): "the loss family's model_init",
+    ("engine", "optimizer"): "the optimizer's slice",
+    ("engine", "resolved"): "what the chosen engine's check_config returned",
+}
+
+
+def test_every_slice_field_is_a_flag_of_the_same_name_type_and_default():
+    flags = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    problems = []
+    for section in dataclasses.fields(Sections):
+        cls = typing.get_type_hints(Sections)[section.name]
+        for f in dataclasses.fields(cls):
+            if (section.name, f.name) in DECIDED:
+                continue
+            flag = flags.get(f.name)
+            if flag is None:
+                problems.append(f"{cls.__name__}.{f.name}: no flag of that name")
+            elif str(f.type) != str(flag.type) or default_of(f) != default_of(flag):
+                problems.append(f"{cls.__name__}.{f.name}: {f.type} = {default_of(f)!r}, the flag {flag.type} = ...")
+    assert problems == []
+
+
+ENTRY_POINTS = {"bigclip.train", "bigclip.config"}  # the run itself, and the flags' own package
+
+
+def test_only_the_run_takes_the_whole_config():
+    """Components take their slice (engine, data, loss, ...): a parameter annotated TrainConfig, or an unannotated
+    `cfg`, appears only in the run's entry points."""
+    found = []
+    for module, path in _modules().items():
+        if any(module == m or module.startswith(m + ".") for m in ENTRY_POINTS):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for a in node.args.args + node.args.kwonlyargs:
+                    annotation = ast.unparse(a.annotation) if a.annotation else None
+                    if annotation == "TrainConfig" or (a.arg == "cfg" and annotation is None):
+                        found.append(f"{module}:{node.lineno} {node.name}({a.arg})")
     assert found == []

@@ -13,10 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
-from bigclip.config import TrainConfig
 from bigclip.data import (
     DIGIT_CLASSNAMES,
     DIGIT_TEMPLATES,
+    DataConfig,
     DataInfo,
     get_data,
     image_transform,
@@ -38,9 +38,9 @@ PREPROCESS = image_transform(SIZE, False, MEAN, STD)
 PREPROCESS_CFG = {"size": (SIZE, SIZE), "mean": MEAN, "std": STD}
 
 
-def make_cfg(**overrides) -> TrainConfig:
+def make_cfg(**overrides) -> DataConfig:
     base = dict(workers=0, batch_size=2, seed=0)
-    return dataclasses.replace(TrainConfig(), **{**base, **overrides})
+    return dataclasses.replace(DataConfig(), **{**base, **overrides})
 
 
 def load(cfg, rank=0, world_size=1, epoch=0) -> dict:

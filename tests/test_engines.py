@@ -78,7 +78,7 @@ def test_shipped_configs_fill_every_auto_from_flags(name):
         "--wd",
         "0.1",
     )
-    ds = dsc.resolve(cfg, world_size=4, device_type="cpu", hidden_size=64)
+    ds = dsc.resolve(cfg.sections.engine, world_size=4, device_type="cpu", hidden_size=64)
     assert ds["train_micro_batch_size_per_gpu"] == 16
     assert ds["gradient_accumulation_steps"] == 2
     assert ds["train_batch_size"] == 16 * 2 * 4  # computed, never asked for
@@ -93,11 +93,11 @@ def test_shipped_configs_fill_every_auto_from_flags(name):
 
 
 def test_precision_maps_to_deepspeed_sections():
-    fp32 = dsc.resolve(tiny("--ds_config", SHIPPED["zero2"], "--precision", "fp32"), 2, "cpu")
+    fp32 = dsc.resolve(tiny("--ds_config", SHIPPED["zero2"], "--precision", "fp32").sections.engine, 2, "cpu")
     assert not fp32["bf16"]["enabled"] and not fp32["fp16"]["enabled"]
-    amp_cpu = dsc.resolve(tiny("--ds_config", SHIPPED["zero2"], "--precision", "amp"), 2, "cpu")
+    amp_cpu = dsc.resolve(tiny("--ds_config", SHIPPED["zero2"], "--precision", "amp").sections.engine, 2, "cpu")
     assert amp_cpu["bf16"]["enabled"]  # amp on CPU means bfloat16
-    amp_gpu = dsc.resolve(tiny("--ds_config", SHIPPED["zero2"], "--precision", "amp"), 2, "cuda")
+    amp_gpu = dsc.resolve(tiny("--ds_config", SHIPPED["zero2"], "--precision", "amp").sections.engine, 2, "cuda")
     assert amp_gpu["fp16"]["enabled"] and amp_gpu["fp16"]["loss_scale"] == 0  # dynamic loss scaling
 
 
@@ -130,10 +130,14 @@ def test_explicit_train_batch_size_must_be_micro_x_accum_x_world(tmp_path):
     path = write(tmp_path, {"train_batch_size": 100})
     cfg = tiny("--ds_config", path, "--batch-size", "8")
     with pytest.raises(UserError, match=r"train_batch_size is 100 but --batch-size 8 x --accum-freq 1 x 2"):
-        dsc.resolve(cfg, world_size=2, device_type="cpu")
+        dsc.resolve(cfg.sections.engine, world_size=2, device_type="cpu")
     assert (
         dsc.resolve(
-            tiny("--ds_config", write(tmp_path, {"train_batch_size": 16}, "ok.json"), "--batch-size", "8"), 2, "cpu"
+            tiny(
+                "--ds_config", write(tmp_path, {"train_batch_size": 16}, "ok.json"), "--batch-size", "8"
+            ).sections.engine,
+            2,
+            "cpu",
         )["train_batch_size"]
         == 16
     )
@@ -183,7 +187,7 @@ def test_giant_models_are_built_on_meta_under_sharding_engines():
                 raise AssertionError(f"{name} was built whole")
             return create_model(name, **overrides)
 
-        return build_model(cfg, World(), factory)
+        return build_model(cfg.sections.engine, World(), factory)
 
     # auto: from 500M parameters; the factory is asked for a meta model first (never a real giant one)
     assert is_meta(build("ViT-bigG-14", "--engine", "fsdp"))
@@ -242,7 +246,8 @@ def test_plan_for_towers_without_an_activation_formula(capsys, tmp_path):
     from bigclip.config import resolve
     from bigclip.dist import World
 
-    lines = dry_run.report(resolve({"model": "RN50", "dataset_type": "synthetic", "batch_size": 16}), World())
+    cfg = resolve({"model": "RN50", "dataset_type": "synthetic", "batch_size": 16})
+    lines = dry_run.report(cfg.sections.model, cfg.sections.engine, World())
     assert "model RN50: 102.0M parameters" in lines
     assert lines[-1].endswith("+ the image tower (ResNet)'s activations, not estimated"), lines[-1]
 

@@ -37,7 +37,8 @@ world = init_distributed("cpu", "gloo")
 cfg = resolve({"dataset_type": "synthetic", "precision": "fp32", "model": "test-tiny", "batch_size": 4,
                "engine": "fsdp", "sharded_init": "never"})
 torch.manual_seed(0)
-engine = build_engine(cfg, build_model(cfg, world, functools.partial(create_model, cfg.model)), world)
+engine_cfg = cfg.sections.engine
+engine = build_engine(engine_cfg, build_model(engine_cfg, world, functools.partial(create_model, cfg.model)), world)
 engine.eval()
 shares = {"uneven": {0: [0, 1, 2], 1: [3, 4]}, "one_rank_empty": {0: [0, 1, 2, 3, 4], 1: []}}
 results = {name: validate(engine, [batch(i) for i in share[world.rank]], world) for name, share in shares.items()}
@@ -64,7 +65,7 @@ def test_fsdp_validation_with_unequal_shares_runs_in_lockstep(tmp_path):
     # The whole validation set in one process, same initial weights.
     cfg = resolve(dict(model="test-tiny", dataset_type="synthetic", precision="fp32", batch_size=4))
     torch.manual_seed(0)
-    engine = build_engine(cfg, create_model("test-tiny"), World())
+    engine = build_engine(cfg.sections.engine, create_model("test-tiny"), World())
     engine.eval()
     want = validate(engine, [_batch(i) for i in range(5)], World())
     assert want["num_samples"] == 20

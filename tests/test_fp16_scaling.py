@@ -16,13 +16,13 @@ import torch.distributed as dist
 from helpers import free_port
 
 import bigclip.engine.base as engine_base
+from bigclip.build import build_loss_fn
 from bigclip.config import resolve
 from bigclip.dist import World, init_distributed, shutdown
 from bigclip.engine import build_engine, build_model
 from bigclip.loop import forward_backward, optimizer_step
 from bigclip.model import create_model
 from bigclip.precision import Precision
-from bigclip.train import build_loss_fn
 
 
 def batch(step: int):
@@ -67,10 +67,14 @@ def test_fp16_loss_scaling_skips_overflowing_steps_on_cpu(fp16_amp, one_rank_gro
     assert isinstance(world, World)
     cfg = resolve(dict(model="test-tiny", dataset_type="synthetic", precision="amp", engine=engine_name))
     torch.manual_seed(0)
-    engine = build_engine(cfg, build_model(cfg, world, functools.partial(create_model, "test-tiny")), world)
+    engine = build_engine(
+        cfg.sections.engine,
+        build_model(cfg.sections.engine, world, functools.partial(create_model, "test-tiny")),
+        world,
+    )
     expected = "ShardedGradScaler" if engine_name == "fsdp" else "GradScaler"
     assert type(engine.scaler).__name__ == expected
-    loss_fn = build_loss_fn(cfg, world)
+    loss_fn = build_loss_fn(cfg.sections.loss, world)
     engine.set_lr(1e-3)
 
     # The scale starts at 2^16: the first steps may overflow in fp16 and are skipped with the scale halved,

@@ -64,18 +64,17 @@ class _Towers(torch.nn.Module):
 
 def _check_ddp_step(rank, world, images, texts, siglip, flags, impl, dist_impl):
     """DDP-averaged parameter gradients == one process's gradients on the global batch."""
+    from helpers import loss_for
     from torch.nn.parallel import DistributedDataParallel
-
-    from bigclip.loss import build_loss
 
     single = _Towers()
     i, t, s, b = single(images, texts)
-    build_loss(siglip, False, False, "naive", None, 0, 1)(i, t, s, b).backward()
+    loss_for(siglip, False, False, "naive", None, 0, 1)(i, t, s, b).backward()
     model = DistributedDataParallel(_Towers())
     mine = slice(rank * BATCH, (rank + 1) * BATCH)
     i, t, s, b = model(images[mine], texts[mine])
     # The CLIP loss takes the bias too (its gradient is exactly zero): DDP needs every parameter used.
-    build_loss(siglip, *flags, impl, dist_impl, rank, world)(i, t, s, b).backward()
+    loss_for(siglip, *flags, impl, dist_impl, rank, world)(i, t, s, b).backward()
     for (name, p), q in zip(model.module.named_parameters(), single.parameters()):
         _close(p.grad, q.grad, f"DDP {impl}/{dist_impl} siglip={siglip} {name}", natural=1.0)
 
@@ -92,10 +91,10 @@ def _worker(rank: int, world: int, port: int, mode: str) -> None:
         timeout=datetime.timedelta(seconds=90),
     )
     try:
+        from helpers import loss_for
         from test_loss_reference import unit_features
 
         import bigclip.loss.chunked as chunked
-        from bigclip.loss import build_loss
 
         chunked.TILE = 4
         image_all, text_all = unit_features(world * BATCH, DIM, seed=11, dtype=torch.float64)
@@ -108,7 +107,7 @@ def _worker(rank: int, world: int, port: int, mode: str) -> None:
                 t.to(dtype if i < 2 else torch.float32 if dtype != torch.float64 else dtype).clone().requires_grad_()
                 for i, t in enumerate(inputs)
             ]
-            loss_fn = build_loss(siglip, local_loss, gather_with_grad, impl, dist_impl, rank, world)
+            loss_fn = loss_for(siglip, local_loss, gather_with_grad, impl, dist_impl, rank, world)
             loss = loss_fn(inputs[0], inputs[1], inputs[2], inputs[3] if siglip else None)
             (loss * grad_output).backward()
             return loss.detach().double(), [t.grad.double() for t in inputs]
@@ -123,7 +122,7 @@ def _worker(rank: int, world: int, port: int, mode: str) -> None:
             features = [image_all.to(dtype).double(), text_all.to(dtype).double()]
             inputs = features + [scale] + ([bias] if siglip else [])
             inputs = [t.clone().requires_grad_() for t in inputs]
-            loss = build_loss(siglip, False, False, "naive", None, 0, 1)(
+            loss = loss_for(siglip, False, False, "naive", None, 0, 1)(
                 inputs[0], inputs[1], inputs[2], inputs[3] if siglip else None
             )
             loss.backward()

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import loss_for
 
 from bigclip.errors import UserError
 from bigclip.loss import (
@@ -21,7 +22,6 @@ from bigclip.loss import (
     SIGLIP_DIST_IMPLS,
     ClipLoss,
     SigLipLoss,
-    build_loss,
 )
 from bigclip.loss.clip import clip_loss_naive
 
@@ -55,7 +55,7 @@ def loss_and_grads(loss_module, image, text, scale, bias=None, grad_output: floa
 
 def reference(siglip: bool, image, text, scale, bias=None):
     """The naive (OpenCLIP) loss on float64 copies of the inputs."""
-    loss = build_loss(siglip, False, False, "naive", None, 0, 1)
+    loss = loss_for(siglip, False, False, "naive", None, 0, 1)
     return loss_and_grads(loss, image.double(), text.double(), scale.double(), None if bias is None else bias.double())
 
 
@@ -95,10 +95,10 @@ def test_public_names():
     assert LOSS_IMPLS == ("auto", "naive", "chunked", "triton")
     assert CLIP_DIST_IMPLS == ("gather", "ring")
     assert SIGLIP_DIST_IMPLS == ("bidir", "shift", "reduce", "gather")
-    assert isinstance(build_loss(False, True, True, "auto", None, 0, 1), ClipLoss)
-    siglip = build_loss(True, False, False, "chunked", None, 0, 1)
+    assert isinstance(loss_for(False, True, True, "auto", None, 0, 1), ClipLoss)
+    siglip = loss_for(True, False, False, "chunked", None, 0, 1)
     assert isinstance(siglip, SigLipLoss) and siglip.dist_impl == "bidir"
-    assert build_loss(False, False, False, "naive", None, 0, 1).dist_impl == "gather"
+    assert loss_for(False, False, False, "naive", None, 0, 1).dist_impl == "gather"
 
 
 @pytest.mark.parametrize(
@@ -111,7 +111,7 @@ def test_public_names():
 )
 def test_bad_flag_values_are_one_clear_line(kwargs, words):
     with pytest.raises(UserError) as err:
-        build_loss(local_loss=False, gather_with_grad=False, rank=0, world_size=1, **kwargs)
+        loss_for(local_loss=False, gather_with_grad=False, rank=0, world_size=1, **kwargs)
     message = str(err.value)
     assert "\n" not in message
     for word in words:
@@ -123,7 +123,7 @@ def test_triton_on_cpu_without_interpreter_is_a_user_error(monkeypatch):
     image, text = unit_features(8, 4, seed=0)
     for siglip in (False, True):
         with pytest.raises(UserError, match="--loss-impl triton needs CUDA tensors"):
-            build_loss(siglip, False, False, "triton", None, 0, 1)(image, text, torch.tensor(10.0))
+            loss_for(siglip, False, False, "triton", None, 0, 1)(image, text, torch.tensor(10.0))
 
 
 def test_auto_is_chunked_on_cpu():

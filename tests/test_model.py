@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from bigclip.errors import UserError
+from bigclip.loss import LOSSES
 from bigclip.model import (
     ByteTokenizer,
     bigclip_to_openclip,
@@ -26,6 +27,7 @@ from bigclip.model import (
 from bigclip.model.tokenizer import EOT_ID, SOT_ID, clean_text
 
 TINY = "test-tiny"
+SIGLIP = LOSSES.get("siglip")  # the SigLIP family starts the model with its logit scale and bias
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -142,7 +144,7 @@ def test_logit_scale_init_and_clamp():
 
 
 def test_siglip_init():
-    model = tiny(siglip=True)
+    model = tiny(**SIGLIP.model_init)
     assert model.logit_scale.shape == (1,) and model.logit_bias.shape == (1,)
     assert model.logit_scale.item() == pytest.approx(math.log(10.0))
     assert model.logit_bias.item() == -10.0
@@ -319,7 +321,7 @@ def test_patch_dropout_only_in_train_mode():
 
 
 def test_to_empty_then_init_weights_from_meta():
-    model = create_model(TINY, device="meta", siglip=True)
+    model = create_model(TINY, device="meta", **SIGLIP.model_init)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
@@ -331,7 +333,7 @@ def test_to_empty_then_init_weights_from_meta():
     assert torch.isfinite(out["image_features"]).all() and torch.isfinite(out["text_features"]).all()
     assert model.logit_bias.item() == -10.0
     # Same seed, same init as a model built directly.
-    reference = tiny(siglip=True)
+    reference = tiny(**SIGLIP.model_init)
     for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
 

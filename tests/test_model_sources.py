@@ -24,12 +24,12 @@ from open_clip.push_to_hf_hub import save_for_hf
 from safetensors.torch import load_file, save_file
 
 from bigclip import cli
+from bigclip.build import build_model
 from bigclip.config import resolve
 from bigclip.dist import World
 from bigclip.errors import UserError
 from bigclip.model import bigclip_to_openclip, create_model, get_model_config, get_tokenizer, preprocess_cfg
 from bigclip.model.timm_tower import TimmVisionTower
-from bigclip.train import build_model
 
 TEXT_CFG = {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}
 VIT_CFG = {
@@ -187,7 +187,7 @@ def test_hf_hub_from_a_hand_built_cache_offline(vit_dir, tmp_path, offline):
     name = f"hf-hub:{REPO_ID}"
     theirs = open_clip.create_model(name, cache_dir=cache).eval()
     cfg = resolve({"model": name, "cache_dir": cache, "dataset_type": "synthetic", "precision": "fp32"})
-    ours = build_model(cfg, World()).eval()
+    ours = build_model(cfg.sections.model, cfg.sections.engine, World()).eval()
     assert_same_embeddings(ours, theirs, 32, f"local-dir:{directory}")
     assert get_model_config(name, cache_dir=cache) == VIT_CFG
     assert preprocess_cfg(name, cache_dir=cache) == {**PREPROCESS, "size": (32, 32)}
@@ -235,23 +235,22 @@ def test_pretrained_image_loads_timm_weights_from_the_hub_cache(timm_dir, timm_w
     flags = {"model": f"local-dir:{config_only}", "pretrained_image": True, "cache_dir": cache}
     cfg = resolve({**flags, "dataset_type": "synthetic", "precision": "fp32"})
     with caplog.at_level(logging.INFO, logger="bigclip"):
-        model = build_model(cfg, World())
+        model = build_model(cfg.sections.model, cfg.sections.engine, World())
     trunk = model.visual.trunk.state_dict()
     expected = load_file(str(weights_file))
     assert set(trunk) == set(expected) - {"fc.weight", "fc.bias"}  # the classifier is OpenCLIP's head's job
     assert all(torch.equal(trunk[k], expected[k]) for k in trunk)
     assert any(TIMM_REPO in r.getMessage() and "test_resnet" in r.getMessage() for r in caplog.records)
     # Whole-model weights (here: the local-dir's own) win, as in OpenCLIP.
-    clip_weights = build_model(
-        resolve({**flags, "model": f"local-dir:{directory}", "dataset_type": "synthetic"}), World()
-    )
+    local = resolve({**flags, "model": f"local-dir:{directory}", "dataset_type": "synthetic"})
+    clip_weights = build_model(local.sections.model, local.sections.engine, World())
     saved = load_file(str(directory / "open_clip_model.safetensors"))
     assert all(torch.equal(v, saved["visual.trunk." + k]) for k, v in clip_weights.visual.trunk.state_dict().items())
     # Not cached and downloads off: one line naming the timm model, its repository and the cache.
     empty = str(tmp_path / "empty")
     cfg = resolve({**flags, "cache_dir": empty, "dataset_type": "synthetic"})
     with pytest.raises(UserError) as e:
-        build_model(cfg, World())
+        build_model(cfg.sections.model, cfg.sections.engine, World())
     message = str(e.value)
     assert "\n" not in message and "test_resnet" in message and TIMM_REPO in message and empty in message
 

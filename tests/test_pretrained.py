@@ -21,11 +21,11 @@ from helpers import subprocess_env
 from safetensors.torch import save_file
 
 from bigclip import cli
+from bigclip.build import build_model
 from bigclip.config import resolve
 from bigclip.dist import World
 from bigclip.errors import UserError
 from bigclip.model.pretrained import resolve_pretrained
-from bigclip.train import build_model
 
 TAG, REPO_ID = "laion2b_s34b_b79k", "laion/CLIP-ViT-B-32-laion2B-s34B-b79K"
 
@@ -65,7 +65,7 @@ def test_tag_loads_from_the_hub_cache_offline_and_matches_open_clip(openclip_vit
     cfg = resolve(
         {"model": "ViT-B-32", "pretrained": TAG, "cache_dir": cache, "dataset_type": "synthetic", "precision": "fp32"}
     )
-    model = build_model(cfg, World()).eval()
+    model = build_model(cfg.sections.model, cfg.sections.engine, World()).eval()
     torch.manual_seed(1)
     images = torch.randn(2, 3, 224, 224)
     texts = open_clip.get_tokenizer("ViT-B-32")(["a photo of a cat", "two dogs on the beach at sunset"])

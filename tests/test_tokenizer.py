@@ -10,11 +10,11 @@ import open_clip
 import pytest
 import torch
 
+from bigclip.build import build_data
 from bigclip.config import resolve
 from bigclip.dist import World
 from bigclip.model import ByteTokenizer, get_tokenizer
 from bigclip.model.factory import uses_byte_tokenizer
-from bigclip.train import build_data
 
 HAND_PICKED = [
     "",
@@ -63,13 +63,13 @@ def test_same_token_ids_as_open_clip(model, context_length):
 
 
 def test_training_data_uses_open_clip_token_ids_with_force_context_length():
-    """What the run builds (train.build_data), not just the factory: --force-context-length reaches the
+    """What the run builds (build.build_data), not just the factory: --force-context-length reaches the
     tokenizer, and the token ids are OpenCLIP's."""
     cfg = resolve(
         {"model": "ViT-B-32", "dataset_type": "synthetic", "force_context_length": 24, "batch_size": 2,
          "train_num_samples": 4, "workers": 0}
     )  # fmt: skip
-    _, tokenizer = build_data(cfg, World(), epoch=0)
+    _, tokenizer = build_data(cfg.sections.model, cfg.sections.data, World(), epoch=0)
     texts = varied_strings(40, seed=1)
     assert torch.equal(tokenizer(texts), open_clip.get_tokenizer("ViT-B-32", context_length=24)(texts))
 

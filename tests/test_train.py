@@ -57,7 +57,7 @@ def _tiny_engine(*flags):
     cfg = resolve(dict(model="test-tiny", dataset_type="synthetic", precision="fp32", **dict(flags)))
     torch.manual_seed(0)
     model = create_model("test-tiny")
-    return build_engine(cfg, model, World())
+    return build_engine(cfg.sections.engine, model, World())
 
 
 def test_accumulation_gives_the_big_batch_gradient():

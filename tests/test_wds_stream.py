@@ -220,14 +220,13 @@ def _uneven_worker(rank, port, shards, out):
 
     import torch.distributed as dist
 
-    from bigclip.config import TrainConfig
-    from bigclip.data import get_data
+    from bigclip.data import DataConfig, get_data
     from bigclip.dist import World
     from bigclip.loop import _micro_batches, _while_every_rank_has_data
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     world = World(rank=rank, world_size=2, backend="gloo")
-    cfg = dataclasses.replace(TrainConfig(), train_data=shards, train_num_samples=400, batch_size=4, workers=1)
+    cfg = dataclasses.replace(DataConfig(), train_data=shards, train_num_samples=400, batch_size=4, workers=1)
     info = get_data(cfg, to_tensor, to_tensor, number_tokenizer, rank=rank, world_size=2)["train"]
 
     class Engine:  # what _micro_batches asks of an engine: the weights' dtype
@@ -264,10 +263,9 @@ def test_ranks_take_equal_steps_and_every_sample_is_read_or_counted(tmp_path):
 def _info(shards: str, rank: int, world: int, workers: int):
     import dataclasses
 
-    from bigclip.config import TrainConfig
-    from bigclip.data import get_data
+    from bigclip.data import DataConfig, get_data
 
-    cfg = dataclasses.replace(TrainConfig(), train_data=shards, train_num_samples=10_000, batch_size=4, workers=workers)
+    cfg = dataclasses.replace(DataConfig(), train_data=shards, train_num_samples=10_000, batch_size=4, workers=workers)
     return get_data(cfg, to_tensor, to_tensor, number_tokenizer, rank=rank, world_size=world)["train"]
 
 

@@ -12,9 +12,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from bigclip.ckpt.config import CheckpointConfig
+
 
 class SaveCadence:
-    def __init__(self, cfg, world):
+    def __init__(self, cfg: CheckpointConfig, world):
         self.save_frequency = cfg.save_frequency
         self.epochs = cfg.epochs
         self.every_steps = cfg.save_every_n_steps

@@ -6,10 +6,14 @@
     checkpointer.after_epoch(state)        at each epoch's end: the epoch checkpoint, when due
     checkpointer.finish()                  wait for the last save to commit, copy the logs a last time
 
-Built from the config: where checkpoints go (local <logs>/<name>/checkpoints, and with --remote-sync also
-<remote>/<name>/checkpoints), the cadence (--save-frequency epochs, --save-every-n-steps,
---save-every-minutes), SIGTERM handling, retention (--delete-previous-checkpoint, --keep-last-k) and the
-periodic copy of logs (--remote-sync-frequency).
+Built from its slice of the config (CheckpointConfig): where checkpoints go (local <logs>/<name>/checkpoints,
+and with --remote-sync also <remote>/<name>/checkpoints), the cadence (--save-frequency epochs,
+--save-every-n-steps, --save-every-minutes), SIGTERM handling, retention (--delete-previous-checkpoint,
+--keep-last-k) and the periodic copy of logs (--remote-sync-frequency).
+
+Participants besides the engine are handed to it at construction, as torchtitan hands `Stateful` objects to
+its checkpointer: `data`, the training loader, whose state_dict() is this rank's data position (saved in the
+rank's own file) and whose load_state_dict() continues the epoch from a resumed one.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import getpass
 import logging
 import os
 import tempfile
-from collections.abc import Callable
 from typing import Any
 
+from torch.distributed.checkpoint.stateful import Stateful
+
 from bigclip.ckpt.cadence import SaveCadence
+from bigclip.ckpt.config import CheckpointConfig
 from bigclip.ckpt.manager import CheckpointManager
 from bigclip.ckpt.remote_sync import RemoteSync
 from bigclip.ckpt.storage import (
@@ -30,7 +36,6 @@ from bigclip.ckpt.storage import (
     StorageUnavailable,
     is_url,
     join,
-    parse_storage_options,
     redact_url,
     unreachable,
 )
@@ -42,7 +47,7 @@ from bigclip.train_state import TrainState
 logger = logging.getLogger("bigclip")
 
 
-def local_logs_dir(cfg) -> str:
+def local_logs_dir(cfg: CheckpointConfig) -> str:
     """Where the run writes locally. --logs may be a URL (s3://bucket/runs): then the run writes to a local
     staging folder (BIGCLIP_LOCAL_LOGS, default <tmp>/bigclip-logs-<user>) and everything goes to the URL,
     exactly as --remote-sync does."""
@@ -53,13 +58,13 @@ def local_logs_dir(cfg) -> str:
     )
 
 
-def remote_run_root(cfg, name: str) -> str | None:
+def remote_run_root(cfg: CheckpointConfig, name: str) -> str | None:
     if cfg.remote_sync:
         return join(cfg.remote_sync, name)
     return join(cfg.logs, name) if is_url(cfg.logs) else None
 
 
-def preflight(cfg, name: str, world) -> None:
+def preflight(cfg: CheckpointConfig, name: str, world) -> None:
     """Before any model is built: can the remote store be written? Bad credentials, a missing bucket or an
     unreachable endpoint stop every rank here with one line. Collective."""
     root = remote_run_root(cfg, name)
@@ -67,7 +72,7 @@ def preflight(cfg, name: str, world) -> None:
         return
 
     def check() -> None:
-        store = Storage(root, parse_storage_options(cfg.storage_options), cfg.storage_timeout, bounded=True)
+        store = Storage(root, cfg.options(), cfg.storage_timeout, bounded=True)
         store.check_writable()
         try:
             taken = cfg.resume is None and store.exists("params.yaml")
@@ -83,14 +88,24 @@ def preflight(cfg, name: str, world) -> None:
 
 
 class Checkpointer:
-    def __init__(self, cfg, paths, name: str, engine, world, config_dict: dict[str, Any]):
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        paths,
+        name: str,
+        engine,
+        world,
+        config_dict: dict[str, Any],
+        data: Stateful | None = None,
+    ):
+        """config_dict: the run's config as train_state.json records it. data: the training loader (its
+        state_dict() is this rank's data position), or None for a run without a resumable position."""
         self.cfg = cfg
-        # What a save records as this rank's data position: the training loader's, once the run sets it.
-        self.data_position: Callable[[], dict[str, Any]] | None = None
+        self.data = data
         self.world = world
         self.config_dict = config_dict
         self.remote_root = remote_run_root(cfg, name)
-        options = parse_storage_options(cfg.storage_options)
+        options = cfg.options()
         self.manager = CheckpointManager(
             paths.checkpoints,
             engine,
@@ -131,6 +146,8 @@ class Checkpointer:
         restored = TrainState.from_record(record)
         for f in dataclasses.fields(TrainState):
             setattr(state, f.name, getattr(restored, f.name))
+        if self.data is not None:  # the training loader continues from this rank's saved position
+            self.data.load_state_dict(state.data)
         where = f"epoch {state.epoch}" + (f" (+{state.batches_in_epoch} batches)" if state.batches_in_epoch else "")
         logger.info(f"resumed from {redact_url(location)} at {where}, step {state.step}")
 
@@ -206,7 +223,7 @@ class Checkpointer:
         return ["epoch_latest"] if self.cfg.save_most_recent else []
 
     def _save(self, tag: str, state: TrainState, aliases: list[str]) -> None:
-        position = self.data_position() if self.data_position is not None else state.data
+        position = self.data.state_dict() if self.data is not None else state.data
         self.manager.save(
             tag, {**state.to_record(), "config": self.config_dict}, aliases=aliases, data_position=position
         )

@@ -1,4 +1,5 @@
-"""Checkpoint manager: asynchronous save, atomic commit, retention, and finding/loading what to resume.
+"""Checkpoint manager: asynchronous save, atomic commit and retention; finding and loading what to resume is its
+catalog's (ckpt/catalog.py), which the manager's latest() / resume() / load() hand on to.
 
 A checkpoint `<tag>` (epoch_3, step_1200, epoch_latest) is a directory — locally `<logs>/<name>/checkpoints/
 <tag>/`, remotely `<remote-sync>/<name>/checkpoints/<tag>/` — holding the engine state (layout "dcp" or
@@ -15,8 +16,6 @@ A new save first waits for the previous one; the run's end waits for the last (`
 that fails for good (access denied, missing bucket) stops the run at the next save or wait with one line; a
 save that ran out of retries is reported and training goes on (the next save tries again).
 
-Nothing without a manifest is ever loaded, and a checkpoint whose files do not match it is reported and
-skipped (`--resume latest`) or refused (an explicit path).
 """
 
 from __future__ import annotations
@@ -25,9 +24,7 @@ import json
 import logging
 import os
 import pickle
-import re
 import shutil
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,34 +35,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bigclip.ckpt.manifest import MANIFEST, TRAIN_STATE, Manifest, check_sizes, rng_file
-from bigclip.ckpt.rng import load_rank_state_file, rank_state_bytes, read_data_position
+from bigclip.ckpt.catalog import TAG, CheckpointCatalog, basename, is_numbered
+from bigclip.ckpt.config import ASYNC_MODES
+from bigclip.ckpt.manifest import MANIFEST, TRAIN_STATE, Manifest, rng_file
+from bigclip.ckpt.rng import rank_state_bytes
 from bigclip.ckpt.storage import (
     Storage,
     StorageError,
     StorageUnavailable,
     _write_durably,
     fsync_dir,
-    is_url,
-    unreachable,
 )
 from bigclip.ckpt.upload import FileSink, lower_priority
-from bigclip.ckpt.verify import CorruptCheckpoint, fetch_verified, read_local_manifest, verify_local
-from bigclip.dist import World, barrier, broadcast_object, raise_together
+from bigclip.dist import World, raise_together
 from bigclip.errors import UserError, first_line
 
 logger = logging.getLogger("bigclip")
 
-ASYNC_MODES = ("auto", "thread", "process", "off")
 # Set once a save has been given up unfinished: its threads may hang in a store's socket for good, so the
 # process entry point exits without joining them (bigclip/cli.py, exit_process).
 ABANDONED = threading.Event()
 UPLOAD_THREADS = 4
-_TAG = re.compile(r"[\w\-]+")
-
-
-def is_numbered(tag: str) -> bool:
-    return not tag.endswith("latest")
 
 
 def _gb(n: int) -> str:
@@ -84,15 +74,6 @@ class SaveResult:
     blocked_s: float = 0.0  # time the training loop was blocked by this save
     commit_s: float = 0.0  # from the save call to the manifest being written
     aliases: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Candidate:
-    step: int
-    numbered: bool
-    local: bool
-    location: str
-    manifest: Manifest
 
 
 class CheckpointManager:
@@ -149,6 +130,16 @@ class CheckpointManager:
         self._previous_local: str | None = None
         self.results: list[SaveResult] = []
         self.last_saved_step: int | None = None
+        self.catalog = CheckpointCatalog(
+            self.directory,
+            self.layout,
+            world,
+            self._io,
+            remote=self.remote,
+            probe=self._probe,
+            storage_options=self.storage_options,
+            storage_timeout=storage_timeout,
+        )
         self._check_remote()
 
     # ------------------------------------------------------------------------------------------ saving
@@ -180,7 +171,7 @@ class CheckpointManager:
         aliases: further tags (e.g. epoch_latest) committed as copies of this one once it is durable —
         hard links locally, server-side copies remotely — instead of a second save of the same state.
         """
-        if not _TAG.fullmatch(tag):
+        if not TAG.fullmatch(tag):
             raise ValueError(f"checkpoint tag {tag!r}: use letters, digits, _ and -")
         self._finish_previous()
         start = time.perf_counter()
@@ -464,7 +455,7 @@ class CheckpointManager:
             return
         local = self.remote is None
         numbered = sorted(
-            (c for c in self._candidates(local=local, remote=not local, check=False) if c.numbered),
+            (c for c in self.catalog.candidates(local=local, remote=not local, check=False) if c.numbered),
             key=lambda c: c.step,
             reverse=True,
         )
@@ -477,144 +468,25 @@ class CheckpointManager:
                 os.remove(os.path.join(old.location, MANIFEST))  # uncommit first, then remove
                 shutil.rmtree(old.location, ignore_errors=True)
             else:
-                self.remote.rm(f"{_basename(old.location)}/{MANIFEST}")
-                self.remote.rm(_basename(old.location), recursive=True)
+                self.remote.rm(f"{basename(old.location)}/{MANIFEST}")
+                self.remote.rm(basename(old.location), recursive=True)
 
-    # --------------------------------------------------------------------------- finding what to resume
     def _check_remote(self) -> None:
         if self._probe is not None:
             raise_together(self.world, self._probe.check_writable)
 
-    def _candidates(self, local: bool = True, remote: bool = True, check: bool = True) -> list[Candidate]:
-        out: list[Candidate] = []
-        if local and os.path.isdir(self.directory):
-            for name in sorted(os.listdir(self.directory)):
-                path = os.path.join(self.directory, name)
-                if not _TAG.fullmatch(name) or not os.path.isdir(path):
-                    continue  # skips *.partial, *.old and hidden download folders
-                manifest = read_local_manifest(path)
-                if manifest is None:
-                    continue
-                if check:
-                    problem = check_sizes(_local_listing(path, manifest), manifest)
-                    if problem:
-                        logger.warning(f"checkpoint {path}: {problem}; skipped")
-                        continue
-                out.append(Candidate(manifest.step, is_numbered(name), True, path, manifest))
-        if remote and self.remote is not None:
-            # Retention lists through the upload store (a save rides out outages); a resume through the probe.
-            store = self.remote if not check else self._probe
-            try:
-                listing = store.list_files()
-                tags = sorted({rel.split("/", 1)[0] for rel in listing if rel.endswith("/" + MANIFEST)})
-                raw = store.read_many([f"{t}/{MANIFEST}" for t in tags])
-            except StorageUnavailable as e:
-                if not check:
-                    raise
-                raise unreachable(e) from None
-            for tag in tags:
-                manifest = Manifest.from_bytes(raw.get(f"{tag}/{MANIFEST}"))
-                if manifest is None or not _TAG.fullmatch(tag):
-                    continue
-                files = {rel[len(tag) + 1 :]: size for rel, size in listing.items() if rel.startswith(tag + "/")}
-                problem = check_sizes(files, manifest) if check else None
-                if problem:
-                    logger.warning(f"checkpoint {self.remote.url(tag)}: {problem}; skipped")
-                    continue
-                out.append(Candidate(manifest.step, is_numbered(tag), False, self.remote.url(tag), manifest))
-        return out
-
+    # ------------------------------------------------------------------- finding and loading (ckpt/catalog.py)
     def latest(self) -> str | None:
-        """The committed checkpoint with the highest step, local or remote (ties: numbered, then local).
-        Collective."""
-        ranked = self._ranked()
-        return ranked[0] if ranked else None
-
-    def _ranked(self) -> list[str]:
-        """Every committed checkpoint, newest first (collective: rank 0 lists, and a store that cannot be
-        reached stops every rank with its line, not rank 0 alone)."""
-
-        def rank_candidates() -> list[str]:
-            key = lambda c: (c.step, c.numbered, c.local)  # noqa: E731
-            return [c.location for c in sorted(self._candidates(), reverse=True, key=key)]
-
-        return broadcast_object(raise_together(self.world, rank_candidates) or [], self.world)
+        """The committed checkpoint with the highest step, local or remote. Collective."""
+        return self.catalog.latest()
 
     def resume(self, spec: str | None) -> tuple[str, dict[str, Any]] | None:
-        """Load `spec` ('latest', a local path or a URL); returns (location, train state) or None.
+        """Load `spec` ('latest', a local path or a URL); returns (location, train state) or None."""
+        return self.catalog.resume(spec)
 
-        With 'latest' a checkpoint that fails verification is reported and the next older one is tried."""
-        if not spec:
-            return None
-        if spec != "latest":
-            return spec, self.load(spec)
-        ranked = self._ranked()
-        for location in ranked:
-            try:
-                return location, self.load(location)
-            except CorruptCheckpoint as e:
-                logger.warning(f"--resume latest: {e}; trying an older checkpoint")
-        return None
-
-    # ------------------------------------------------------------------------------------------- loading
     def load(self, location: str) -> dict[str, Any]:
-        """Verify `location` against its manifest, restore the engine and this rank's RNG, return the train
-        state. Collective. A checkpoint that does not verify raises UserError (a CorruptCheckpoint)."""
-        remote = is_url(location)
-        directory = location
-        if remote:
-            directory = os.path.join(self.directory, f".download-{_basename(location)}-{socket.gethostname()}")
-        # Remote: every node downloads its own copy (local rank 0); local: rank 0 verifies. Any failure stops
-        # every rank; everyone then has rank 0's manifest.
-        downloader = self.world.local_rank == 0 if remote else self.world.is_main
-
-        def fetch() -> Manifest:
-            if remote:
-                return fetch_verified(location, directory, self.storage_options, self._io, self.storage_timeout)
-            return verify_local(directory)
-
-        try:
-            manifest = raise_together(self.world, fetch, runs_here=downloader)
-        except UserError:
-            if remote and downloader:
-                shutil.rmtree(directory, ignore_errors=True)
-            raise
-        manifest = broadcast_object(manifest, self.world)
-        try:
-            return self._restore(directory, manifest)
-        finally:
-            if remote:
-                barrier(self.world)
-                if downloader:
-                    shutil.rmtree(directory, ignore_errors=True)
-
-    def _restore(self, directory: str, manifest: Manifest) -> dict[str, Any]:
-        if manifest.layout != self.layout.name:
-            raise UserError(
-                f"checkpoint {directory}: written by engine {manifest.engine} ({manifest.layout} "
-                f"layout); resume it with --engine {manifest.engine}, or export it with "
-                f"`bigclip export` and start from the weights with --pretrained"
-            )
-        self.layout.load(directory, manifest.world_size, manifest.extra or {})
-        own_rng = os.path.join(directory, rng_file(self.world.rank))
-        data_position = {}
-        if os.path.exists(own_rng):
-            data_position = load_rank_state_file(own_rng)
-        if manifest.world_size != self.world.world_size:
-            # Each rank's data position is only its own share of the epoch; at another world size every rank
-            # needs all of them to deal out what was left.
-            data_position = {"world_size": manifest.world_size, "ranks": read_data_positions(directory, manifest)}
-            if self.world.is_main:
-                fresh = self.world.world_size > manifest.world_size
-                logger.info(
-                    f"checkpoint {directory}: saved by {manifest.world_size} ranks, resumed on "
-                    f"{self.world.world_size}: what the epoch had left is dealt out to the new ranks"
-                    + (f"; ranks {manifest.world_size}+ start with fresh random state" if fresh else "")
-                )
-        with open(os.path.join(directory, TRAIN_STATE)) as f:
-            record = json.load(f)
-        record["data"] = data_position  # this rank's own, not rank 0's
-        return record
+        """Verify `location` against its manifest, restore the engine and this rank's RNG; the train state."""
+        return self.catalog.load(location)
 
 
 def _picklable(value: Any) -> Any:
@@ -627,19 +499,6 @@ def _picklable(value: Any) -> Any:
     return value
 
 
-def _basename(location: str) -> str:
-    return location.rstrip("/").rsplit("/", 1)[-1]
-
-
-def _local_listing(path: str, manifest: Manifest) -> dict[str, int]:
-    out = {}
-    for rel in manifest.files:
-        p = os.path.join(path, rel)
-        if os.path.isfile(p):
-            out[rel] = os.path.getsize(p)
-    return out
-
-
 def _replace_dir(src: str, dst: str) -> None:
     if os.path.exists(dst):  # replacing epoch_latest: move the old one aside, then drop it
         old = dst + ".old"
@@ -649,18 +508,3 @@ def _replace_dir(src: str, dst: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(src, dst)
-
-
-def verify(path: str) -> dict[str, Any]:
-    """The manifest (as a dict) of a complete, uncorrupted local checkpoint, else a UserError."""
-    return verify_local(path).__dict__
-
-
-def read_data_positions(directory: str, manifest: Manifest) -> dict[int, dict[str, Any]]:
-    """The data position of every rank that saved checkpoint `directory` (rank -> position)."""
-    positions = {}
-    for rank in range(manifest.world_size):
-        path = os.path.join(directory, rng_file(rank))
-        if os.path.exists(path):
-            positions[rank] = read_data_position(path)
-    return positions

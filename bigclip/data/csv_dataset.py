@@ -12,8 +12,11 @@ import warnings
 
 from PIL import Image
 
+from bigclip.data.config import DataConfig
+from bigclip.data.info import DataInfo
 from bigclip.data.map_style import ReplacingDataset, SampleSkipped
 from bigclip.data.skips import SkipCounter
+from bigclip.data.sources import DATA_SOURCES, DataSource, LoaderContext, Split, batch_sampler, map_style_loader
 from bigclip.errors import UserError
 
 
@@ -106,3 +109,28 @@ class CsvDataset(ReplacingDataset):
         except Exception as e:  # any decoder or transform failure: this sample is unusable, not the run
             raise SampleSkipped("bad_image", f"{path}: {e}") from None
         return image, self.tokenizer([caption])[0]
+
+
+def build_csv(cfg: DataConfig, split: Split, ctx: LoaderContext) -> DataInfo:
+    if "::" in split.path:
+        raise UserError(f"{split.flag} {split.path}: CSV data is one file; join sources with :: only for .tar shards")
+    skips = SkipCounter(split.role)
+    dataset = CsvDataset(
+        split.path,
+        split.transform,
+        ctx.tokenizer,
+        skips,
+        flag=split.flag,
+        separator=cfg.csv_separator,
+        img_key=cfg.csv_img_key,
+        caption_key=cfg.csv_caption_key,
+    )
+    sampler = batch_sampler(cfg, len(dataset), split.train, ctx)
+    return map_style_loader(dataset, sampler, cfg.workers, skips, f"{split.flag} {split.path}", cfg, ctx)
+
+
+DATA_SOURCES.register(
+    "csv",
+    DataSource(build_csv, extensions=(".csv", ".tsv")),
+    help="a CSV/TSV file of image paths and captions (--csv-img-key, --csv-caption-key)",
+)

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from bigclip.data.config import DataConfig
 from bigclip.data.info import DataInfo
 from bigclip.data.sampler import ShardedBatchSampler
 from bigclip.data.workers import worker_loader
@@ -70,7 +71,7 @@ class ImageFolderDataset(Dataset):
             return self.transform(image.convert("RGB")), label
 
 
-def build_zeroshot_sets(cfg, preprocess_val, rank: int, world_size: int) -> dict[str, DataInfo]:
+def build_zeroshot_sets(cfg: DataConfig, preprocess_val, rank: int, world_size: int) -> dict[str, DataInfo]:
     """One evaluation loader per ImageNet flag given, keyed by its metric prefix; every image on one rank."""
     out = {}
     for flag, prefix in ZEROSHOT_SETS.items():

@@ -93,6 +93,13 @@ class DataInfo:
         if self.resumable and position:
             self._pending = position
 
+    # torch.distributed.checkpoint's Stateful protocol: how the checkpointer saves and restores the position
+    def state_dict(self) -> dict[str, Any]:
+        return self.position()
+
+    def load_state_dict(self, position: dict[str, Any]) -> None:
+        self.restore(position)
+
     def count_dropped(self, samples: int) -> None:
         if self.skips is not None and samples:
             self.skips.count("dropped", f"{samples} samples: another rank ran out of data first", n=samples)

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable, Iterator
 
 import fsspec
-import webdataset as wds
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
+from bigclip.data.config import sources
 from bigclip.errors import UserError
 
 RETRY_SECONDS = float(os.environ.get("BIGCLIP_DATA_RETRY_SECONDS", "120"))
@@ -33,10 +33,10 @@ def _is_remote(url: str) -> bool:
 def expand_shard_urls(spec: str, flag: str, storage_options: dict | None = None) -> list[list[str]]:
     """The shards of each `::`-separated source: brace patterns expanded, prefixes (ending in /) and globs listed.
     Local shards must exist; remote brace lists are not checked one by one (a listing is)."""
-    sources = []
-    for source in spec.split("::"):
+    out = []
+    for source, expanded in zip(spec.split("::"), sources(spec)):
         urls: list[str] = []
-        for url in wds.shardlists.expand_urls(source):
+        for url in expanded:
             if url.startswith("pipe:"):
                 urls.append(url)
             elif url.endswith("/") or any(c in url for c in "*?["):
@@ -50,8 +50,8 @@ def expand_shard_urls(spec: str, flag: str, storage_options: dict | None = None)
                 urls.append(url)
         if not urls:
             raise UserError(f"{flag} {source}: matches no shards; check the pattern")
-        sources.append(urls)
-    return sources
+        out.append(urls)
+    return out
 
 
 def _listing(url: str, flag: str, options: dict) -> list[str]:

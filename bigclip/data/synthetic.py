@@ -10,6 +10,18 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
+from bigclip.data.config import DataConfig
+from bigclip.data.info import DataInfo
+from bigclip.data.sources import (
+    DATA_SOURCES,
+    DataSource,
+    LoaderContext,
+    Split,
+    batch_sampler,
+    image_size,
+    map_style_loader,
+)
+
 # OpenCLIP's BPE tokenizer, used when no tokenizer is given.
 _DEFAULT_CONTEXT_LENGTH, _DEFAULT_SOT, _DEFAULT_EOT = 77, 49406, 49407
 
@@ -44,3 +56,23 @@ class SyntheticDataset(Dataset):
         tokens[1 : length + 1] = torch.randint(1, self.max_text_id, (length,), generator=g)
         tokens[length + 1] = self.eot
         return image, tokens
+
+
+SYNTHETIC_DEFAULT_SAMPLES = 1000
+
+
+def build_synthetic(cfg: DataConfig, split: Split, ctx: LoaderContext) -> DataInfo:
+    num_samples = split.num_samples or SYNTHETIC_DEFAULT_SAMPLES
+    size = image_size(ctx)
+    dataset = SyntheticDataset(num_samples, size, ctx.tokenizer, seed=cfg.seed, stream=0 if split.train else 1)
+    flag = "--train-num-samples" if split.train else "--val-num-samples"
+    return map_style_loader(
+        dataset, batch_sampler(cfg, num_samples, split.train, ctx), cfg.workers, None, flag, cfg, ctx
+    )
+
+
+DATA_SOURCES.register(
+    "synthetic",
+    DataSource(build_synthetic, needs_path=False),
+    help="random images and tokens of the model's shapes (--train-num-samples, default 1000)",
+)

@@ -16,50 +16,86 @@ Each step is a small function; the model code itself never mentions an engine.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 from torch import nn
 
 from bigclip.dist import World
-from bigclip.engine.base import Engine
+from bigclip.engine.base import Engine, StateBytes
+from bigclip.engine.config import DEFAULT_ENGINE, SHARDED_INIT_MODES, EngineConfig, ModelSize
 from bigclip.engine.ddp import DDPEngine
 from bigclip.engine.deepspeed import DeepSpeedEngine
 from bigclip.engine.fsdp import FSDPEngine
 from bigclip.errors import UserError
+from bigclip.registry import Registry
 
-ENGINE_CLASSES: dict[str, type[Engine]] = {cls.name: cls for cls in (DDPEngine, FSDPEngine, DeepSpeedEngine)}
-
-
-def check_config(cfg) -> None:
-    """Flag validation's engine part: the chosen engine exists, and every engine checks the flags it owns."""
-    if cfg.engine not in ENGINE_CLASSES:
-        raise UserError(f"--engine {cfg.engine!r}: choose one of {', '.join(ENGINE_CLASSES)}")
-    for cls in ENGINE_CLASSES.values():
-        cls.check_config(cfg)
+# --engine NAME -> the Engine class. To add an engine: a subclass in its own file, and one line here.
+ENGINES: Registry[type[Engine]] = Registry("--engine")
+for _cls in (DDPEngine, FSDPEngine, DeepSpeedEngine):
+    ENGINES.register(_cls.name, _cls, help=_cls.help)
 
 
-def build_model(cfg, world: World, factory) -> nn.Module:
+def engine_selected_by(flags: dict[str, Any]) -> tuple[str, str] | None:
+    """(engine, the flag that picks it) when a flag other than --engine names an engine (DeepSpeed's launch
+    lines pass --ds_config or --deepspeed); None otherwise."""
+    for name, cls in ENGINES.items():
+        for flag in cls.selected_by:
+            if flags.get(flag):
+                return name, flag
+    return None
+
+
+def check_config(cfg: EngineConfig) -> EngineConfig:
+    """Flag validation's engine part: the chosen engine exists, and every engine checks the flags it owns. Returns
+    the config completed with what the chosen engine resolved (`resolved`); `cfg` itself is left as it was."""
+    chosen = ENGINES.get(cfg.engine)
+    if cfg.sharded_init not in SHARDED_INIT_MODES:
+        raise UserError(f"--sharded-init {cfg.sharded_init!r}: choose one of {', '.join(SHARDED_INIT_MODES)}")
+    resolved = None
+    for _, cls in ENGINES.items():
+        result = cls.check_config(cfg)
+        resolved = result if cls is chosen else resolved
+    return dataclasses.replace(cfg, resolved=resolved)
+
+
+def build_model(cfg: EngineConfig, world: World, factory) -> nn.Module:
     """Step 0: the engine decides whether the model is built whole or on meta (see above)."""
-    return ENGINE_CLASSES[cfg.engine].build_model(cfg, world, factory)
+    return ENGINES.get(cfg.engine).build_model(cfg, world, factory)
 
 
-def describe_plan(cfg, world: World, num_params: int) -> tuple[str, str]:
-    """For --dry-run: (the memory setup bigclip.plan computes, one line on how the engine lays the run out)."""
-    return ENGINE_CLASSES[cfg.engine].describe_plan(cfg, world, num_params)
+def describe_plan(cfg: EngineConfig, world: World, num_params: int) -> tuple[str, str]:
+    """For --dry-run: (this run's memory setup, see memory_model; one line on how the engine lays the run out)."""
+    return ENGINES.get(cfg.engine).describe_plan(cfg, world, num_params)
 
 
-def apply_locks(model: nn.Module, cfg) -> None:
+def memory_setups() -> dict[str, StateBytes]:
+    """Every engine's memory setups (ddp, fsdp, zero1 ... zero3_offload), in registry order: `bigclip plan`'s rows."""
+    return {setup: model for _, cls in ENGINES.items() for setup, model in cls.memory_models().items()}
+
+
+def state_bytes(setup: str, psi: int, n: int, precision: str = "amp", size: ModelSize | None = None) -> float:
+    """Parameters + gradients + optimizer state per GPU (bytes) for Ψ = `psi` parameters on `n` ranks."""
+    models = memory_setups()
+    if setup not in models:
+        raise UserError(f"memory setup {setup!r}: choose one of {', '.join(models)}")
+    return models[setup](psi, n, precision, size)
+
+
+def apply_locks(model: nn.Module, cfg: EngineConfig) -> None:
     if cfg.lock_image:
         model.lock_image_tower(cfg.lock_image_unlocked_groups, cfg.lock_image_freeze_bn_stats)
     if cfg.lock_text:
         model.lock_text_tower(cfg.lock_text_unlocked_layers, cfg.lock_text_freeze_layer_norm)
 
 
-def apply_activation_checkpointing(model: nn.Module, cfg) -> None:
+def apply_activation_checkpointing(model: nn.Module, cfg: EngineConfig) -> None:
     if cfg.grad_checkpointing:
         model.set_grad_checkpointing(True, every=cfg.grad_checkpointing_every)
 
 
-def apply_compile(model: nn.Module, cfg) -> None:
+def apply_compile(model: nn.Module, cfg: EngineConfig) -> None:
     # Per block rather than whole-model: compile time stays flat in depth, parameter names stay the
     # same (checkpoints and sharding see the usual names), and a graph break stays local to one block.
     # The block's forward is compiled, not its __call__: the engines' per-block hooks (FSDP2's all-gather,
@@ -70,15 +106,19 @@ def apply_compile(model: nn.Module, cfg) -> None:
             block.forward = torch.compile(block.forward)
 
 
-def build_engine(cfg, model: nn.Module, world: World) -> Engine:
+def build_engine(cfg: EngineConfig, model: nn.Module, world: World) -> Engine:
     apply_locks(model, cfg)
     apply_activation_checkpointing(model, cfg)
     apply_compile(model, cfg)
-    return ENGINE_CLASSES[cfg.engine](cfg, model, world)
+    return ENGINES.get(cfg.engine)(cfg, model, world)
 
 
 __all__ = [
+    "DEFAULT_ENGINE",
+    "ENGINES",
     "Engine",
+    "EngineConfig",
+    "ModelSize",
     "DDPEngine",
     "FSDPEngine",
     "DeepSpeedEngine",
@@ -86,5 +126,7 @@ __all__ = [
     "describe_plan",
     "build_model",
     "check_config",
-    "ENGINE_CLASSES",
+    "engine_selected_by",
+    "memory_setups",
+    "state_bytes",
 ]

@@ -4,15 +4,21 @@ An engine is built from (config, model, world). It owns the wrapped model, the o
 gradient synchronisation and the on-disk format of its state. Callers use only:
 
     Engine.check_config(cfg)               classmethod, at flag validation: the rules of the flags this engine
-                                           owns (every engine is asked, so --fsdp-* flags under DDP are refused)
+                                           owns (every engine is asked, so --fsdp-* flags under DDP are refused);
+                                           the run's engine returns what it resolved from them (DeepSpeed: its
+                                           JSON), which the EngineConfig then carries as `resolved`
     Engine.build_model(cfg, world, factory)
                                            classmethod, before the engine exists: where the model is built. The
                                            default calls factory() (a real, initialised model); sharding engines
                                            may return factory(device="meta") for giant models and materialise
                                            the shards themselves.
     Engine.describe_plan(cfg, world, num_params)
-                                           classmethod, for --dry-run: (the memory setup `bigclip plan` names,
-                                           one line saying how this run would be laid out)
+                                           classmethod, for --dry-run: (the memory setup of memory_models() this
+                                           run is, one line saying how it would be laid out)
+    Engine.memory_models()                 classmethod: setup name -> state bytes per GPU (parameters, gradients,
+                                           optimizer state) for Ψ parameters on N ranks: what `bigclip plan` and
+                                           --dry-run print (DeepSpeed: one setup per ZeRO stage, and offload)
+    Engine.selected_by                     flags that pick this engine without --engine (--ds_config, --deepspeed)
     engine.module(images=..., texts=...)   forward (features dict), also for eval; a collective when sharded
     engine.model                           the unwrapped model (named parameters, constraints, logging)
     engine.train() / engine.eval()
@@ -44,30 +50,42 @@ from torch.distributed.tensor import DTensor
 from bigclip.ckpt.dcp_layout import DCPLayout
 from bigclip.ckpt.layout import CheckpointLayout
 from bigclip.dist import World
+from bigclip.engine.config import EngineConfig, ModelSize
 from bigclip.engine.memory import tensor_bytes
 from bigclip.precision import Precision, resolve_precision
 
 ParameterFix = Callable[[torch.Tensor], object]
+# (Ψ parameters, N data-parallel ranks, "amp" or "fp32", the model's block sizes or None) -> bytes per GPU
+StateBytes = Callable[[int, int, str, ModelSize | None], float]
 
 
 class Engine(abc.ABC):
     name: str = "base"
+    help: str = ""  # --engine's help for this name
+    selected_by: tuple[str, ...] = ()  # flags (config field names) that select this engine without --engine
 
     @classmethod
-    def check_config(cls, cfg) -> None:
-        """Raise a UserError for a flag this engine owns that the run cannot honour."""
+    def check_config(cls, cfg: EngineConfig) -> object:
+        """Raise a UserError for a flag this engine owns that the run cannot honour. When this engine is the
+        run's (cfg.engine == cls.name), return what it resolved from the flags for later (None by default)."""
+        return None
 
     @classmethod
-    def build_model(cls, cfg, world: World, factory) -> nn.Module:
+    def build_model(cls, cfg: EngineConfig, world: World, factory) -> nn.Module:
         """Build the model for this engine; `factory(**overrides)` is create_model with the run's options."""
         return factory()
 
     @classmethod
-    def describe_plan(cls, cfg, world: World, num_params: int) -> tuple[str, str]:
-        """(setup for bigclip.plan's memory arithmetic, a line describing the layout) without building anything."""
+    def describe_plan(cls, cfg: EngineConfig, world: World, num_params: int) -> tuple[str, str]:
+        """(this run's setup in memory_models(), a line describing the layout) without building anything."""
         return cls.name, cls.name
 
-    def __init__(self, cfg, model: nn.Module, world: World):
+    @classmethod
+    def memory_models(cls) -> dict[str, StateBytes]:
+        """Setup name -> parameters + gradients + optimizer state per GPU, in bytes (ZeRO paper arithmetic)."""
+        return {}
+
+    def __init__(self, cfg: EngineConfig, model: nn.Module, world: World):
         self.cfg = cfg
         self.world = world
         self.precision: Precision = resolve_precision(cfg.precision, world.device)

@@ -14,15 +14,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bigclip import optim
 from bigclip.dist import World
-from bigclip.engine.base import TorchOptimizerEngine
+from bigclip.engine.base import StateBytes, TorchOptimizerEngine
+from bigclip.engine.config import EngineConfig
 from bigclip.errors import UserError
 
 
 class DDPEngine(TorchOptimizerEngine):
     name = "ddp"
+    help = "torch DistributedDataParallel: every rank holds the whole model and optimizer state"
 
     @classmethod
-    def check_config(cls, cfg) -> None:
+    def check_config(cls, cfg: EngineConfig) -> None:
         if cfg.engine == cls.name and cfg.sharded_init == "always":
             raise UserError(
                 "--sharded-init always: needs an engine that shards parameters (--engine fsdp, or "
@@ -30,10 +32,15 @@ class DDPEngine(TorchOptimizerEngine):
             )
 
     @classmethod
-    def describe_plan(cls, cfg, world: World, num_params: int) -> tuple[str, str]:
-        return "ddp", f"ddp: the whole model, its gradients and AdamW state on each of {world.world_size} rank(s)"
+    def describe_plan(cls, cfg: EngineConfig, world: World, num_params: int) -> tuple[str, str]:
+        return cls.name, f"ddp: the whole model, its gradients and AdamW state on each of {world.world_size} rank(s)"
 
-    def __init__(self, cfg, model: nn.Module, world: World):
+    @classmethod
+    def memory_models(cls) -> dict[str, StateBytes]:
+        # fp32 weights, gradients and Adam moments on every rank, whatever the precision (amp keeps fp32 weights)
+        return {cls.name: lambda psi, n, precision, size: 16 * psi}
+
+    def __init__(self, cfg: EngineConfig, model: nn.Module, world: World):
         super().__init__(cfg, model, world)
         self.model = model.to(device=world.device, dtype=self.precision.param_dtype)
         if cfg.use_bn_sync and world.distributed:
@@ -44,7 +51,7 @@ class DDPEngine(TorchOptimizerEngine):
             if world.device.type == "cuda":
                 ddp_kwargs["device_ids"] = [world.device]
             self.module = DistributedDataParallel(self.model, **ddp_kwargs)
-        self.optimizer = optim.create_optimizer(cfg, optim.param_groups(self.model, cfg.wd))
+        self.optimizer = optim.create_optimizer(cfg.optimizer, optim.param_groups(self.model, cfg.optimizer.wd))
         self.scaler = torch.amp.GradScaler(world.device.type) if self.precision.loss_scaling else None
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
 

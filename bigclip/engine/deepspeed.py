@@ -43,7 +43,8 @@ from bigclip.ckpt.deepspeed_layout import DeepSpeedLayout
 from bigclip.ckpt.layout import CheckpointLayout
 from bigclip.dist import World
 from bigclip.engine import ds_config as dsc
-from bigclip.engine.base import Engine, clip_and_measure
+from bigclip.engine.base import Engine, StateBytes, clip_and_measure
+from bigclip.engine.config import EngineConfig
 from bigclip.engine.memory import tensor_bytes
 from bigclip.engine.sharded_init import (
     build_for_sharding,
@@ -55,6 +56,7 @@ from bigclip.engine.sharded_init import (
 )
 from bigclip.engine.single import ensure_process_group
 from bigclip.errors import UserError
+from bigclip.optim import optimizer_kind
 
 logger = logging.getLogger("bigclip")
 
@@ -121,34 +123,49 @@ def mark_blocks_as_leaves(model: nn.Module) -> None:
             set_z3_leaf_module(block, True)
 
 
+def _device_type(cfg: EngineConfig) -> str:
+    return "cuda" if cfg.device.startswith("cuda") and torch.cuda.is_available() else "cpu"
+
+
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
+    help = "DeepSpeed ZeRO stages 0-3 and offload, as --ds_config says (ZeRO-2 without one)"
+    selected_by = ("ds_config", "deepspeed")  # DeepSpeed's launch lines name a config, not an engine
 
     @classmethod
-    def check_config(cls, cfg) -> None:
+    def check_config(cls, cfg: EngineConfig) -> dict[str, Any] | None:
         """Read the --ds_config JSON once and fill what the flags decide; contradictions and bad JSON stop the
-        run here, before any work. The result is kept on the config for the engine to complete."""
+        run here, before any work. Returns the result for the engine to complete (EngineConfig.resolved)."""
         if cfg.engine != cls.name:
-            return
-        device = "cuda" if cfg.device.startswith("cuda") and torch.cuda.is_available() else "cpu"
-        cfg.ds_config_values = dsc.resolve_flags(cfg, device)
-        dsc.for_run(cfg.ds_config_values, cfg, None, None)  # nothing but world- and model-sized "auto" left
-        if cfg.sharded_init == "always" and dsc.stage(cfg.ds_config_values) != 3:
+            return None
+        ds = dsc.resolve_flags(cfg, _device_type(cfg))
+        dsc.for_run(ds, cfg, None, None)  # nothing but world- and model-sized "auto" left
+        stage = dsc.stage(ds)
+        if cfg.sharded_init == "always" and stage != 3:
             raise UserError(
                 f"--sharded-init always: DeepSpeed partitions parameters only at ZeRO stage 3, "
-                f"and {cfg.ds_config or 'the default config'} has stage {dsc.stage(cfg.ds_config_values)}"
+                f"and {cfg.ds_config or 'the default config'} has stage {stage}"
             )
+        mixed = [name for name in ("bf16", "fp16") if ds.get(name, {}).get("enabled")]
+        if optimizer_kind(cfg.optimizer).per_tensor and (stage or mixed):
+            # DeepSpeed hands its optimizer flat partitions of many tensors (ZeRO, and its bf16/fp16 wrappers),
+            # so per-tensor statistics (StableAdamW's update clipping) would mix arbitrary slices together:
+            # refused, not approximated.
+            why = ", ".join(([f"ZeRO stage {stage}"] if stage else []) + mixed)
+            raise UserError(
+                f"--opt {cfg.optimizer.opt}: DeepSpeed ({why}) steps flattened partitions, not whole tensors, so the "
+                f"per-tensor update clipping cannot be applied; use --engine fsdp (exact on shards) or ddp"
+            )
+        return ds
 
     @staticmethod
-    def _flag_values(cfg, world: World) -> dict[str, Any]:
-        # A config built by hand (not through config.resolve) has not been checked yet.
-        if cfg.ds_config_values is None:
-            cfg.ds_config_values = dsc.resolve_flags(cfg, world.device.type)
-        return cfg.ds_config_values
+    def _flag_values(cfg: EngineConfig) -> dict[str, Any]:
+        # An EngineConfig built by hand (not through the config's sections) has not been resolved yet.
+        return cfg.resolved if cfg.resolved is not None else dsc.resolve_flags(cfg, _device_type(cfg))
 
     @classmethod
-    def describe_plan(cls, cfg, world: World, num_params: int) -> tuple[str, str]:
-        ds = cls._flag_values(cfg, world)
+    def describe_plan(cls, cfg: EngineConfig, world: World, num_params: int) -> tuple[str, str]:
+        ds = cls._flag_values(cfg)
         stage = dsc.stage(ds)
         offload = [
             what
@@ -171,10 +188,26 @@ class DeepSpeedEngine(Engine):
         return setup, line
 
     @classmethod
-    def build_model(cls, cfg, world: World, factory) -> nn.Module:
-        return build_for_sharding(cfg, factory, shards_params=dsc.stage(cls._flag_values(cfg, world)) == 3)
+    def memory_models(cls) -> dict[str, StateBytes]:
+        """ZeRO paper arithmetic, K = 12 bytes of fp32 master weights + Adam moments per parameter, plus the
+        working copy of weights and gradients: 2 bytes each under --precision amp (bf16/fp16), 4 under fp32
+        (DeepSpeed keeps a separate fp32 master even then)."""
 
-    def __init__(self, cfg, model: nn.Module, world: World):
+        def setup(stage_bytes):  # stage_bytes(Ψ, N, working-copy bytes per parameter) -> bytes
+            return lambda psi, n, precision, size: stage_bytes(psi, n, 4 if precision == "fp32" else 2)
+
+        return {
+            "zero1": setup(lambda psi, n, w: 2 * w * psi + 12 * psi / n),  # full weights and gradients
+            "zero2": setup(lambda psi, n, w: w * psi + (12 + w) * psi / n),  # gradients partitioned too
+            "zero3": setup(lambda psi, n, w: (12 + 2 * w) * psi / n),  # everything partitioned
+            "zero3_offload": setup(lambda psi, n, w: 0.0),  # all of it in host memory: GPU buffers only
+        }
+
+    @classmethod
+    def build_model(cls, cfg: EngineConfig, world: World, factory) -> nn.Module:
+        return build_for_sharding(cfg, factory, shards_params=dsc.stage(cls._flag_values(cfg)) == 3)
+
+    def __init__(self, cfg: EngineConfig, model: nn.Module, world: World):
         super().__init__(cfg, model, world)
         _prepare_environment(world)
         import deepspeed
@@ -183,9 +216,9 @@ class DeepSpeedEngine(Engine):
         backend = world.backend or ("nccl" if world.device.type == "cuda" else "gloo")
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
-        self.ds_config = dsc.for_run(self._flag_values(cfg, world), cfg, world.world_size, widest_tower(model))
+        self.ds_config = dsc.for_run(self._flag_values(cfg), cfg, world.world_size, widest_tower(model))
         self.stage = dsc.stage(self.ds_config)
-        groups_by_name = _named_groups(model, cfg.wd)
+        groups_by_name = _named_groups(model, cfg.optimizer.wd)
         if is_meta(model):
             partition_meta_model(model, self.ds_config, world, cfg.seed)
         else:
@@ -197,7 +230,7 @@ class DeepSpeedEngine(Engine):
 
         client_optimizer = None
         if "optimizer" not in self.ds_config:
-            client_optimizer = optim.create_optimizer(cfg, groups)
+            client_optimizer = optim.create_optimizer(cfg.optimizer, groups)
             if dsc.offloads_optimizer(self.ds_config):
                 # A torch optimizer over offloaded fp32 partitions runs on the CPU, just slower than
                 # DeepSpeedCPUAdam; DeepSpeed refuses it unless told this is intended.

@@ -1,4 +1,4 @@
-"""DeepSpeed JSON configs: read them, fill every "auto" from the TrainConfig, refuse contradictions.
+"""DeepSpeed JSON configs: read them, fill every "auto" from the flags (an EngineConfig), refuse contradictions.
 
 DeepSpeed itself does not resolve "auto" (only the Hugging Face integration does), so a config written
 for bigclip may leave the values bigclip already knows to bigclip:
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from bigclip.engine.config import EngineConfig
 from bigclip.errors import UserError
 from bigclip.optim import hyperparameters
 from bigclip.precision import resolve_precision
@@ -59,7 +60,7 @@ def read(path: str, flag: str = "--ds_config") -> dict[str, Any]:
     return data
 
 
-def precision_flags(cfg, device_type: str) -> tuple[bool, bool]:
+def precision_flags(cfg: EngineConfig, device_type: str) -> tuple[bool, bool]:
     """(bf16, fp16) as DeepSpeed should run for --precision on this device."""
     p = resolve_precision(cfg.precision, torch.device(device_type))
     low = {p.autocast_dtype, p.param_dtype}
@@ -106,7 +107,11 @@ def _find_auto(node: Any, prefix: str = "") -> str | None:
 
 
 def resolve(
-    cfg, world_size: int | None, device_type: str, hidden_size: int | None = None, raw: dict[str, Any] | None = None
+    cfg: EngineConfig,
+    world_size: int | None,
+    device_type: str,
+    hidden_size: int | None = None,
+    raw: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The config DeepSpeed receives: the file (or DEFAULT_CONFIG) with every "auto" filled.
 
@@ -139,7 +144,7 @@ def _require_objects(ds: dict[str, Any], path: str) -> None:
             )
 
 
-def resolve_flags(cfg, device_type: str, raw: dict[str, Any] | None = None) -> dict[str, Any]:
+def resolve_flags(cfg: EngineConfig, device_type: str, raw: dict[str, Any] | None = None) -> dict[str, Any]:
     """The file (read once, here) with every value that depends on flags alone filled and checked: what
     flag validation computes and the engine later completes with for_run()."""
     path = cfg.ds_config or "the default DeepSpeed config"
@@ -208,7 +213,9 @@ def resolve_flags(cfg, device_type: str, raw: dict[str, Any] | None = None) -> d
     return ds
 
 
-def for_run(flag_values: dict[str, Any], cfg, world_size: int | None, hidden_size: int | None) -> dict[str, Any]:
+def for_run(
+    flag_values: dict[str, Any], cfg: EngineConfig, world_size: int | None, hidden_size: int | None
+) -> dict[str, Any]:
     """resolve_flags()'s dict completed with what the run adds: train_batch_size from the world size, bucket
     sizes from the model's width. Any "auto" left after that is an error."""
     ds = copy.deepcopy(flag_values)
@@ -243,19 +250,19 @@ def for_run(flag_values: dict[str, Any], cfg, world_size: int | None, hidden_siz
     return ds
 
 
-def _fill_optimizer(section: dict, cfg, path: str) -> None:
+def _fill_optimizer(section: dict, cfg: EngineConfig, path: str) -> None:
     kind = str(section.get("type", "")).lower()
     if kind not in ("adam", "adamw"):
         raise UserError(
             f"{path}: optimizer.type {section.get('type')!r} is not supported by bigclip; "
             f'use "AdamW" or drop the optimizer section (bigclip then passes its own --opt)'
         )
-    if cfg.opt != "adamw":
+    if cfg.optimizer.opt != "adamw":
         raise UserError(
-            f"{path}: optimizer.type {section.get('type')!r} contradicts --opt {cfg.opt}; "
+            f"{path}: optimizer.type {section.get('type')!r} contradicts --opt {cfg.optimizer.opt}; "
             f"drop the optimizer section or use --opt adamw"
         )
-    hp = hyperparameters(cfg)
+    hp = hyperparameters(cfg.optimizer)
     params = section.setdefault("params", {})
     _fill(params, "lr", hp["lr"], "optimizer.params.lr", f"--lr {hp['lr']}", path, _close)
     _fill(

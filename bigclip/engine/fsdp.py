@@ -29,21 +29,22 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from bigclip import optim
 from bigclip.dist import World
-from bigclip.engine.base import TorchOptimizerEngine
+from bigclip.engine.base import StateBytes, TorchOptimizerEngine
+from bigclip.engine.config import EngineConfig, ModelSize
 from bigclip.engine.memory import tensor_bytes
 from bigclip.engine.sharded_init import build_for_sharding, is_meta, materialise, wants_sharded_init
 from bigclip.engine.single import ensure_process_group
 from bigclip.errors import UserError
 
 
-def replicate_degree(cfg, world: World) -> int:
+def replicate_degree(cfg: EngineConfig, world: World) -> int:
     """How many replica groups HSDP keeps (1: plain sharding over every rank); --fsdp-hybrid: one per node."""
     if cfg.fsdp_hybrid:
         return max(1, world.world_size // max(1, world.local_world_size))
     return cfg.fsdp_replicate_degree or 1
 
 
-def build_mesh(cfg, world: World):
+def build_mesh(cfg: EngineConfig, world: World):
     replicate = replicate_degree(cfg, world)
     if world.world_size % replicate:
         raise UserError(f"--fsdp-replicate-degree {replicate}: must divide the world size {world.world_size}")
@@ -63,13 +64,14 @@ def mixed_precision_policy(precision):
 
 class FSDPEngine(TorchOptimizerEngine):
     name = "fsdp"
+    help = "FSDP2: parameters, gradients and optimizer state sharded across ranks, one unit per block"
     replicated_state = False  # each rank holds and saves its own shards
 
     # Flags only this engine honours; under another engine they would silently do nothing.
     OWN_FLAGS = ("fsdp_offload_cpu", "fsdp_no_reshard_after_forward", "fsdp_hybrid")
 
     @classmethod
-    def check_config(cls, cfg) -> None:
+    def check_config(cls, cfg: EngineConfig) -> None:
         if not isinstance(cfg.fsdp_replicate_degree, int) or cfg.fsdp_replicate_degree < 1:
             raise UserError(f"--fsdp-replicate-degree {cfg.fsdp_replicate_degree!r}: must be a positive integer")
         if cfg.engine == cls.name:
@@ -83,20 +85,31 @@ class FSDPEngine(TorchOptimizerEngine):
             raise UserError(f"--fsdp-replicate-degree: only applies to --engine fsdp (the engine is {cfg.engine})")
 
     @classmethod
-    def build_model(cls, cfg, world: World, factory) -> nn.Module:
+    def build_model(cls, cfg: EngineConfig, world: World, factory) -> nn.Module:
         return build_for_sharding(cfg, factory, shards_params=True)
 
     @classmethod
-    def describe_plan(cls, cfg, world: World, num_params: int) -> tuple[str, str]:
+    def memory_models(cls) -> dict[str, StateBytes]:
+        def fsdp(psi: int, n: int, precision: str, size: ModelSize | None) -> float:
+            state = 16 * psi / n  # fp32 shards of weights, gradients and Adam moments
+            if precision != "fp32" and size is not None:
+                # MixedPrecisionPolicy all-gathers in bf16: two blocks in flight, and the root stays gathered
+                state += 2 * (2 * size.block_params + size.root_params)
+            return state
+
+        return {cls.name: fsdp}
+
+    @classmethod
+    def describe_plan(cls, cfg: EngineConfig, world: World, num_params: int) -> tuple[str, str]:
         replicas = replicate_degree(cfg, world)
         layout = f"sharded over {world.world_size} rank(s)"
         if replicas > 1:
             layout = f"HSDP: {replicas} replicas, each sharded over {world.world_size // replicas} rank(s)"
         init = "on meta, initialised shard by shard" if wants_sharded_init(cfg, num_params) else "whole, then sharded"
         extra = ", shards offloaded to host memory" if cfg.fsdp_offload_cpu else ""
-        return "fsdp", f"fsdp2: fully_shard per transformer block, then the root; {layout}; model built {init}{extra}"
+        return cls.name, f"fsdp2: fully_shard per transformer block, then the root; {layout}; model built {init}{extra}"
 
-    def __init__(self, cfg, model: nn.Module, world: World):
+    def __init__(self, cfg: EngineConfig, model: nn.Module, world: World):
         super().__init__(cfg, model, world)
 
         ensure_process_group(world)
@@ -127,7 +140,7 @@ class FSDPEngine(TorchOptimizerEngine):
             )
 
         self.model = self.module = model  # FSDP2 shards the model in place: no wrapper
-        self.optimizer = optim.create_optimizer(cfg, optim.param_groups(model, cfg.wd))
+        self.optimizer = optim.create_optimizer(cfg.optimizer, optim.param_groups(model, cfg.optimizer.wd))
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.scaler = None
         if self.precision.loss_scaling:

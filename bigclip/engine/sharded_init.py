@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from bigclip.engine.config import EngineConfig
+
 # Models from this size up are built on meta under engines that shard parameters (--sharded-init auto).
 # ViT-L-14 (428M) still builds comfortably on one host; ViT-H-14 (986M) and ViT-bigG-14 (2.5B) do not on
 # 8-GPU nodes with one model copy per rank.
@@ -42,8 +44,8 @@ def is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def wants_sharded_init(cfg, num_params: int) -> bool:
-    mode = getattr(cfg, "sharded_init", "auto")
+def wants_sharded_init(cfg: EngineConfig, num_params: int) -> bool:
+    mode = cfg.sharded_init
     if mode == "always":
         return True
     if mode == "never":
@@ -51,7 +53,7 @@ def wants_sharded_init(cfg, num_params: int) -> bool:
     return num_params >= SHARDED_INIT_MIN_PARAMS
 
 
-def build_for_sharding(cfg, factory, shards_params: bool) -> nn.Module:
+def build_for_sharding(cfg: EngineConfig, factory, shards_params: bool) -> nn.Module:
     """The model as an engine that shards parameters wants it: on meta when sharded init applies.
 
     `factory(device=...)` is the bigclip model factory with the run's options bound.

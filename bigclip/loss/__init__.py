@@ -1,48 +1,50 @@
 """Contrastive losses (CLIP softmax, SigLIP sigmoid) that never build the global logit matrix.
 
-    loss = build_loss(siglip, local_loss, gather_with_grad, impl, dist_impl, rank, world_size)
+    loss = build_loss(LossConfig(loss="siglip", loss_impl="chunked"), rank, world_size)
     value = loss(image_features, text_features, logit_scale, logit_bias=None)
 
-impl (``--loss-impl``): naive (OpenCLIP's reference), chunked (exact tiled torch), triton
-(fused kernels), auto (triton on CUDA when Triton imports, chunked elsewhere). dist_impl
-(``--loss-dist-impl``): gather | ring for CLIP, bidir | shift | reduce | gather for SigLIP.
+--loss names a family registered in LOSSES (loss/family.py; each family's module registers itself and is
+imported here). --loss-impl: naive (OpenCLIP's reference), chunked (exact tiled torch), triton (fused
+kernels), auto (triton on CUDA when Triton imports, chunked elsewhere). --loss-dist-impl: the family's
+exchanges between ranks (gather | ring for CLIP, bidir | shift | reduce | gather for SigLIP).
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 
-from bigclip.loss.clip import ClipLoss
-from bigclip.loss.select import CLIP_DIST_IMPLS, LOSS_IMPLS, SIGLIP_DIST_IMPLS
-from bigclip.loss.siglip import SigLipLoss
+from bigclip.loss.clip import CLIP_DIST_IMPLS, ClipLoss
+from bigclip.loss.family import LOSSES, LossConfig, LossFamily, check_dist_impl
+from bigclip.loss.select import LOSS_IMPLS, check_impl
+from bigclip.loss.siglip import SIGLIP_DIST_IMPLS, SigLipLoss
 
 __all__ = [
     "ClipLoss",
     "SigLipLoss",
+    "LossConfig",
+    "LossFamily",
+    "LOSSES",
     "build_loss",
+    "check_loss",
+    "loss_family",
     "LOSS_IMPLS",
     "CLIP_DIST_IMPLS",
     "SIGLIP_DIST_IMPLS",
 ]
 
 
-def build_loss(
-    siglip: bool,
-    local_loss: bool,
-    gather_with_grad: bool,
-    impl: str,
-    dist_impl: str | None,
-    rank: int,
-    world_size: int,
-) -> nn.Module:
-    """The loss module for these flags (SigLIP ignores local_loss / gather_with_grad, as OpenCLIP does)."""
-    if siglip:
-        return SigLipLoss(rank=rank, world_size=world_size, impl=impl, dist_impl=dist_impl)
-    return ClipLoss(
-        local_loss=local_loss,
-        gather_with_grad=gather_with_grad,
-        rank=rank,
-        world_size=world_size,
-        impl=impl,
-        dist_impl=dist_impl,
-    )
+def loss_family(cfg: LossConfig) -> LossFamily:
+    return LOSSES.get(cfg.loss)
+
+
+def check_loss(cfg: LossConfig) -> None:
+    """The loss flags' rules, before any work: a registered family, an implementation, and an exchange the
+    family offers."""
+    family = loss_family(cfg)
+    check_impl(cfg.loss_impl)
+    check_dist_impl(cfg.loss_dist_impl, family)
+
+
+def build_loss(cfg: LossConfig, rank: int = 0, world_size: int = 1) -> nn.Module:
+    """The loss module for these flags."""
+    return loss_family(cfg).build(cfg, rank, world_size)

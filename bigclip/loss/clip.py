@@ -16,6 +16,8 @@ CLIP loss) and gives it an exact zero gradient.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from bigclip.loss import select
 from bigclip.loss.chunked import positive_logits
 from bigclip.loss.distributed import clip_loss_distributed, gather_features
+from bigclip.loss.family import LOSSES, LossConfig, LossFamily, check_dist_impl
 
 
 def clip_loss_naive(
@@ -127,7 +130,7 @@ class ClipLoss(nn.Module):
         self.rank = rank
         self.world_size = world_size
         self.impl = select.check_impl(impl)
-        self.dist_impl = select.check_dist_impl(dist_impl, siglip=False)
+        self.dist_impl = check_dist_impl(dist_impl, CLIP)
 
     def forward(self, image_features, text_features, logit_scale, logit_bias=None):
         check_features(image_features, text_features)
@@ -167,3 +170,21 @@ class ClipLoss(nn.Module):
             f"impl={self.impl}, dist_impl={self.dist_impl}, local_loss={self.local_loss}, "
             f"gather_with_grad={self.gather_with_grad}, rank={self.rank}, world_size={self.world_size}"
         )
+
+
+def _build_clip_loss(cfg: LossConfig, rank: int, world_size: int) -> ClipLoss:
+    return ClipLoss(cfg.local_loss, cfg.gather_with_grad, rank, world_size, cfg.loss_impl, cfg.loss_dist_impl)
+
+
+# gather: all-gather features, reduce-scatter gradients; ring: features travel rank to rank.
+CLIP_DIST_IMPLS = ("gather", "ring")
+CLIP = LOSSES.register(
+    "clip",
+    LossFamily(
+        _build_clip_loss,
+        CLIP_DIST_IMPLS,
+        "the CLIP loss",
+        model_init={"init_logit_scale": math.log(1 / 0.07), "init_logit_bias": None},  # OpenAI CLIP's temperature
+    ),
+    help="CLIP's softmax contrastive loss (OpenCLIP's default)",
+)

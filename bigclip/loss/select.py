@@ -1,8 +1,7 @@
 """Names of the loss implementations and the rule that picks one for a batch.
 
-`impl` says how the logits are computed (``--loss-impl``); `dist_impl` says how features move
-between ranks (``--loss-dist-impl``). Both are validated here so every error a user can cause
-with these flags reads the same way.
+`impl` says how the logits are computed (``--loss-impl``), for every loss family; how features move
+between ranks (``--loss-dist-impl``) is each family's own choice (loss/family.py).
 """
 
 from __future__ import annotations
@@ -15,29 +14,12 @@ from bigclip.loss import chunked
 # naive: OpenCLIP's reference (materialises the logit matrix); chunked: exact tiled torch code;
 # triton: fused kernels; auto: triton on CUDA tensors when Triton imports, chunked elsewhere.
 LOSS_IMPLS = ("auto", "naive", "chunked", "triton")
-# gather: all-gather features, reduce-scatter gradients; ring: features travel rank to rank.
-CLIP_DIST_IMPLS = ("gather", "ring")
-# OpenCLIP's SigLIP exchanges of text features between ranks.
-SIGLIP_DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
-
-DEFAULT_CLIP_DIST_IMPL = "gather"
-DEFAULT_SIGLIP_DIST_IMPL = "bidir"
 
 
 def check_impl(impl: str) -> str:
     if impl not in LOSS_IMPLS:
         raise UserError(f"--loss-impl {impl!r}: choose one of {', '.join(LOSS_IMPLS)}")
     return impl
-
-
-def check_dist_impl(dist_impl: str | None, siglip: bool) -> str:
-    allowed = SIGLIP_DIST_IMPLS if siglip else CLIP_DIST_IMPLS
-    if dist_impl is None:
-        return DEFAULT_SIGLIP_DIST_IMPL if siglip else DEFAULT_CLIP_DIST_IMPL
-    if dist_impl not in allowed:
-        loss = "the SigLIP loss (--siglip)" if siglip else "the CLIP loss"
-        raise UserError(f"--loss-dist-impl {dist_impl!r}: choose one of {', '.join(allowed)} for {loss}")
-    return dist_impl
 
 
 def triton_importable() -> bool:

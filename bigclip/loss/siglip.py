@@ -13,6 +13,8 @@ backward recomputes tiles with no statistics at all.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from bigclip.loss import select
 from bigclip.loss.clip import check_features
 from bigclip.loss.distributed import mean_grad_across_ranks, siglip_exchange
+from bigclip.loss.family import LOSSES, LossConfig, LossFamily, check_dist_impl
 
 
 def siglip_block_naive(image, text, logit_scale, logit_bias, negative_only: bool) -> torch.Tensor:
@@ -94,7 +97,7 @@ class SigLipLoss(nn.Module):
         self.rank = rank
         self.world_size = world_size
         self.impl = select.check_impl(impl)
-        self.dist_impl = select.check_dist_impl(dist_impl, siglip=True)
+        self.dist_impl = check_dist_impl(dist_impl, SIGLIP)
 
     def forward(self, image_features, text_features, logit_scale, logit_bias=None):
         check_features(image_features, text_features)
@@ -129,3 +132,24 @@ class SigLipLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return f"impl={self.impl}, dist_impl={self.dist_impl}, rank={self.rank}, world_size={self.world_size}"
+
+
+def _build_siglip_loss(cfg: LossConfig, rank: int, world_size: int) -> SigLipLoss:
+    # SigLIP has no local_loss / gather_with_grad: OpenCLIP ignores them for it too.
+    return SigLipLoss(rank, world_size, cfg.loss_impl, cfg.loss_dist_impl)
+
+
+# OpenCLIP's SigLIP exchanges of text features between ranks (bidir is its default).
+SIGLIP_DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
+SIGLIP = LOSSES.register(
+    "siglip",
+    LossFamily(
+        _build_siglip_loss,
+        SIGLIP_DIST_IMPLS,
+        "the SigLIP loss (--siglip)",
+        # open_clip_train's --siglip: logit scale log 10, bias -10 (Zhai et al. 2023)
+        model_init={"init_logit_scale": math.log(10.0), "init_logit_bias": -10.0},
+        selected_by=("siglip",),
+    ),
+    help="SigLIP's sigmoid loss, logit scale init log 10 and bias -10 (OpenCLIP's --siglip)",
+)

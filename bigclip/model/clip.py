@@ -9,28 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bigclip.model.resnet import ResNetTower
 from bigclip.model.text import TextTransformer
-from bigclip.model.timm_tower import TimmVisionTower
-from bigclip.model.vision import VisionTower
+from bigclip.model.towers import vision_tower
 from bigclip.model.weights import WeightsFile, load_pretrained, plan_for
 
-CLIP_INIT_LOGIT_SCALE = math.log(1 / 0.07)
-SIGLIP_INIT_LOGIT_SCALE = math.log(10.0)
+# OpenAI CLIP's initial temperature (1/0.07); loss families may start elsewhere (SigLIP: log 10, bias -10).
+DEFAULT_INIT_LOGIT_SCALE = math.log(1 / 0.07)
 MAX_LOGIT_SCALE = math.log(100.0)
-SIGLIP_INIT_LOGIT_BIAS = -10.0
 
-
-def vision_tower(embed_dim: int, vision_cfg: dict, *, quick_gelu: bool) -> nn.Module:
-    """The image tower an architecture config (OpenCLIP's vision_cfg) describes.
-
-    Every tower offers: forward(images) -> (B, embed_dim); image_size (height, width); blocks (the units
-    engines shard and checkpoint); set_grad_checkpointing(every); init_weights(); lock(groups, bn_stats)."""
-    if "timm_model_name" in vision_cfg:  # OpenCLIP's TimmModel: a timm trunk and OpenCLIP's head
-        return TimmVisionTower(embed_dim=embed_dim, quick_gelu=quick_gelu, **vision_cfg)
-    if isinstance(vision_cfg.get("layers"), (list, tuple)):  # OpenCLIP's rule: stage depths mean a ResNet
-        return ResNetTower(embed_dim=embed_dim, **vision_cfg)
-    return VisionTower(embed_dim=embed_dim, quick_gelu=quick_gelu, **vision_cfg)
+__all__ = ["CLIP", "vision_tower"]
 
 
 class CLIP(nn.Module):
@@ -41,21 +28,23 @@ class CLIP(nn.Module):
         text_cfg: dict,
         *,
         quick_gelu: bool = False,
-        siglip: bool = False,
+        init_logit_scale: float = DEFAULT_INIT_LOGIT_SCALE,
+        init_logit_bias: float | None = None,
+        image_size: int | tuple[int, int] | None = None,
     ):
+        """init_logit_scale / init_logit_bias (OpenCLIP's names): where the learned temperature starts, and
+        whether there is a learned logit bias (the loss family decides: SigLIP's has one). image_size: forced
+        image size (--force-image-size), else the vision_cfg's."""
         super().__init__()
         self.embed_dim = embed_dim
-        self.visual = vision_tower(embed_dim, vision_cfg, quick_gelu=quick_gelu)
+        self.visual = vision_tower(embed_dim, vision_cfg, quick_gelu=quick_gelu, image_size=image_size)
         self.text = TextTransformer(embed_dim=embed_dim, quick_gelu=quick_gelu, **text_cfg)
         # Shape (1,), not 0-d: sharding engines split parameters along dim 0.
+        self.init_logit_scale, self.init_logit_bias = init_logit_scale, init_logit_bias
         self.logit_scale = nn.Parameter(torch.empty(1))
-        self.logit_bias = nn.Parameter(torch.empty(1)) if siglip else None
+        self.logit_bias = nn.Parameter(torch.empty(1)) if init_logit_bias is not None else None
         # Pretrained weights `init_weights()` loads instead of a random init (see init_from).
         self.pretrained_path: str | None = None
-
-    @property
-    def siglip(self) -> bool:
-        return self.logit_bias is not None
 
     def init_from(self, path: str) -> None:
         """Make `init_weights()` load the pretrained weights at `path` rather than draw random ones.
@@ -78,9 +67,9 @@ class CLIP(nn.Module):
             return
         self.visual.init_weights()
         self.text.init_weights()
-        self.logit_scale.fill_(SIGLIP_INIT_LOGIT_SCALE if self.siglip else CLIP_INIT_LOGIT_SCALE)
+        self.logit_scale.fill_(self.init_logit_scale)
         if self.logit_bias is not None:
-            self.logit_bias.fill_(SIGLIP_INIT_LOGIT_BIAS)
+            self.logit_bias.fill_(self.init_logit_bias)
 
     def encode_image(self, images: torch.Tensor, normalize: bool = False) -> torch.Tensor:
         features = self.visual(images)

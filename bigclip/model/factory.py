@@ -16,7 +16,7 @@ import torch
 
 from bigclip.errors import UserError
 from bigclip.model import switchback
-from bigclip.model.clip import CLIP
+from bigclip.model.clip import CLIP, DEFAULT_INIT_LOGIT_SCALE
 from bigclip.model.pretrained import model_weights, resolve_pretrained_image, timm_model_name
 from bigclip.model.registry import (
     CONFIG_DIR,
@@ -25,11 +25,11 @@ from bigclip.model.registry import (
     _load_configs,
     get_model_config,
     is_schema_name,
-    is_timm_tower,
     list_models,
     preprocess_cfg,
 )
 from bigclip.model.tokenizer import ByteTokenizer
+from bigclip.model.towers import image_tower_kind
 from bigclip.model.weights import load_pretrained
 
 # Re-exported: callers that knew them here keep working (the registry lives in model/registry.py).
@@ -94,7 +94,8 @@ def create_model(
     context_length: int | None = None,
     patch_dropout: float | None = None,
     quick_gelu: bool = False,
-    siglip: bool = False,
+    init_logit_scale: float | None = None,
+    init_logit_bias: float | None = None,
     layer_scale_init: float | None = None,
     int8_linear: str | None = None,
     device: str | torch.device = "cpu",
@@ -118,6 +119,9 @@ def create_model(
     the hub cache (True) or from a file already fetched; used only when no whole-model weights are loaded,
     as in OpenCLIP.
 
+    `init_logit_scale` / `init_logit_bias` (OpenCLIP's names; the loss family's model_init): where the learned
+    temperature starts (None: CLIP's 1/0.07) and, when given, a learned logit bias starting there (SigLIP).
+
     `layer_scale_init` (--layer-scale-init) gives every transformer block of both towers LayerScale on both
     residual branches starting at that value (0: zero-init layer scale), replacing the config's ls_init_value;
     None keeps the config's (absent: no layer scale).
@@ -127,29 +131,26 @@ def create_model(
     parameters stay nn.Linear's, so weights, checkpoints and exports are unchanged.
     """
     cfg = get_model_config(name, cache_dir)
-    timm_tower = is_timm_tower(cfg)
-    if pretrained_image and not timm_tower:
+    tower = image_tower_kind(cfg["vision_cfg"])
+    if pretrained_image and not tower.pretrained_trunk:
         raise UserError(
             f"--pretrained-image: pretrained image towers currently only supported for timm models; "
-            f"--model {name} has bigclip's own image tower"
+            f"--model {name} has {tower.described_as}"
         )
     if pretrained is None and load_weights and is_schema_name(name):
         pretrained = model_weights(name, cache_dir)
     vision_cfg = {k: v for k, v in cfg["vision_cfg"].items() if k not in _PREPROCESS_KEYS}
     text_cfg = dict(cfg["text_cfg"])
-    if image_size is not None:
-        vision_cfg["image_size"] = image_size
     if patch_dropout is not None:
-        if isinstance(vision_cfg.get("layers"), (list, tuple)):
-            raise UserError(f"--force-patch-dropout: --model {name} has a ResNet image tower (no patches); omit it")
+        if not tower.patch_dropout:
+            raise UserError(f"--force-patch-dropout: --model {name} has {tower.described_as} (no patches); omit it")
         if not 0.0 <= patch_dropout < 1.0:
             raise UserError(f"--force-patch-dropout {patch_dropout}: must be in [0, 1)")
         vision_cfg["patch_dropout"] = patch_dropout
     if layer_scale_init is not None:
-        if timm_tower or isinstance(vision_cfg.get("layers"), (list, tuple)):
-            kind = "timm" if timm_tower else "ResNet"
+        if not tower.layer_scale:
             raise UserError(
-                f"--layer-scale-init: --model {name} has a {kind} image tower, which bigclip does not give layer "
+                f"--layer-scale-init: --model {name} has {tower.described_as}, which bigclip does not give layer "
                 f"scale; use a ViT architecture or omit it"
             )
         if not math.isfinite(layer_scale_init):
@@ -173,12 +174,12 @@ def create_model(
                 vision_cfg,
                 text_cfg,
                 quick_gelu=quick_gelu or cfg.get("quick_gelu", False),
-                siglip=siglip,
+                init_logit_scale=DEFAULT_INIT_LOGIT_SCALE if init_logit_scale is None else init_logit_scale,
+                init_logit_bias=init_logit_bias,
+                image_size=image_size,
             )
         except TypeError as err:  # a config key bigclip's towers do not take (OpenCLIP-only features)
             raise UserError(f"--model {name}: this architecture config cannot be built by bigclip ({err})") from None
-        if timm_tower and image_size is not None:
-            model.visual.set_input_size(image_size)  # as open_clip.create_model does for timm towers
         if int8_linear is not None:
             use_int8_linears(model, int8_linear, name)
     if pretrained_image and pretrained is None:

@@ -107,6 +107,15 @@ class ResNetTower(nn.Module):
         """The bottleneck blocks of all four stages, in order: the units engines shard, compile and checkpoint."""
         return [block for stage in self.resnet.stages for block in stage]
 
+    @property
+    def description(self) -> str:
+        """What kind of tower this is, for messages ("ResNet", a timm model's name)."""
+        return "ResNet"
+
+    def activation_shape(self) -> None:
+        """Not a transformer: the memory plan's activation arithmetic does not describe this tower."""
+        return None
+
     def set_grad_checkpointing(self, every: int) -> None:
         """Recompute every `every`-th bottleneck block (counted across stages) in backward; 0 turns it off."""
         self.checkpoint_every = every

@@ -51,13 +51,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from bigclip.registry import Registry
+
 MLP_LINEAR_NAMES = ("c_fc", "c_proj", "fc1", "fc2")
-VARIANTS = (
-    "SwitchBackLinearGlobal",
-    "SwitchBackLinearGlobalMemEfficient",
-    "SwitchBackLinearVectorwise",
-    "StandardLinear",
-)
+# --use-bnb-linear NAME -> the nn.Linear subclass it means (registered below, with the classes).
+SWITCHBACK_VARIANTS: Registry[type[nn.Linear]] = Registry("--use-bnb-linear")
 
 # Int8 matmuls made by SwitchBack layers since the last reset, by role ("forward", "input_grad").
 INT8_MATMULS: collections.Counter[str] = collections.Counter()
@@ -307,10 +305,15 @@ class StandardLinear(nn.Linear):
         return _StandardLinearFunction.apply(x, weight, bias)
 
 
-VARIANT_CLASSES: dict[str, type[nn.Linear]] = {
-    cls.__name__: cls
-    for cls in (SwitchBackLinearGlobal, SwitchBackLinearGlobalMemEfficient, SwitchBackLinearVectorwise, StandardLinear)
-}
+for _cls, _help in (
+    (SwitchBackLinearGlobal, "int8 forward and input gradient, one scale per weight tensor"),
+    (SwitchBackLinearGlobalMemEfficient, "as SwitchBackLinearGlobal, saving int8 X and W for the backward"),
+    (SwitchBackLinearVectorwise, "int8 forward and input gradient, per-channel weight scales"),
+    (StandardLinear, "the same layer in floating point: the experiments' control arm"),
+):
+    SWITCHBACK_VARIANTS.register(_cls.__name__, _cls, help=_help)
+VARIANTS = tuple(SWITCHBACK_VARIANTS.names())
+VARIANT_CLASSES: dict[str, type[nn.Linear]] = dict(SWITCHBACK_VARIANTS.items())
 
 
 def replace_linears(model: nn.Module, variant: str, names: tuple[str, ...] = MLP_LINEAR_NAMES) -> int:

@@ -117,6 +117,7 @@ class TextTransformer(nn.Module):
         self.context_length = context_length
         self.vocab_size = vocab_size
         self.width = width
+        self.mlp_ratio = mlp_ratio
         self.ls_init_value = ls_init_value
         self.token_embedding = nn.Embedding(vocab_size, width)
         self.positional_embedding = nn.Parameter(torch.empty(context_length, width))
@@ -129,6 +130,10 @@ class TextTransformer(nn.Module):
     @property
     def blocks(self) -> nn.ModuleList:
         return self.transformer.resblocks
+
+    def activation_shape(self) -> tuple[int, int, int, float]:
+        """(layers, tokens, width, MLP ratio): what the memory plan's activation arithmetic needs."""
+        return len(self.blocks), self.context_length, self.width, float(self.mlp_ratio)
 
     def set_grad_checkpointing(self, every: int) -> None:
         """Recompute every `every`-th block in backward; 0 turns checkpointing off."""

@@ -155,6 +155,15 @@ class TimmVisionTower(nn.Module):
         group (the whole tower is then one unit)."""
         return [self.trunk.get_submodule(name) for name in self._block_names]
 
+    @property
+    def description(self) -> str:
+        """What kind of tower this is, for messages ("ResNet", a timm model's name)."""
+        return self.model_name
+
+    def activation_shape(self) -> None:
+        """Not a transformer: the memory plan's activation arithmetic does not describe this tower."""
+        return None
+
     def set_grad_checkpointing(self, every: int) -> None:
         """timm's own activation checkpointing (OpenCLIP's TimmModel does the same): every trunk block is
         recomputed in backward for any `every` >= 1; timm's models offer no spacing, so `every` > 1 is not

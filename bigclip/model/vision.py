@@ -45,6 +45,7 @@ class VisionTower(nn.Module):
         self.image_size = _pair(image_size)
         self.patch_size = patch_size
         self.width = width
+        self.mlp_ratio = mlp_ratio
         self.ls_init_value = ls_init_value
         self.trunk = VisionTransformer(
             img_size=self.image_size,
@@ -75,6 +76,17 @@ class VisionTower(nn.Module):
     @property
     def blocks(self) -> BlockSequence:
         return self.trunk.blocks
+
+    @property
+    def description(self) -> str:
+        """What kind of tower this is, for messages ("ResNet", a timm model's name)."""
+        return "ViT"
+
+    def activation_shape(self) -> tuple[int, int, int, float]:
+        """(layers, tokens, width, MLP ratio): what the memory plan's activation arithmetic needs."""
+        h, w = self.image_size
+        tokens = (h // self.patch_size) * (w // self.patch_size) + 1  # patches and the class token
+        return len(self.blocks), tokens, self.width, float(self.mlp_ratio)
 
     def set_grad_checkpointing(self, every: int) -> None:
         """Recompute every `every`-th block in backward; 0 turns checkpointing off."""

@@ -1,0 +1,153 @@
+"""Building what a run trains with, from the typed slices of its config: the model (where the engine wants it
+built, with the weights the flags name), its image transforms and tokenizer, the data, the loss and the engine.
+
+`bigclip train` (train.py), `bigclip eval` (evaluate.py) and the benchmarks in bench/ all build through here,
+so a model or loader is made the same way everywhere.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch import nn
+
+from bigclip.data import DataConfig, get_data, image_transform
+from bigclip.dist import World, raise_together
+from bigclip.engine import EngineConfig, build_engine
+from bigclip.engine import build_model as engine_build_model
+from bigclip.log import logger
+from bigclip.loss import LossConfig, build_loss
+from bigclip.model import create_model, get_tokenizer, preprocess_cfg
+from bigclip.model.config import ModelConfig
+from bigclip.model.pretrained import model_weights, resolve_pretrained, resolve_pretrained_image, timm_model_name
+from bigclip.model.registry import CONFIG_NAME, is_schema_name
+
+__all__ = [
+    "build_data",
+    "build_engine",  # engine/__init__.py's: parallelism applied in its documented order, then the engine
+    "build_loss_fn",
+    "build_model",
+    "build_tokenizer",
+    "build_transforms",
+    "model_factory",
+    "seed_everything",
+]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------- model
+def model_factory(cfg: ModelConfig, world: World):
+    """create_model with the run's model flags bound; `factory(device="meta")` for sharding engines. The weights
+    are resolved here, once per node; on meta they are checked now and streamed into each rank's shards later."""
+    weights = pretrained_weights(cfg, world)
+    image_weights = pretrained_image_weights(cfg, world, weights)
+
+    def factory(**overrides):
+        return create_model(
+            cfg.model,
+            image_size=cfg.image_size,
+            context_length=cfg.force_context_length,
+            patch_dropout=cfg.force_patch_dropout,
+            quick_gelu=cfg.force_quick_gelu,
+            layer_scale_init=cfg.layer_scale_init,
+            int8_linear=cfg.use_bnb_linear,
+            pretrained=weights,
+            pretrained_image=image_weights or False,
+            load_weights=False,  # a local-dir:/hf-hub: model's own weights are resolved here, once per node
+            cache_dir=cfg.cache_dir,
+            **cfg.init,  # where the loss family starts the logit scale (and bias)
+            **overrides,
+        )
+
+    return factory
+
+
+def build_model(cfg: ModelConfig, engine: EngineConfig, world: World, factory=None) -> nn.Module:
+    """The model, built where the engine wants it: whole, or on meta for sharding engines to initialise shard by
+    shard. `factory` replaces model_factory (tests and benchmarks build bare architectures)."""
+    return engine_build_model(engine, world, factory or model_factory(cfg, world))
+
+
+def pretrained_weights(cfg: ModelConfig, world: World) -> str | None:
+    """The local file of the whole model's weights: what --pretrained names, else the weights a local-dir: or
+    hf-hub: --model brings (OpenCLIP loads them by default; --pretrained wins). Hub files are fetched once per
+    node (local rank 0, which also checks their hash) while the other ranks wait; then every rank reads them
+    from the cache."""
+    if cfg.pretrained:
+        raise_together(
+            world,
+            lambda: resolve_pretrained(cfg.model, cfg.pretrained, cfg.cache_dir),
+            runs_here=world.local_rank == 0,
+        )
+        return resolve_pretrained(cfg.model, cfg.pretrained, cfg.cache_dir, local_files_only=True, verify=False)
+    if not is_schema_name(cfg.model):
+        return None
+    raise_together(world, lambda: model_weights(cfg.model, cfg.cache_dir), runs_here=world.local_rank == 0)
+    path = model_weights(cfg.model, cfg.cache_dir, local_files_only=True, verify=False)
+    if path is None:
+        logger.warning(f"--model {cfg.model}: no weights beside its {CONFIG_NAME}; starting from a random init")
+    else:
+        logger.info(f"--model {cfg.model}: weights from {path}")
+    return path
+
+
+def pretrained_image_weights(cfg: ModelConfig, world: World, clip_weights: str | None) -> str | None:
+    """The local file of timm's pretrained trunk weights (--pretrained-image), fetched once per node like
+    pretrained_weights; None when whole-model weights are loaded instead (as in OpenCLIP)."""
+    if not cfg.pretrained_image:
+        return None
+    if clip_weights is not None:
+        logger.info(f"--pretrained-image: timm's trunk weights are not loaded; {clip_weights} sets the whole model")
+        return None
+    timm_name = timm_model_name(cfg.model, cfg.cache_dir)
+    raise_together(world, lambda: resolve_pretrained_image(timm_name, cfg.cache_dir), runs_here=world.local_rank == 0)
+    path, repo = resolve_pretrained_image(timm_name, cfg.cache_dir, local_files_only=True, verify=False)
+    logger.info(f"--pretrained-image: image tower trunk {timm_name} from timm's weights {repo} ({path})")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- data
+def build_tokenizer(cfg: ModelConfig):
+    return get_tokenizer(cfg.model, context_length=cfg.force_context_length, cache_dir=cfg.cache_dir)
+
+
+def build_transforms(model: ModelConfig, data: DataConfig):
+    """(train transform, eval transform, geometry {'size', 'mean', 'std'}) for the model and the image flags."""
+    pp = preprocess_cfg(model.model, model.image_size, cache_dir=model.cache_dir)
+    mean = tuple(data.image_mean) if data.image_mean else pp["mean"]
+    std = tuple(data.image_std) if data.image_std else pp["std"]
+    mean, std = (mean * 3 if len(mean) == 1 else mean), (std * 3 if len(std) == 1 else std)
+    interpolation = data.image_interpolation or pp["interpolation"]
+    resize_mode = data.image_resize_mode or pp["resize_mode"]
+    preprocess_train = image_transform(pp["size"], True, mean, std, interpolation, resize_mode, data.aug_cfg)
+    preprocess_val = image_transform(pp["size"], False, mean, std, interpolation, resize_mode, None)
+    return preprocess_train, preprocess_val, {"size": pp["size"], "mean": mean, "std": std}
+
+
+def build_data(model: ModelConfig, data: DataConfig, world: World, epoch: int):
+    """(the run's loaders by name, the tokenizer) for this rank."""
+    preprocess_train, preprocess_val, geometry = build_transforms(model, data)
+    tokenizer = build_tokenizer(model)
+    loaders = get_data(
+        data,
+        preprocess_train,
+        preprocess_val,
+        tokenizer,
+        rank=world.rank,
+        world_size=world.world_size,
+        epoch=epoch,
+        preprocess_cfg=geometry,
+    )
+    return loaders, tokenizer
+
+
+# ----------------------------------------------------------------------------------------------- loss
+def build_loss_fn(cfg: LossConfig, world: World) -> nn.Module:
+    return build_loss(cfg, rank=world.rank, world_size=world.world_size)

@@ -1,0 +1,23 @@
+"""The run's configuration: the flat flags users type (flags.py: TrainConfig; fields.py: how a flag is
+declared), their resolution and checks (resolve.py), the typed slices components take (sections.py) and the
+redacted record (record.py)."""
+
+from bigclip.config.fields import flag_name
+from bigclip.config.flags import DEMO_PRESET, TrainConfig, config_fields
+from bigclip.config.record import scrub_argv, to_dict
+from bigclip.config.resolve import load_yaml, resolve
+from bigclip.config.sections import Sections, build_sections, slice_of
+
+__all__ = [
+    "DEMO_PRESET",
+    "Sections",
+    "TrainConfig",
+    "build_sections",
+    "config_fields",
+    "flag_name",
+    "load_yaml",
+    "resolve",
+    "scrub_argv",
+    "slice_of",
+    "to_dict",
+]

@@ -1,0 +1,108 @@
+"""How a flag is declared: a dataclass field with its help text, its --help group, the registry or values it
+chooses from, the kind of number it must be, and any extra argparse settings.
+
+    batch_size: int = flag(64, "Batch size per process.", TRAIN, check=positive_int)
+    engine: str = flag("ddp", "Parallelism.", DIST, choices=ENGINES)
+
+The parser (cli_args.py), the YAML reader and the validator read these; a choice's list and help live in the
+registry that owns it, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import field
+from typing import Any
+
+from bigclip.registry import Registry
+
+# The --help groups, in the order --help shows them.
+DATA, MODEL, TRAIN, PREC, LOSS, CKPT, LOG, EVAL, DIST, MISC = (
+    "data",
+    "model",
+    "training",
+    "precision and memory",
+    "loss",
+    "checkpoints",
+    "logging",
+    "evaluation",
+    "distributed",
+    "other",
+)
+
+# A value check: None when the value is acceptable, else what it must be ("must be a positive integer").
+Check = Callable[[Any], str | None]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def positive_int(v: Any) -> str | None:
+    return None if _is_int(v) and v >= 1 else "must be a positive integer"
+
+
+def non_negative_int(v: Any) -> str | None:
+    return None if _is_int(v) and v >= 0 else "must be a non-negative integer"
+
+
+def positive_seconds(v: Any) -> str | None:
+    return None if _is_number(v) and 0 < v < float("inf") else "must be a positive number of seconds"
+
+
+def unit_interval(v: Any) -> str | None:
+    return None if _is_number(v) and 0 <= v < 1 else "must be in [0, 1)"
+
+
+def non_negative_number(v: Any) -> str | None:
+    return None if _is_number(v) and math.isfinite(v) and v >= 0 else "must be a non-negative number"
+
+
+def optional(check: Check) -> Check:
+    """The check for a value that may also be None (not given)."""
+    return lambda v: None if v is None else check(v)
+
+
+def flag(
+    default: Any,
+    help: str,
+    group: str,
+    *,
+    choices: Registry | tuple | None = None,
+    check: Check | None = None,
+    **argparse_kwargs: Any,
+) -> Any:
+    """A config field: its help text, --help group, choices (a registry, whose names and help text are shown, or
+    a tuple), value check and any extra argparse settings."""
+    if isinstance(choices, Registry):
+        help = f"{help} {choices.help()}"
+    meta = {"help": help, "group": group, "argparse": argparse_kwargs, "choices": choices, "check": check}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def unsupported(default: Any, help: str, group: str, why: str, **argparse_kwargs: Any) -> Any:
+    """An OpenCLIP flag bigclip does not implement yet: setting it stops the run, never a silent no-op."""
+    f = flag(default, f"{help} [not supported yet: {why}]", group, **argparse_kwargs)
+    f.metadata = {**f.metadata, "unsupported": why}
+    return f
+
+
+def internal(default: Any) -> Any:
+    """Set by resolution, not by users: no flag, no YAML key."""
+    return field(default=default, metadata={"internal": True})
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default

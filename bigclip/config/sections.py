@@ -1,0 +1,90 @@
+"""The typed slices of the flat flags that components take, built once per config and checked on the way.
+
+Each component defines the dataclass of what it reads, next to its code (DataConfig in data/config.py,
+EngineConfig in engine/config.py, ...), with fields named as the flags they come from; `slice_of` copies those
+flags across, and each component's check runs on its own slice. What one component decides for another is
+passed here and nowhere else: the loss family's starting logit scale and bias go to the model, the optimizer's
+slice to the engine, the chosen engine's resolved settings (DeepSpeed's JSON) into the engine's slice.
+
+Building the sections is flag validation: resolve() builds them once (TrainConfig.sections caches them), so
+every rule runs before any work, and nothing is written back onto the flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from bigclip.ckpt.config import CheckpointConfig, check_checkpoint
+from bigclip.data import DataConfig, check_data, check_source
+from bigclip.dist import DistConfig, check_dist
+from bigclip.engine import EngineConfig
+from bigclip.engine import check_config as check_engine_config
+from bigclip.eval import EvalConfig
+from bigclip.log import ReportConfig, report_targets
+from bigclip.loop import LoopConfig
+from bigclip.loss import LossConfig, check_loss, loss_family
+from bigclip.model.config import ModelConfig, check_model
+from bigclip.optim import OptimizerConfig, check_optimizer
+from bigclip.schedule import ScheduleConfig, check_schedule
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Sections:
+    model: ModelConfig
+    data: DataConfig
+    loss: LossConfig
+    optimizer: OptimizerConfig
+    schedule: ScheduleConfig
+    engine: EngineConfig
+    checkpoint: CheckpointConfig
+    report: ReportConfig
+    eval: EvalConfig
+    loop: LoopConfig
+    dist: DistConfig
+
+
+def slice_of(flags: Any, cls: type[T], **decided: Any) -> T:
+    """An instance of the slice dataclass `cls` with each field copied from the flag of the same name; fields
+    given in `decided` are set by the run, not by a flag of that name."""
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in decided]
+    return cls(**{name: getattr(flags, name) for name in names}, **decided)
+
+
+def build_sections(flags: Any) -> Sections:
+    """Every component's slice of `flags` (a TrainConfig), each checked by the component that owns it, in the
+    order a user reads the flags: the model first, the data, the training, then where state goes."""
+    model_flags = slice_of(flags, ModelConfig, init={})
+    check_model(model_flags)
+    schedule = slice_of(flags, ScheduleConfig)
+    check_schedule(schedule)
+    data = slice_of(flags, DataConfig)
+    check_source(data)
+    optimizer = slice_of(flags, OptimizerConfig)
+    check_optimizer(optimizer)
+    report = slice_of(flags, ReportConfig)
+    report_targets(report.report_to)
+    dist = slice_of(flags, DistConfig)
+    check_dist(dist)
+    engine = check_engine_config(slice_of(flags, EngineConfig, optimizer=optimizer, resolved=None))
+    loss = slice_of(flags, LossConfig)
+    check_loss(loss)
+    check_data(data)
+    checkpoint = slice_of(flags, CheckpointConfig)
+    check_checkpoint(checkpoint)
+    return Sections(
+        model=dataclasses.replace(model_flags, init=loss_family(loss).model_init),
+        data=data,
+        loss=loss,
+        optimizer=optimizer,
+        schedule=schedule,
+        engine=engine,
+        checkpoint=checkpoint,
+        report=report,
+        eval=slice_of(flags, EvalConfig),
+        loop=slice_of(flags, LoopConfig),
+        dist=dist,
+    )

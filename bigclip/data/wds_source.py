@@ -1,0 +1,71 @@
+"""--dataset-type webdataset: tar shards (local, any fsspec URL, pipe:), read by ShardStream (data/wds_stream.py)
+in the order data/wds_plan.py gives each (rank, worker), resumable mid-epoch for training."""
+
+from __future__ import annotations
+
+import functools
+
+from bigclip.data.config import DataConfig
+from bigclip.data.info import DataInfo
+from bigclip.data.shards import expand_shard_urls, iter_shard_samples
+from bigclip.data.skips import SkipCounter
+from bigclip.data.sources import DATA_SOURCES, DataSource, LoaderContext, Split
+from bigclip.data.wds_plan import ShardPlan, batches_per_worker, parse_upsampling_factors
+from bigclip.data.wds_stream import ShardStream
+from bigclip.data.workers import worker_loader
+from bigclip.errors import UserError
+
+
+def build_webdataset(cfg: DataConfig, split: Split, ctx: LoaderContext) -> DataInfo:
+    train, path, flag = split.train, split.path, split.flag
+    options = cfg.options()
+    shards = expand_shard_urls(path, flag, options)
+    num_samples = split.num_samples
+    if train and not num_samples:
+        raise UserError(f"{flag} {path}: WebDataset training needs --train-num-samples (samples per epoch)")
+    resampled = train and cfg.dataset_resampled
+    factors = parse_upsampling_factors(cfg.train_data_upsampling_factors, shards, resampled) if train else None
+    plan = ShardPlan.build(shards, factors, resampled, cfg.seed)
+    workers = max(1, cfg.workers)
+    per_worker = None
+    if train:
+        plan.check_slots(ctx.world_size * workers, f"{flag} {path}")
+        per_worker = batches_per_worker(num_samples, cfg.batch_size, ctx.world_size, cfg.workers)
+        num_batches = per_worker * workers
+        num_samples = num_batches * cfg.batch_size * ctx.world_size
+    else:
+        # Unknown without --val-num-samples; with it, an estimate (ranks may differ by a batch).
+        num_batches = -(-num_samples // (cfg.batch_size * ctx.world_size)) if num_samples else None
+    skips = SkipCounter(split.role)
+    stream = ShardStream(
+        plan,
+        functools.partial(iter_shard_samples, storage_options=options),
+        split.transform,
+        ctx.tokenizer,
+        skips,
+        batch_size=cfg.batch_size,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        workers=cfg.workers,
+        train=train,
+        batches_per_worker=per_worker,
+        num_batches=None if train else num_batches,
+        source=f"{flag} {path}",
+    )
+    loader = worker_loader(stream, cfg.workers, batch_size=None, stateful=train)
+    return DataInfo(
+        loader,
+        num_samples=num_samples or 0,
+        num_batches=num_batches or 0,
+        sampler=stream,
+        skips=skips,
+        resumable=train,
+        ends_early=train and not resampled,
+    )
+
+
+DATA_SOURCES.register(
+    "webdataset",
+    DataSource(build_webdataset, extensions=(".tar",)),
+    help="WebDataset .tar shards, '::' between sources (--train-num-samples per epoch)",
+)

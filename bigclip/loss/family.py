@@ -1,0 +1,53 @@
+"""Loss families: the registry of contrastive losses (CLIP's softmax, SigLIP's sigmoid, ...) and the slice of
+the config a loss is built from.
+
+A family is one registered name (--loss; OpenCLIP's --siglip selects "siglip") with everything that differs
+between families in one place: how the loss module is built, which feature exchanges between ranks it offers
+(--loss-dist-impl), and where the model's logit scale and bias start (OpenCLIP's init_logit_scale /
+init_logit_bias, which the model factory takes). Each family's module registers itself here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from bigclip.errors import UserError
+from bigclip.registry import Registry
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The loss flags (OpenCLIP's names, plus --loss and --loss-impl)."""
+
+    loss: str = "clip"
+    local_loss: bool = False
+    gather_with_grad: bool = False
+    loss_impl: str = "auto"
+    loss_dist_impl: str | None = None
+
+
+@dataclass(frozen=True)
+class LossFamily:
+    build: Callable[[LossConfig, int, int], nn.Module]  # (config, rank, world size) -> loss module
+    dist_impls: tuple[str, ...]  # --loss-dist-impl choices; the first is the default
+    described_as: str  # how error lines name it: "the CLIP loss"
+    model_init: dict[str, Any] = field(default_factory=dict)  # create_model kwargs: init_logit_scale/bias
+    selected_by: tuple[str, ...] = ()  # flags (config field names) that select it without --loss (--siglip)
+
+
+LOSSES: Registry[LossFamily] = Registry("--loss")
+
+
+def check_dist_impl(dist_impl: str | None, family: LossFamily) -> str:
+    """The feature exchange between ranks: the family's default, or one it offers."""
+    if dist_impl is None:
+        return family.dist_impls[0]
+    if dist_impl not in family.dist_impls:
+        raise UserError(
+            f"--loss-dist-impl {dist_impl!r}: choose one of {', '.join(family.dist_impls)} for {family.described_as}"
+        )
+    return dist_impl
