@@ -1,5 +1,6 @@
 """The training flags as an argparse parser, generated from TrainConfig: a flag exists exactly when a config
-field does, and its help, group and default cannot drift apart. Flags default to "not given"
+field does, and its help, group and default cannot drift apart; a flag that names a registered choice lists the
+registry's names and their help. Flags default to "not given"
 (argparse.SUPPRESS): the config layer needs to know what the user typed to apply the defaults < demo < YAML
 < flags precedence. Shared by `bigclip [train]` and `bigclip eval`.
 """
@@ -24,7 +25,8 @@ Errors are one line (exit code 2); add --debug to any command (or set BIGCLIP_DE
 
 def _argparse_kwargs(f) -> dict[str, Any]:
     kwargs = {k: v for k, v in f.metadata["argparse"].items() if k != "aliases"}
-    kwargs["help"] = f.metadata["help"]
+    shows = f.metadata.get("shows")  # a registry: its names and what each means, as registered now
+    kwargs["help"] = f.metadata["help"] + (f" {shows.help()}" if shows is not None else "")
     annotation = str(f.type)
     if annotation == "bool":
         kwargs["action"] = "store_true"

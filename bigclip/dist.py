@@ -28,17 +28,24 @@ import torch
 import torch.distributed as dist
 
 from bigclip.errors import UserError, first_line
+from bigclip.flag_fields import DIST, flag, positive_seconds
 
 
 @dataclass(frozen=True)
 class DistConfig:
     """The distributed flags (OpenCLIP's names): where to run and how to join the process group."""
 
-    device: str = "cuda"
-    dist_backend: str | None = None
-    dist_url: str | None = None
-    dist_timeout: float = 1800.0
-    no_set_device_rank: bool = False
+    dist_url: str | None = flag(None, "Rendezvous URL (default: env:// from the launcher).", DIST)
+    dist_backend: str | None = flag(None, "nccl on GPU, gloo on CPU (default: picked by device).", DIST)
+    dist_timeout: float = flag(
+        1800.0,
+        "Seconds a collective may wait, and how long startup waits for every rank to join the process group "
+        "(a node that never arrives stops the others after this long).",
+        DIST,
+        check=positive_seconds,
+    )
+    no_set_device_rank: bool = flag(False, "Do not pin each process to the GPU of its local rank.", DIST)
+    device: str = flag("cuda", "cuda or cpu (cuda falls back to cpu when no GPU is present).", DIST)
 
 
 def check_dist(cfg: DistConfig) -> None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from bigclip.data.imagenet import ZEROSHOT_SETS, imagenet_prompts
 from bigclip.dist import World, all_reduce_sum
+from bigclip.flag_fields import EVAL, flag, positive_int
 from bigclip.log import logger
 
 
@@ -220,8 +221,9 @@ def imagenet_zero_shot(engine, data: dict, tokenizer, world: World) -> dict[str,
 class EvalConfig:
     """When evaluation runs (OpenCLIP's frequencies, in epochs) and what the validation set should hold."""
 
-    val_frequency: int = 1
-    zeroshot_frequency: int = 2
+    val_frequency: int = flag(1, "Validate every N epochs.", EVAL, check=positive_int)
+    zeroshot_frequency: int = flag(2, "Zero-shot evaluation every N epochs.", EVAL, check=positive_int)
+    # read here, owned by another slice (its flag is declared there)
     epochs: int = 32  # the last epoch always evaluates
     val_num_samples: int | None = None
 

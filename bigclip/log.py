@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from bigclip.errors import UserError
+from bigclip.flag_fields import LOG, flag
 from bigclip.registry import Registry
 from bigclip.storage_options import redact_urls_in
 
@@ -117,15 +118,6 @@ class AverageMeter:
         return self.sum / max(1, self.count)
 
 
-@dataclass(frozen=True)
-class ReportConfig:
-    """Where metrics go besides metrics.jsonl (--report-to) and what the trackers are told."""
-
-    report_to: str = ""
-    wandb_project_name: str = "open-clip"
-    wandb_notes: str = ""
-
-
 class Tracker(Protocol):
     def log(self, scalars: dict[str, float], step: int) -> None: ...
     def close(self) -> None: ...
@@ -136,6 +128,17 @@ class Tracker(Protocol):
 REPORT_TARGETS: Registry[Callable[[ReportConfig, RunPaths, dict, list[str] | None], Tracker]] = Registry(
     "--report-to", unknown=lambda names: f"use {', '.join(names)} or {','.join(names)}"
 )
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    """Where metrics go besides metrics.jsonl (--report-to) and what the trackers are told."""
+
+    report_to: str = flag(
+        "", "Trackers besides metrics.jsonl, comma-separated (tensorboard,wandb).", LOG, shows=REPORT_TARGETS
+    )
+    wandb_project_name: str = flag("open-clip", "wandb project.", LOG)
+    wandb_notes: str = flag("", "wandb notes.", LOG)
 
 
 def _scalar_name(key: str) -> str:

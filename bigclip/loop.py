@@ -15,6 +15,7 @@ import torch
 
 from bigclip.dist import World, all_reduce_min
 from bigclip.errors import UserError
+from bigclip.flag_fields import LOG, TRAIN, flag, non_negative_int, positive_int
 from bigclip.progress import EpochProgress
 from bigclip.train_state import TrainState
 
@@ -25,10 +26,16 @@ MAX_CONSECUTIVE_NONFINITE = 10
 class LoopConfig:
     """What the loop itself reads: how batches make a step, how many epochs, how often it reports."""
 
-    batch_size: int = 64
-    accum_freq: int = 1
-    epochs: int = 32
-    log_every_n_steps: int = 100
+    batch_size: int = flag(
+        64, "Batch size per process (global = this x world size x accum-freq).", TRAIN, check=positive_int
+    )
+    epochs: int = flag(32, "Number of epochs.", TRAIN, check=positive_int)
+    accum_freq: int = flag(
+        1, "Accumulate this many micro-batches per step; negatives span all of them.", TRAIN, check=positive_int
+    )
+    seed: int = flag(0, "Random seed.", TRAIN, check=non_negative_int)
+    log_every_n_steps: int = flag(100, "Print and record metrics every N steps.", LOG, check=positive_int)
+    # read here, owned by another slice (its flag is declared there)
     precision: str = "amp"  # named in the start line only
 
     def samples_per_step(self, world_size: int) -> int:

@@ -22,23 +22,42 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from bigclip.errors import UserError
+from bigclip.flag_fields import TRAIN, flag, non_negative_number, optional, unit_interval
 from bigclip.registry import Registry
 
 ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.98, "eps": 1e-6}
 DEFAULT_LR = 5e-4  # OpenCLIP's --lr default
 
 
+def _unknown_optimizer(names: list[str]) -> str:
+    others = [n for n in names if n not in ("adamw", "timm/<optimizer name>")]
+    return "choose adamw or timm/<optimizer name>" + (f", or {', '.join(others)}" if others else "")
+
+
+OPTIMIZERS: Registry[OptimizerKind] = Registry("--opt", unknown=_unknown_optimizer)
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """The flags an optimizer reads (OpenCLIP's names; None: the optimizer's default)."""
 
-    opt: str = "adamw"
-    lr: float | None = None
-    beta1: float | None = None
-    beta2: float | None = None
-    eps: float | None = None
-    wd: float = 0.2
-    momentum: float | None = None
+    lr: float | None = flag(None, "Learning rate (default 5e-4).", TRAIN, check=optional(non_negative_number))
+    opt: str = flag(
+        "adamw",
+        "adamw; stableadamw (AdamW with per-tensor update clipping, Wortsman et al. 2023; new in bigclip); or "
+        "timm/<name> for any timm optimizer.",
+        TRAIN,
+        choices=OPTIMIZERS,
+    )
+    beta1: float | None = flag(None, "Adam beta1 (default 0.9).", TRAIN, check=optional(unit_interval))
+    beta2: float | None = flag(None, "Adam beta2 (default 0.98).", TRAIN, check=optional(unit_interval))
+    eps: float | None = flag(None, "Adam epsilon (default 1e-6).", TRAIN, check=optional(non_negative_number))
+    wd: float = flag(
+        0.2, "Weight decay (never on gains, biases or the logit scale).", TRAIN, check=optional(non_negative_number)
+    )
+    momentum: float | None = flag(
+        None, "Momentum for timm optimizers that take it.", TRAIN, check=optional(non_negative_number)
+    )
 
 
 @dataclass(frozen=True)
@@ -50,14 +69,6 @@ class OptimizerKind:
     # flattened partitions of many tensors (DeepSpeed ZeRO, its bf16/fp16 wrappers) cannot run it exactly.
     per_tensor: bool = False
     check: Callable[[OptimizerConfig], None] = lambda cfg: None
-
-
-def _unknown_optimizer(names: list[str]) -> str:
-    others = [n for n in names if n not in ("adamw", "timm/<optimizer name>")]
-    return "choose adamw or timm/<optimizer name>" + (f", or {', '.join(others)}" if others else "")
-
-
-OPTIMIZERS: Registry[OptimizerKind] = Registry("--opt", unknown=_unknown_optimizer)
 
 
 def _no_decay(name: str, p: torch.Tensor) -> bool:

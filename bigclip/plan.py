@@ -2,18 +2,10 @@
 
     bigclip plan --model ViT-bigG-14 --gpus 8 64 256 1024 --gpu-mem 40 80 --batch-size 32
 
-Training state per GPU (Ψ parameters, N data-parallel ranks; ZeRO paper, Rajbhandari et al. 2020, with
-K = 12 bytes of fp32 master weights + Adam moments per parameter). Each engine states its own memory model
-(Engine.memory_models in engine/*.py); what they say today:
-
-    precision amp (bf16/fp16 compute)            precision fp32 (what the CPU benchmark measures)
-    ddp     16Ψ  (fp32 weights, grads, Adam)     16Ψ
-    zero1   2Ψ + 2Ψ + 12Ψ/N                      4Ψ + 4Ψ + 12Ψ/N   (DeepSpeed keeps a separate fp32
-    zero2   2Ψ + 14Ψ/N                           4Ψ + 16Ψ/N         master even in fp32)
-    zero3   16Ψ/N                                20Ψ/N             (weights + grads + master + Adam)
-    fsdp    16Ψ/N + gathered bf16 blocks         16Ψ/N             (fp32 shards; MixedPrecisionPolicy
-            (two blocks in flight + the root)                       gathers blocks in bf16)
-    zero3_offload  ~0 on the GPU (weights, grads and Adam in host memory: 16Ψ/N per rank there)
+Training state per GPU (Ψ parameters, N data-parallel ranks; ZeRO paper arithmetic, Rajbhandari et al. 2020):
+each engine states its own memory model (Engine.memory_models in engine/ddp.py, fsdp.py, deepspeed.py, one row
+per setup it can run) and what to know when reading its rows (Engine.memory_notes); this module measures the
+model and adds the activations.
 
 Activations per sample (16-bit, Korthikanti et al. 2022 without dropout and with fused attention, which saves
 no s×s scores): each block stores about s·h·(16 + 4r) bytes (s tokens, width h, MLP ratio r). With
@@ -28,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bigclip.engine import ModelSize, memory_setups
+from bigclip.engine import ModelSize, memory_notes, memory_setups
 from bigclip.engine import state_bytes as engine_state_bytes
 from bigclip.errors import OneLineErrorParser
 from bigclip.model import create_model
@@ -127,17 +119,9 @@ def render(
                 fits.append("n/a" if a is None else f"{a} / {b}")
             lines.append(f"| {engine} | " + " | ".join(states) + " | " + " | ".join(fits) + " |")
         lines.append("")
-    lines.append(
-        "zero3_offload keeps weights, gradients and Adam state in host memory (16Ψ/N bytes per "
-        "rank there); its GPU column is working buffers only."
-    )
-    lines.append("")
-    lines.append(
-        "zero1 is the ZeRO paper's stage 1 (full gradients), which DeepSpeed holds while it "
-        "accumulates over --accum-freq micro-batches; with --accum-freq 1 it reduces gradients into "
-        "partitions during backward and measures like zero2."
-    )
-    return "\n".join(lines)
+    for note in memory_notes():  # what each engine says about reading its rows
+        lines += [note, ""]
+    return "\n".join(lines).rstrip("\n")
 
 
 def main(argv: list[str]) -> int:

@@ -123,5 +123,5 @@ class Registry(Generic[T]):
         parts = []
         for e in self._entries.values():
             names = " / ".join((e.display, *e.aliases))
-            parts.append(f"{names} ({e.help})" if e.help else names)
-        return "One of " + "; ".join(parts) + "."
+            parts.append(f"{names}: {e.help}" if e.help else names)
+        return "Choices: " + "; ".join(parts) + "."

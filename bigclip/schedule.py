@@ -12,23 +12,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bigclip.errors import UserError
+from bigclip.flag_fields import TRAIN, flag, non_negative_int, non_negative_number, optional
 from bigclip.optim import DEFAULT_LR
 from bigclip.registry import Registry
 
 Schedule = Callable[[int], float]
 
 
+# --lr-scheduler NAME -> (ScheduleConfig, optimizer steps per epoch) -> schedule; registered below.
+SCHEDULES: Registry[Callable[[ScheduleConfig, int], Schedule]] = Registry("--lr-scheduler")
+
+
 @dataclass(frozen=True)
 class ScheduleConfig:
     """The flags a schedule reads (OpenCLIP's names)."""
 
-    lr_scheduler: str = "cosine"
+    epochs_cooldown: int | None = flag(None, "Epochs of cooldown at the end (const-cooldown).", TRAIN)
+    warmup: int = flag(10000, "Linear warmup steps.", TRAIN, check=non_negative_int)
+    lr_scheduler: str = flag("cosine", "The learning-rate schedule.", TRAIN, choices=SCHEDULES)
+    lr_cooldown_end: float = flag(
+        0.0, "Learning rate at the end of the cooldown.", TRAIN, check=optional(non_negative_number)
+    )
+    lr_cooldown_power: float = flag(1.0, "Power of the polynomial cooldown (1 = linear).", TRAIN)
+    # read here, owned by another slice (its flag is declared there)
     lr: float | None = None
-    warmup: int = 10000
     epochs: int = 32
-    epochs_cooldown: int | None = None
-    lr_cooldown_end: float = 0.0
-    lr_cooldown_power: float = 1.0
 
 
 def base_lr(cfg: ScheduleConfig) -> float:
@@ -70,10 +78,6 @@ def constant_cooldown(
         return (1 - progress) ** power * (base_lr - end_lr) + end_lr
 
     return lr
-
-
-# name -> (config, optimizer steps per epoch) -> schedule
-SCHEDULES: Registry[Callable[[ScheduleConfig, int], Schedule]] = Registry("--lr-scheduler")
 
 
 @SCHEDULES.register("cosine", help="warmup, then cosine decay to 0 at the last step")

@@ -16,7 +16,10 @@ def loss_for(siglip, local_loss=False, gather_with_grad=False, impl="auto", dist
     from bigclip.loss import LossConfig, build_loss
 
     family = "siglip" if siglip else "clip"
-    return build_loss(LossConfig(family, local_loss, gather_with_grad, impl, dist_impl), rank, world_size)
+    cfg = LossConfig(
+        loss=family, local_loss=local_loss, gather_with_grad=gather_with_grad, loss_impl=impl, loss_dist_impl=dist_impl
+    )
+    return build_loss(cfg, rank, world_size)
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

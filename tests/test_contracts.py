@@ -9,8 +9,9 @@
 - The package has no import cycles (imports inside functions count), no stdlib imports inside functions, and
   imports inside functions only the optional or slow packages docs/architecture.md lists.
 - Nothing outside bigclip/engine/ names an engine (AST: no comparison with, lookup of, or class of one).
-- Components take their typed slice of the config: every slice field is a flag of the same name (or one the run
-  decides), and only the run's entry points take the whole TrainConfig.
+- Components take their typed slice of the config: each flag is declared once, by the slice that owns it; a slice
+  field it does not own is a flag of the same name, type and default (or one the run decides); only the run's
+  entry points take the whole TrainConfig.
 """
 
 import ast
@@ -24,10 +25,11 @@ import typing
 import pytest
 from helpers import REPO, subprocess_env, torchrun_cmd
 
-from bigclip.config import Sections, TrainConfig, resolve
-from bigclip.config.fields import default_of
+from bigclip.config import Sections, TrainConfig, config_fields, resolve
+from bigclip.config.flags import OWNERS
 from bigclip.engine import ENGINES, memory_setups
 from bigclip.errors import UserError
+from bigclip.flag_fields import default_of, is_flag
 from bigclip.train_state import TrainState
 
 PACKAGE = os.path.join(REPO, "bigclip")
@@ -183,8 +185,8 @@ def test_no_import_cycles_counting_imports_inside_functions():
 
 # docs/architecture.md's layers: what each top-level module or package of bigclip may import.
 FOUNDATION = {
-    "errors", "registry", "dist", "precision", "optim", "schedule", "train_state", "log", "storage_options",
-    "preemption",
+    "errors", "registry", "flag_fields", "dist", "precision", "optim", "schedule", "train_state", "log",
+    "storage_options", "preemption",
 }  # fmt: skip
 COMPONENTS = {"model", "loss", "data", "ckpt"}
 ALLOWED = {
@@ -213,19 +215,23 @@ def test_layers_import_only_what_the_architecture_allows():
     assert broken == []
 
 
-def test_no_standard_library_imports_inside_functions():
-    found = []
+def _function_level_imports():
+    """(module, line, imported module name) of every import statement inside a function of the package."""
     for module, path in _modules().items():
         for func in ast.walk(ast.parse(open(path).read())):
             if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for node in ast.walk(func):
-                names = []
                 if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
+                    yield from ((module, node.lineno, a.name) for a in node.names)
                 elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    names = [node.module]
-                found += [f"{module}:{node.lineno} {n}" for n in names if n.split(".")[0] in sys.stdlib_module_names]
+                    yield module, node.lineno, node.module
+
+
+def test_no_standard_library_imports_inside_functions():
+    found = [
+        f"{m}:{line} {n}" for m, line, n in _function_level_imports() if n.split(".")[0] in sys.stdlib_module_names
+    ]
     assert found == []
 
 
@@ -248,20 +254,8 @@ LAZY_IMPORTS = {
 
 
 def test_function_level_imports_are_the_documented_lazy_ones():
-    found = []
-    for module, path in _modules().items():
-        for func in ast.walk(ast.parse(open(path).read())):
-            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            for node in ast.walk(func):
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.module:
-                    names = [node.module]
-                else:
-                    continue
-                allowed = lambda n: any(n == p or n.startswith(p + ".") for p in LAZY_IMPORTS)  # noqa: E731
-                found += [f"{module}:{node.lineno} {n}" for n in names if not allowed(n)]
+    allowed = lambda n: any(n == p or n.startswith(p + ".") for p in LAZY_IMPORTS)  # noqa: E731
+    found = [f"{m}:{line} {n}" for m, line, n in _function_level_imports() if not allowed(n)]
     assert found == []
     documented = open(os.path.join(REPO, "docs", "architecture.md")).read()
     assert all(f"`{prefix}`" in documented for prefix in LAZY_IMPORTS)
@@ -308,19 +302,30 @@ DECIDED = {
 }
 
 
-def test_every_slice_field_is_a_flag_of_the_same_name_type_and_default():
-    flags = {f.name: f for f in dataclasses.fields(TrainConfig)}
+def test_each_flag_is_declared_once_by_its_owner_and_slices_that_read_it_agree():
+    """Every TrainConfig field is declared with flag() by exactly one slice (its owner) or by RunFlags; a slice
+    that reads a flag it does not own declares the same name, type and default."""
+    owners: dict[str, list[str]] = {}
+    declared = {}
+    for owner in OWNERS:
+        for f in dataclasses.fields(owner):
+            if is_flag(f):
+                owners.setdefault(f.name, []).append(owner.__name__)
+                declared[f.name] = f
+    assert {name: who for name, who in owners.items() if len(who) > 1} == {}
+    flags = {f.name for f in config_fields()}
+    assert set(owners) == flags
     problems = []
     for section in dataclasses.fields(Sections):
         cls = typing.get_type_hints(Sections)[section.name]
         for f in dataclasses.fields(cls):
-            if (section.name, f.name) in DECIDED:
+            if (section.name, f.name) in DECIDED or is_flag(f) or f.metadata.get("internal"):
                 continue
-            flag = flags.get(f.name)
+            flag = declared.get(f.name) or next((g for g in dataclasses.fields(TrainConfig) if g.name == f.name), None)
             if flag is None:
                 problems.append(f"{cls.__name__}.{f.name}: no flag of that name")
             elif str(f.type) != str(flag.type) or default_of(f) != default_of(flag):
-                problems.append(f"{cls.__name__}.{f.name}: {f.type} = {default_of(f)!r}, the flag {flag.type} = ...")
+                problems.append(f"{cls.__name__}.{f.name}: {f.type} = {default_of(f)!r}, not as its flag")
     assert problems == []
 
 

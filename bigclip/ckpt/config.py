@@ -9,6 +9,7 @@ from typing import Any
 
 from bigclip.ckpt.storage import is_url
 from bigclip.errors import UserError
+from bigclip.flag_fields import CKPT, LOG, flag, non_negative_int, positive_seconds
 from bigclip.storage_options import parse_storage_options
 
 # Where a save's files are written and uploaded from: auto (a thread), thread, process (DCP's daemon), off.
@@ -18,21 +19,82 @@ REMOTE_SYNC_PROTOCOLS = ("s3", "fsspec")
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    save_frequency: int = 1
-    save_every_n_steps: int = 0
-    save_every_minutes: float = 0.0
-    save_most_recent: bool = False
-    delete_previous_checkpoint: bool = False
-    keep_last_k: int = 0
-    resume: str | None = None
-    remote_sync: str | None = None
-    remote_sync_frequency: int = 300
-    remote_sync_protocol: str = "s3"
-    storage_options: str | dict[str, Any] | None = None
-    storage_timeout: float = 60.0
-    checkpoint_upload_timeout: float = 600.0
-    checkpoint_async: str = "auto"
-    logs: str = "./logs/"
+    save_frequency: int = flag(1, "Save a checkpoint every N epochs (0: never).", CKPT, check=non_negative_int)
+    save_every_n_steps: int = flag(
+        0, "Also save every N optimizer steps, mid-epoch (0: never; new in bigclip).", CKPT, check=non_negative_int
+    )
+    save_every_minutes: float = flag(0.0, "Also save every N minutes of training (0: never; new in bigclip).", CKPT)
+    save_most_recent: bool = flag(False, "Also keep the newest state as epoch_latest.", CKPT)
+    delete_previous_checkpoint: bool = flag(
+        False, "Delete the previous local checkpoint after a save (remote copies are kept; see --keep-last-k).", CKPT
+    )
+    keep_last_k: int = flag(
+        0,
+        "Keep only the K newest numbered checkpoints in the remote store (locally when "
+        "there is no --remote-sync); 0 keeps all (new in bigclip).",
+        CKPT,
+        check=non_negative_int,
+    )
+    resume: str | None = flag(
+        None,
+        "Checkpoint to resume from: a directory, a URL (s3://, gs://, az://, "
+        "https://) of one, or 'latest' (local and --remote-sync).",
+        CKPT,
+    )
+    remote_sync: str | None = flag(
+        None,
+        "Remote run root (s3://bucket/runs, gs://, az://, or a directory): "
+        "checkpoints are uploaded as they are written and committed by a "
+        "manifest; logs are copied every --remote-sync-frequency seconds.",
+        CKPT,
+    )
+    remote_sync_frequency: int = flag(
+        300, "Seconds between copies of logs and metrics (with --remote-sync).", CKPT, check=non_negative_int
+    )
+    remote_sync_protocol: str = flag(
+        "s3",
+        "s3 (needs an s3:// URL) or fsspec (any fsspec URL); both use the same parallel, retried uploads.",
+        CKPT,
+        choices=REMOTE_SYNC_PROTOCOLS,
+    )
+    storage_options: str | dict[str, Any] | None = flag(
+        None,
+        "JSON of fsspec options for remote paths, e.g. "
+        '\'{"client_kwargs": {"endpoint_url": "http://host:9000"}}\'; '
+        "credentials may go here or in AWS_* variables (never logged).",
+        CKPT,
+    )
+    storage_timeout: float = flag(
+        60.0,
+        "Seconds a remote store may go unanswered or failing when bigclip first reaches it (the start-of-run "
+        "write check, --resume, bigclip export) before every rank stops with one line; checkpoint uploads "
+        "retry longer, see --checkpoint-upload-timeout (new in bigclip).",
+        CKPT,
+        check=positive_seconds,
+    )
+    checkpoint_upload_timeout: float = flag(
+        600.0,
+        "Seconds one checkpoint upload step retries an unreachable or failing store before that checkpoint is "
+        "given up (training goes on, the next save tries again); also the longest the final and the "
+        "preemption checkpoint are waited for (new in bigclip).",
+        CKPT,
+        check=positive_seconds,
+    )
+    checkpoint_async: str = flag(
+        "auto",
+        "Where checkpoint files are written and uploaded: auto (thread), thread, "
+        "process (DCP's daemon process; DDP/FSDP only) or off (the loop waits; "
+        "new in bigclip).",
+        CKPT,
+        choices=ASYNC_MODES,
+    )
+    logs: str = flag(
+        "./logs/",
+        "Where logs, metrics and checkpoints go: a directory, or a URL (s3://, gs://, "
+        "az://) written through a local staging folder as with --remote-sync.",
+        LOG,
+    )
+    # read here, owned by another slice (its flag is declared there)
     epochs: int = 32  # the last epoch always saves
 
     def options(self) -> dict[str, Any]:
@@ -41,13 +103,7 @@ class CheckpointConfig:
 
 
 def check_checkpoint(cfg: CheckpointConfig) -> None:
-    """The checkpoint flags' rules, before any work."""
-    for flag, value, allowed in (
-        ("--checkpoint-async", cfg.checkpoint_async, ASYNC_MODES),
-        ("--remote-sync-protocol", cfg.remote_sync_protocol, REMOTE_SYNC_PROTOCOLS),
-    ):
-        if value not in allowed:
-            raise UserError(f"{flag} {value!r}: choose one of {', '.join(allowed)}")
+    """The checkpoint flags' rules beyond each flag's own choices and check, before any work."""
     if not isinstance(cfg.save_every_minutes, (int, float)) or not (cfg.save_every_minutes >= 0):
         raise UserError(f"--save-every-minutes {cfg.save_every_minutes!r}: must be a non-negative number of minutes")
     cfg.options()
@@ -56,8 +112,8 @@ def check_checkpoint(cfg: CheckpointConfig) -> None:
             f"--remote-sync {cfg.remote_sync}: --remote-sync-protocol s3 (the default) needs an "
             f"s3:// URL; add --remote-sync-protocol fsspec for other stores and directories"
         )
-    for flag, value in (("--remote-sync", cfg.remote_sync), ("--logs", cfg.logs)):
+    for option, value in (("--remote-sync", cfg.remote_sync), ("--logs", cfg.logs)):
         if value and str(value).startswith(("http://", "https://")):
-            raise UserError(f"{flag} {value!r}: http(s) is read-only; use s3://, gs://, az:// or a directory")
+            raise UserError(f"{option} {value!r}: http(s) is read-only; use s3://, gs://, az:// or a directory")
     if cfg.resume and cfg.resume != "latest" and not is_url(cfg.resume) and not os.path.exists(cfg.resume):
         raise UserError(f"--resume {cfg.resume!r}: not found; pass a checkpoint directory or 'latest'")

@@ -1,5 +1,6 @@
-"""Checkpoint manager: asynchronous save, atomic commit and retention; finding and loading what to resume is its
-catalog's (ckpt/catalog.py), which the manager's latest() / resume() / load() hand on to.
+"""Checkpoint manager: asynchronous save and its commit. Rank 0's commit (manifest, aliases, retention) is its
+publisher's (ckpt/publish.py); finding and loading what to resume is its catalog's (ckpt/catalog.py), which the
+manager's latest() / resume() / load() hand on to.
 
 A checkpoint `<tag>` (epoch_3, step_1200, epoch_latest) is a directory — locally `<logs>/<name>/checkpoints/
 <tag>/`, remotely `<remote-sync>/<name>/checkpoints/<tag>/` — holding the engine state (layout "dcp" or
@@ -10,12 +11,11 @@ One save, on every rank:
   main thread   stage the engine state into reused host buffers, capture RNG and train state   (blocked)
   save thread   write files into <tag>.partial/; each finished file is hashed and uploaded at once
                 (FileSink); gather every rank's file list on the checkpoint's own gloo group; rank 0
-                writes manifest.json (remote: last object; local: then renames .partial -> <tag>)
-                and applies retention.
+                publishes: manifest.json (remote: last object; local: then renames .partial -> <tag>),
+                aliases, retention.
 A new save first waits for the previous one; the run's end waits for the last (`wait()` logs it). A save
 that fails for good (access denied, missing bucket) stops the run at the next save or wait with one line; a
 save that ran out of retries is reported and training goes on (the next save tries again).
-
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bigclip.ckpt.catalog import TAG, CheckpointCatalog, basename, is_numbered
+from bigclip.ckpt.catalog import TAG, CheckpointCatalog
 from bigclip.ckpt.config import ASYNC_MODES
 from bigclip.ckpt.manifest import MANIFEST, TRAIN_STATE, Manifest, rng_file
+from bigclip.ckpt.publish import Publisher, partial_dir
 from bigclip.ckpt.rng import rank_state_bytes
 from bigclip.ckpt.storage import (
     Storage,
     StorageError,
     StorageUnavailable,
     _write_durably,
-    fsync_dir,
 )
 from bigclip.ckpt.upload import FileSink, lower_priority
 from bigclip.dist import World, raise_together
@@ -102,9 +102,6 @@ class CheckpointManager:
         self.directory = os.path.abspath(directory)
         self.engine = engine
         self.world = world
-        self.delete_previous = delete_previous
-        self.keep_last_k = keep_last_k
-        self.keep_local = keep_local
         self.storage_options = dict(storage_options or {})
         self.storage_timeout = storage_timeout
         self.remote = Storage(remote, self.storage_options, upload_timeout) if remote else None
@@ -127,7 +124,6 @@ class CheckpointManager:
         self.abandoned = False  # a save was given up unfinished (wait's timeout): no further saves
         self._staging: Future | None = None  # the state copy of the save in flight
         self._staging_wait = 0.0  # time the loop waited for it (wait_staged)
-        self._previous_local: str | None = None
         self.results: list[SaveResult] = []
         self.last_saved_step: int | None = None
         self.catalog = CheckpointCatalog(
@@ -139,6 +135,14 @@ class CheckpointManager:
             probe=self._probe,
             storage_options=self.storage_options,
             storage_timeout=storage_timeout,
+        )
+        self.publisher = Publisher(
+            self.directory,
+            self.remote,
+            self.catalog,
+            keep_local=keep_local,
+            delete_previous=delete_previous,
+            keep_last_k=keep_last_k,
         )
         self._check_remote()
 
@@ -286,7 +290,7 @@ class CheckpointManager:
             )
 
     def _partial(self, tag: str) -> str:
-        return os.path.join(self.directory, f"{tag}.partial")
+        return partial_dir(self.directory, tag)
 
     def _stage_in_place(self, tag: str):
         # Layouts that write files while staging (DeepSpeed) need the clean .partial directory first.
@@ -382,10 +386,10 @@ class CheckpointManager:
             extra=self.layout.describe(),
         )
         try:
-            location = self._publish(tag, manifest)
+            location = self.publisher.publish(tag, manifest)
             for alias in aliases:
-                self._alias(tag, alias, manifest)
-            self._retention(tag)
+                self.publisher.alias(tag, alias, manifest)
+            self.publisher.retention(tag)
         except (StorageError, UserError) as e:
             return {"error": str(e), "permanent": True}
         except StorageUnavailable as e:
@@ -404,72 +408,6 @@ class CheckpointManager:
             "commit_s": seconds,
             "aliases": list(aliases),
         }
-
-    def _publish(self, tag: str, manifest: Manifest) -> str:
-        """Write the manifest: after it, and only after it, the checkpoint exists."""
-        partial, final = self._partial(tag), os.path.join(self.directory, tag)
-        _write_durably(os.path.join(partial, MANIFEST), manifest.to_bytes())
-        if self.keep_local:
-            _replace_dir(partial, final)
-            fsync_dir(self.directory)
-        if self.remote is not None:
-            self.remote.put_bytes(f"{tag}/{MANIFEST}", manifest.to_bytes())
-            self._drop_strays(tag, manifest)
-        if not self.keep_local:
-            shutil.rmtree(partial, ignore_errors=True)
-        if self.keep_local and is_numbered(tag):
-            if self.delete_previous and self._previous_local and self._previous_local != final:
-                shutil.rmtree(self._previous_local, ignore_errors=True)  # local copies only; remote keeps all
-            self._previous_local = final
-        return self.remote.url(tag) if self.remote is not None else final
-
-    def _drop_strays(self, tag: str, manifest: Manifest) -> None:
-        # A tag written before (epoch_latest) may hold files the new manifest no longer names.
-        listing = self.remote.list_files(tag)
-        for rel in listing:
-            if rel != MANIFEST and rel not in manifest.files:
-                self.remote.rm(f"{tag}/{rel}")
-
-    def _alias(self, tag: str, alias: str, manifest: Manifest) -> None:
-        copy = Manifest(**{**manifest.__dict__, "tag": alias, "created": time.time()})
-        if self.keep_local:
-            src, partial = os.path.join(self.directory, tag), self._partial(alias)
-            shutil.rmtree(partial, ignore_errors=True)
-            for rel in manifest.files:
-                os.makedirs(os.path.dirname(os.path.join(partial, rel)), exist_ok=True)
-                os.link(os.path.join(src, rel), os.path.join(partial, rel))  # same bytes, no copy
-            _write_durably(os.path.join(partial, MANIFEST), copy.to_bytes())
-            _replace_dir(partial, os.path.join(self.directory, alias))
-            fsync_dir(self.directory)
-        if self.remote is not None:
-            self.remote.rm(f"{alias}/{MANIFEST}")
-            for rel in manifest.files:  # server-side copies: no bytes travel through this machine
-                self.remote.copy(f"{tag}/{rel}", f"{alias}/{rel}")
-            self.remote.put_bytes(f"{alias}/{MANIFEST}", copy.to_bytes())
-            self._drop_strays(alias, copy)
-
-    def _retention(self, just_saved: str) -> None:
-        """--keep-last-k: keep the k newest numbered checkpoints in the remote store (locally when there is
-        no remote). epoch_latest-style aliases are never counted or deleted."""
-        if self.keep_last_k <= 0:
-            return
-        local = self.remote is None
-        numbered = sorted(
-            (c for c in self.catalog.candidates(local=local, remote=not local, check=False) if c.numbered),
-            key=lambda c: c.step,
-            reverse=True,
-        )
-        for old in numbered[self.keep_last_k :]:
-            tag = old.manifest.tag
-            if tag == just_saved:
-                continue
-            logger.info(f"--keep-last-k {self.keep_last_k}: deleting checkpoint {old.location}")
-            if local:
-                os.remove(os.path.join(old.location, MANIFEST))  # uncommit first, then remove
-                shutil.rmtree(old.location, ignore_errors=True)
-            else:
-                self.remote.rm(f"{basename(old.location)}/{MANIFEST}")
-                self.remote.rm(basename(old.location), recursive=True)
 
     def _check_remote(self) -> None:
         if self._probe is not None:
@@ -497,14 +435,3 @@ def _picklable(value: Any) -> Any:
         except Exception:  # noqa: BLE001
             return RuntimeError(f"{type(value).__name__}: {value}")
     return value
-
-
-def _replace_dir(src: str, dst: str) -> None:
-    if os.path.exists(dst):  # replacing epoch_latest: move the old one aside, then drop it
-        old = dst + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)

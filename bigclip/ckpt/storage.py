@@ -10,6 +10,9 @@ Credentials and endpoints come from the environment (AWS_ACCESS_KEY_ID, AWS_ENDP
 --storage-options JSON, which is handed to fsspec and never logged: `redact_options` is what reaches
 params.yaml and checkpoints.
 
+(Longer than most modules: the error classification, the retry loop and the bounded first contact are one
+policy over the same operations, and reading them apart would hide which failure is retried where.)
+
 Why files are uploaded whole (`put_file`) rather than streamed through an fsspec file object: a local file
 can be re-sent after a failure, a half-written stream cannot, and fsspec's buffered writers only push data
 on flush/close (pytorch/pytorch#183878: DCP's FsspecWriter could drop data that way). After each upload the

@@ -2,11 +2,11 @@
 declared), their resolution and checks (resolve.py), the typed slices components take (sections.py) and the
 redacted record (record.py)."""
 
-from bigclip.config.fields import flag_name
 from bigclip.config.flags import DEMO_PRESET, TrainConfig, config_fields
 from bigclip.config.record import scrub_argv, to_dict
 from bigclip.config.resolve import load_yaml, resolve
 from bigclip.config.sections import Sections, build_sections, slice_of
+from bigclip.flag_fields import flag_name
 
 __all__ = [
     "DEMO_PRESET",

@@ -15,11 +15,11 @@ from typing import Any
 
 import yaml
 
-from bigclip.config.fields import default_of, flag_name
 from bigclip.config.flags import DEMO_PRESET, TrainConfig, config_fields
 from bigclip.data import reads_without_path
 from bigclip.engine import ENGINES
 from bigclip.errors import UserError
+from bigclip.flag_fields import default_of, flag_name
 from bigclip.loss import LOSSES
 from bigclip.registry import Registry
 

@@ -7,12 +7,19 @@ detection of --dataset-type auto, the upsampling factors and the shard lists all
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import webdataset as wds
 
+from bigclip.data.transforms import INTERPOLATIONS, RESIZE_MODES
+from bigclip.flag_fields import DATA, EVAL, flag, non_negative_int, optional, positive_int
+from bigclip.registry import Registry
 from bigclip.storage_options import parse_storage_options
+
+# --dataset-type NAME -> a data/sources.py DataSource; each kind's module registers itself (data/factory.py
+# imports them). Created here, with the flag that names it.
+DATA_SOURCES: Registry = Registry("--dataset-type")
 
 
 def sources(value: str) -> list[list[str]]:
@@ -25,24 +32,47 @@ def sources(value: str) -> list[list[str]]:
 class DataConfig:
     """The data flags (OpenCLIP's names), and the run's values the loaders are cut by."""
 
-    train_data: str | None = None
-    val_data: str | None = None
-    train_num_samples: int | None = None
-    val_num_samples: int | None = None
-    dataset_type: str = "auto"
-    dataset_resampled: bool = False
-    csv_separator: str = "\t"
-    csv_img_key: str = "filepath"
-    csv_caption_key: str = "title"
-    train_data_upsampling_factors: str | None = None
-    workers: int = 4
-    image_mean: list[float] | None = None
-    image_std: list[float] | None = None
-    image_interpolation: str | None = None
-    image_resize_mode: str | None = None
-    aug_cfg: list[str] | dict[str, Any] = field(default_factory=list)
-    imagenet_val: str | None = None
-    imagenet_v2: str | None = None
+    train_data: str | None = flag(
+        None,
+        "Training data: a CSV file, WebDataset shards with brace expansion "
+        "(a::b for several sources), or nothing for the embedded demo.",
+        DATA,
+    )
+    val_data: str | None = flag(None, "Validation data, same formats as --train-data.", DATA)
+    train_num_samples: int | None = flag(
+        None, "Samples per epoch; required for WebDataset.", DATA, check=optional(positive_int)
+    )
+    val_num_samples: int | None = flag(
+        None, "Samples in the validation set (WebDataset).", DATA, check=optional(positive_int)
+    )
+    dataset_type: str = flag(
+        "auto",
+        "The data format: auto (the kind the file extension of --train-data names), or a registered kind.",
+        DATA,
+        shows=DATA_SOURCES,
+    )
+    dataset_resampled: bool = flag(
+        False, "WebDataset: each reader draws shards with replacement (seeded by seed, epoch, rank, worker).", DATA
+    )
+    csv_separator: str = flag("\t", "Column separator of CSV data.", DATA)
+    csv_img_key: str = flag("filepath", "CSV column holding image paths.", DATA)
+    csv_caption_key: str = flag("title", "CSV column holding captions.", DATA)
+    train_data_upsampling_factors: str | None = flag(
+        None, "Per-source sampling weights a::b for the '::' sources of --train-data (with --dataset-resampled).", DATA
+    )
+    workers: int = flag(4, "Data loader workers per process.", DATA, check=non_negative_int)
+    image_mean: list[float] | None = flag(None, "Override the image normalisation mean.", DATA, nargs="+", type=float)
+    image_std: list[float] | None = flag(None, "Override the image normalisation std.", DATA, nargs="+", type=float)
+    image_interpolation: str | None = flag(None, "bicubic, bilinear or random.", DATA, choices=INTERPOLATIONS)
+    image_resize_mode: str | None = flag(None, "shortest, longest or squash.", DATA, choices=RESIZE_MODES)
+    aug_cfg: list[str] | dict[str, Any] = flag(
+        [], "Augmentation key=value pairs, e.g. scale=0.9::1.0.", DATA, nargs="*"
+    )
+    imagenet_val: str | None = flag(
+        None, "ImageNet validation folder (one folder per class) for zero-shot classification.", EVAL
+    )
+    imagenet_v2: str | None = flag(None, "ImageNet-v2 folder (class folders 0 ... 999) for zero-shot.", EVAL)
+    # read here, owned by another slice (its flag is declared there)
     batch_size: int = 64
     seed: int = 0
     storage_options: str | dict[str, Any] | None = None

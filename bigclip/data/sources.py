@@ -14,13 +14,12 @@ from typing import Any
 
 from PIL import Image
 
-from bigclip.data.config import DataConfig, sources
+from bigclip.data.config import DATA_SOURCES, DataConfig, sources
 from bigclip.data.info import DataInfo
 from bigclip.data.sampler import ShardedBatchSampler
 from bigclip.data.skips import SkipCounter
 from bigclip.data.workers import worker_loader
 from bigclip.errors import UserError
-from bigclip.registry import Registry
 
 AUTO = "auto"  # --dataset-type auto: the kind the data value's extension names
 
@@ -57,9 +56,6 @@ class DataSource:
     extensions: tuple[str, ...] = ()  # what --dataset-type auto recognises it by ('.tar')
     needs_path: bool = True  # reads --train-data / --val-data
     check: Callable[[DataConfig], None] = lambda cfg: None  # its own flags' rules
-
-
-DATA_SOURCES: Registry[DataSource] = Registry("--dataset-type")
 
 
 def dataset_type_names() -> list[str]:

@@ -24,15 +24,13 @@ from torch import nn
 
 from bigclip.dist import World
 from bigclip.engine.base import Engine, StateBytes
-from bigclip.engine.config import DEFAULT_ENGINE, SHARDED_INIT_MODES, EngineConfig, ModelSize
+from bigclip.engine.config import DEFAULT_ENGINE, ENGINES, SHARDED_INIT_MODES, EngineConfig, ModelSize
 from bigclip.engine.ddp import DDPEngine
 from bigclip.engine.deepspeed import DeepSpeedEngine
 from bigclip.engine.fsdp import FSDPEngine
 from bigclip.errors import UserError
-from bigclip.registry import Registry
 
 # --engine NAME -> the Engine class. To add an engine: a subclass in its own file, and one line here.
-ENGINES: Registry[type[Engine]] = Registry("--engine")
 for _cls in (DDPEngine, FSDPEngine, DeepSpeedEngine):
     ENGINES.register(_cls.name, _cls, help=_cls.help)
 
@@ -73,6 +71,11 @@ def describe_plan(cfg: EngineConfig, world: World, num_params: int) -> tuple[str
 def memory_setups() -> dict[str, StateBytes]:
     """Every engine's memory setups (ddp, fsdp, zero1 ... zero3_offload), in registry order: `bigclip plan`'s rows."""
     return {setup: model for _, cls in ENGINES.items() for setup, model in cls.memory_models().items()}
+
+
+def memory_notes() -> list[str]:
+    """What every engine says under `bigclip plan`'s table about reading its rows."""
+    return [note for _, cls in ENGINES.items() for note in cls.memory_notes()]
 
 
 def state_bytes(setup: str, psi: int, n: int, precision: str = "amp", size: ModelSize | None = None) -> float:
@@ -127,6 +130,7 @@ __all__ = [
     "build_model",
     "check_config",
     "engine_selected_by",
+    "memory_notes",
     "memory_setups",
     "state_bytes",
 ]

@@ -18,6 +18,7 @@ gradient synchronisation and the on-disk format of its state. Callers use only:
     Engine.memory_models()                 classmethod: setup name -> state bytes per GPU (parameters, gradients,
                                            optimizer state) for Ψ parameters on N ranks: what `bigclip plan` and
                                            --dry-run print (DeepSpeed: one setup per ZeRO stage, and offload)
+    Engine.memory_notes()                  classmethod: what `bigclip plan` says under its table about these rows
     Engine.selected_by                     flags that pick this engine without --engine (--ds_config, --deepspeed)
     engine.module(images=..., texts=...)   forward (features dict), also for eval; a collective when sharded
     engine.model                           the unwrapped model (named parameters, constraints, logging)
@@ -84,6 +85,11 @@ class Engine(abc.ABC):
     def memory_models(cls) -> dict[str, StateBytes]:
         """Setup name -> parameters + gradients + optimizer state per GPU, in bytes (ZeRO paper arithmetic)."""
         return {}
+
+    @classmethod
+    def memory_notes(cls) -> list[str]:
+        """Sentences `bigclip plan` prints under its table about reading this engine's rows."""
+        return []
 
     def __init__(self, cfg: EngineConfig, model: nn.Module, world: World):
         self.cfg = cfg

@@ -11,39 +11,92 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from bigclip.flag_fields import (
+    DIST,
+    MODEL,
+    PREC,
+    TRAIN,
+    flag,
+    non_negative_int,
+    non_negative_number,
+    optional,
+    positive_int,
+)
 from bigclip.optim import OptimizerConfig
+from bigclip.precision import PRECISIONS
+from bigclip.registry import Registry
 
 DEFAULT_ENGINE = "ddp"  # OpenCLIP's own parallelism
 SHARDED_INIT_MODES = ("auto", "always", "never")
+# --engine NAME -> the Engine class (engine/base.py). Created here, with the flag that names it; the engines are
+# registered in engine/__init__.py.
+ENGINES: Registry = Registry("--engine")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    engine: str = DEFAULT_ENGINE
-    ds_config: str | None = None
-    sharded_init: str = "auto"
-    fsdp_offload_cpu: bool = False
-    fsdp_no_reshard_after_forward: bool = False
-    fsdp_hybrid: bool = False
-    fsdp_replicate_degree: int = 1
-    ddp_static_graph: bool = False
-    use_bn_sync: bool = False
+    lock_image: bool = flag(False, "Freeze the image tower.", MODEL)
+    lock_image_unlocked_groups: int = flag(
+        0, "Leave the last N image layer groups trainable.", MODEL, check=non_negative_int
+    )
+    lock_image_freeze_bn_stats: bool = flag(False, "Freeze BatchNorm statistics of locked layers.", MODEL)
+    lock_text: bool = flag(False, "Freeze the text tower.", MODEL)
+    lock_text_unlocked_layers: int = flag(0, "Leave the last N text layers trainable.", MODEL, check=non_negative_int)
+    lock_text_freeze_layer_norm: bool = flag(False, "Freeze LayerNorm of locked text layers.", MODEL)
+    grad_clip_norm: float | None = flag(
+        None, "Clip the global gradient norm to this value.", TRAIN, check=optional(non_negative_number)
+    )
+    torchcompile: bool = flag(False, "torch.compile each transformer block.", TRAIN)
+    precision: str = flag("amp", "Numeric precision.", PREC, choices=PRECISIONS)
+    grad_checkpointing: bool = flag(False, "Recompute every transformer block in backward.", PREC)
+    grad_checkpointing_every: int = flag(
+        1, "With --grad-checkpointing, recompute every k-th block only.", PREC, check=positive_int
+    )
+    engine: str = flag(
+        DEFAULT_ENGINE,
+        "Parallelism (new in bigclip); --ds_config FILE or --deepspeed selects deepspeed.",
+        DIST,
+        choices=ENGINES,
+    )
+    ds_config: str | None = flag(
+        None,
+        "DeepSpeed JSON config (ds_configs/zero{1,2,3}.json, zero3_offload.json); "
+        '"auto" values are filled from bigclip\'s flags. Selects --engine '
+        "deepspeed.",
+        DIST,
+        aliases=["--ds_config", "--deepspeed_config", "--deepspeed-config"],
+        metavar="FILE",
+    )
+    deepspeed: bool = flag(
+        False, "Use the DeepSpeed engine (DeepSpeed's own flag; ZeRO-2 unless --ds_config says otherwise).", DIST
+    )
+    sharded_init: str = flag(
+        "auto",
+        "auto, always or never: build the model on the meta device and initialise it "
+        "shard by shard (fsdp, deepspeed ZeRO-3); auto does so from 500M parameters.",
+        DIST,
+        choices=SHARDED_INIT_MODES,
+    )
+    fsdp_offload_cpu: bool = flag(False, "FSDP: keep parameter, gradient and optimizer shards in host memory.", DIST)
+    fsdp_no_reshard_after_forward: bool = flag(
+        False,
+        "FSDP: keep each block's gathered parameters from forward to backward (more memory, one all-gather less).",
+        DIST,
+    )
+    fsdp_hybrid: bool = flag(False, "FSDP: shard within each node and replicate across nodes (HSDP).", DIST)
+    fsdp_replicate_degree: int = flag(
+        1,
+        "FSDP: replicate across this many groups, sharding within each "
+        "(HSDP; --fsdp-hybrid sets it to the number of nodes).",
+        DIST,
+    )
+    ddp_static_graph: bool = flag(False, "DDP static graph.", DIST)
+    use_bn_sync: bool = flag(False, "Synchronise BatchNorm statistics across processes.", DIST)
+    # read here, owned by another slice (its flag is declared there)
     device: str = "cuda"
-    precision: str = "amp"
     batch_size: int = 64
     accum_freq: int = 1
-    grad_clip_norm: float | None = None
     seed: int = 0
-    # applied to the finished model before wrapping (engine/__init__.py's order)
-    grad_checkpointing: bool = False
-    grad_checkpointing_every: int = 1
-    torchcompile: bool = False
-    lock_image: bool = False
-    lock_image_unlocked_groups: int = 0
-    lock_image_freeze_bn_stats: bool = False
-    lock_text: bool = False
-    lock_text_unlocked_layers: int = 0
-    lock_text_freeze_layer_norm: bool = False
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     resolved: Any = None  # the chosen engine's check_config result (DeepSpeed: the resolved JSON)
 

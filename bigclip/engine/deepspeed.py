@@ -204,6 +204,16 @@ class DeepSpeedEngine(Engine):
         }
 
     @classmethod
+    def memory_notes(cls) -> list[str]:
+        return [
+            "zero3_offload keeps weights, gradients and Adam state in host memory (16Ψ/N bytes per "
+            "rank there); its GPU column is working buffers only.",
+            "zero1 is the ZeRO paper's stage 1 (full gradients), which DeepSpeed holds while it "
+            "accumulates over --accum-freq micro-batches; with --accum-freq 1 it reduces gradients into "
+            "partitions during backward and measures like zero2.",
+        ]
+
+    @classmethod
     def build_model(cls, cfg: EngineConfig, world: World, factory) -> nn.Module:
         return build_for_sharding(cfg, factory, shards_params=dsc.stage(cls._flag_values(cfg)) == 3)
 

@@ -39,6 +39,9 @@ after DDP's averaging):
 
 The grad_outputs of all ranks are all-gathered in backward (W numbers) so the result stays exact
 even if ranks scale their losses differently. Batch sizes must be equal on every rank.
+
+(Longer than most modules: each exchange's forward and backward are one autograd Function whose two halves
+must mirror each other's communication exactly; they are kept side by side on purpose.)
 """
 
 from __future__ import annotations

@@ -16,18 +16,33 @@ from typing import Any
 from torch import nn
 
 from bigclip.errors import UserError
+from bigclip.flag_fields import LOSS, flag
+from bigclip.loss.select import LOSS_IMPLS
 from bigclip.registry import Registry
+
+# --loss NAME -> its LossFamily; each family's module registers itself (loss/__init__.py imports them).
+LOSSES: Registry[LossFamily] = Registry("--loss")
 
 
 @dataclass(frozen=True)
 class LossConfig:
     """The loss flags (OpenCLIP's names, plus --loss and --loss-impl)."""
 
-    loss: str = "clip"
-    local_loss: bool = False
-    gather_with_grad: bool = False
-    loss_impl: str = "auto"
-    loss_dist_impl: str | None = None
+    local_loss: bool = flag(False, "Local features against gathered ones (O(n) logits per rank).", LOSS)
+    gather_with_grad: bool = flag(False, "Gradients flow through the feature all-gather.", LOSS)
+    loss: str = flag(
+        "clip", "The contrastive loss family (new in bigclip; --siglip selects siglip).", LOSS, choices=LOSSES
+    )
+    siglip: bool = flag(
+        False, "Sigmoid loss (logit scale init log 10, bias -10): OpenCLIP's name for --loss siglip.", LOSS
+    )
+    loss_dist_impl: str | None = flag(
+        None,
+        "How features move between ranks: gather (default) or ring for clip; bidir (default), shift, reduce or "
+        "gather for siglip.",
+        LOSS,
+    )
+    loss_impl: str = flag("auto", "naive, chunked, triton or auto (new in bigclip).", LOSS, choices=LOSS_IMPLS)
 
 
 @dataclass(frozen=True)
@@ -37,9 +52,6 @@ class LossFamily:
     described_as: str  # how error lines name it: "the CLIP loss"
     model_init: dict[str, Any] = field(default_factory=dict)  # create_model kwargs: init_logit_scale/bias
     selected_by: tuple[str, ...] = ()  # flags (config field names) that select it without --loss (--siglip)
-
-
-LOSSES: Registry[LossFamily] = Registry("--loss")
 
 
 def check_dist_impl(dist_impl: str | None, family: LossFamily) -> str:

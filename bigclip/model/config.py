@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bigclip.errors import UserError
+from bigclip.flag_fields import MISC, MODEL, TRAIN, flag, optional, positive_int, unit_interval
 from bigclip.model.pretrained import check_pretrained, check_pretrained_image
 from bigclip.model.registry import get_model_config, is_schema_name, list_models
 from bigclip.model.switchback import SWITCHBACK_VARIANTS
@@ -19,16 +20,58 @@ NOT_YET_BUILT = ("convnext", "coca", "EVA", "mt5", "xlm")
 class ModelConfig:
     """The model flags (OpenCLIP's names), and where the loss family wants the logit scale and bias to start."""
 
-    model: str = "RN50"
-    pretrained: str | None = None
-    pretrained_image: bool = False
-    force_image_size: list[int] | None = None
-    force_context_length: int | None = None
-    force_patch_dropout: float | None = None
-    force_quick_gelu: bool = False
-    layer_scale_init: float | None = None
-    use_bnb_linear: str | None = None
-    cache_dir: str | None = None
+    model: str = flag(
+        "RN50",
+        "Architecture name (see `bigclip models`), or OpenCLIP's local-dir:DIR / hf-hub:ORG/NAME (an "
+        "open_clip_config.json and the weights beside it); the demo uses test-tiny.",
+        MODEL,
+    )
+    pretrained: str | None = flag(
+        None,
+        "One of OpenCLIP's pretrained tags for --model (fetched through the Hugging Face hub into --cache-dir), "
+        "or a local bigclip or OpenCLIP state dict (.pt/.bin/.safetensors).",
+        MODEL,
+    )
+    pretrained_image: bool = flag(
+        False,
+        "timm's ImageNet weights for a timm image tower's trunk (fetched through the Hugging Face hub into "
+        "--cache-dir); whole-model weights (--pretrained, local-dir:/hf-hub: models) replace them.",
+        MODEL,
+    )
+    force_image_size: list[int] | None = flag(
+        None, "Override the image size (one or two ints).", MODEL, nargs="+", type=int
+    )
+    force_context_length: int | None = flag(
+        None, "Override the text context length.", MODEL, check=optional(positive_int)
+    )
+    force_patch_dropout: float | None = flag(
+        None, "Override patch dropout (0 disables it).", MODEL, check=optional(unit_interval)
+    )
+    force_quick_gelu: bool = flag(False, "Use QuickGELU (for weights trained with it).", MODEL)
+    force_custom_text: bool = flag(
+        False, "Separate text tower; bigclip's text tower is always separate, so this changes nothing.", MODEL
+    )
+    layer_scale_init: float | None = flag(
+        None,
+        "LayerScale on both residual branches of every transformer block of both towers, starting at this value "
+        "(0: zero-init layer scale; new in bigclip). Default: the architecture's own ls_init_value, if any.",
+        MODEL,
+    )
+    use_bnb_linear: str | None = flag(
+        None,
+        "int8 SwitchBack linear layers for the transformer blocks' MLPs: SwitchBackLinearGlobal, "
+        "SwitchBackLinearVectorwise, SwitchBackLinearGlobalMemEfficient or StandardLinear (bigclip's own kernels; "
+        "bitsandbytes no longer ships them).",
+        TRAIN,
+        choices=SWITCHBACK_VARIANTS,
+    )
+    cache_dir: str | None = flag(
+        None,
+        "Hugging Face hub cache for --pretrained tags, hf-hub: models and --pretrained-image "
+        "(default: the hub's own, HF_HUB_CACHE).",
+        MISC,
+    )
+    # read here, owned by another slice (its flag is declared there)
     init: dict[str, Any] = field(default_factory=dict)  # the loss family's model_init (init_logit_scale/bias)
 
     @property

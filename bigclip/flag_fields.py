@@ -1,11 +1,14 @@
-"""How a flag is declared: a dataclass field with its help text, its --help group, the registry or values it
-chooses from, the kind of number it must be, and any extra argparse settings.
+"""How a flag is declared: a field of the config slice of the component that owns it, with its help text, its
+--help group, the registry or values it chooses from, the kind of number it must be, and argparse settings.
 
-    batch_size: int = flag(64, "Batch size per process.", TRAIN, check=positive_int)
-    engine: str = flag("ddp", "Parallelism.", DIST, choices=ENGINES)
+    @dataclass(frozen=True)
+    class LoopConfig:
+        batch_size: int = flag(64, "Batch size per process.", TRAIN, check=positive_int)   # owned: a flag
+        precision: str = "amp"                     # borrowed: EngineConfig owns --precision, the loop reads it
 
-The parser (cli_args.py), the YAML reader and the validator read these; a choice's list and help live in the
-registry that owns it, not here.
+Every flag has exactly one owner; the flat TrainConfig users type (config/flags.py) is the union of the owned
+fields. The parser (cli_args.py), the YAML reader and the validator read these; a choice's names and their
+help live in the registry that owns them, and --help shows them from there.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 from bigclip.registry import Registry
 
 # The --help groups, in the order --help shows them.
-DATA, MODEL, TRAIN, PREC, LOSS, CKPT, LOG, EVAL, DIST, MISC = (
+GROUPS = DATA, MODEL, TRAIN, PREC, LOSS, CKPT, LOG, EVAL, DIST, MISC = (
     "data",
     "model",
     "training",
@@ -75,14 +78,22 @@ def flag(
     group: str,
     *,
     choices: Registry | tuple | None = None,
+    shows: Registry | None = None,
     check: Check | None = None,
     **argparse_kwargs: Any,
 ) -> Any:
-    """A config field: its help text, --help group, choices (a registry, whose names and help text are shown, or
-    a tuple), value check and any extra argparse settings."""
-    if isinstance(choices, Registry):
-        help = f"{help} {choices.help()}"
-    meta = {"help": help, "group": group, "argparse": argparse_kwargs, "choices": choices, "check": check}
+    """A flag its slice owns: its help text, --help group, choices (a registry, whose names and help --help shows,
+    or a tuple), a registry --help shows that the owner checks itself (`shows`: a comma list, or a value with
+    more names than the registry's), value check and any extra argparse settings."""
+    shows = shows if shows is not None else (choices if isinstance(choices, Registry) else None)
+    meta = {
+        "help": help,
+        "group": group,
+        "argparse": argparse_kwargs,
+        "choices": choices,
+        "shows": shows,
+        "check": check,
+    }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -98,6 +109,11 @@ def unsupported(default: Any, help: str, group: str, why: str, **argparse_kwargs
 def internal(default: Any) -> Any:
     """Set by resolution, not by users: no flag, no YAML key."""
     return field(default=default, metadata={"internal": True})
+
+
+def is_flag(f: dataclasses.Field) -> bool:
+    """A field declared with flag() (owned by its slice), not one borrowed from another slice."""
+    return "help" in f.metadata
 
 
 def flag_name(field_name: str) -> str:
