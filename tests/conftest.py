@@ -3,8 +3,10 @@
 In a fresh environment DeepSpeed JIT-builds two ops on first use: its shared-memory collectives
 (deepspeed_shm_comm, ~30 s, the first DeepSpeed run) and CPU Adam (cpu_adam, ~45 s,
 ds_configs/zero3_offload.json). When the session runs DeepSpeed tests, both are built from the start in a
-process at the lowest CPU priority, so the compiler uses cores the tests leave idle (single-process runs,
-waits on timeouts and requeues) instead of running inside a test. A test that needs an op before it is ready
+process at a lower CPU priority (nice 5), so the compiler mostly uses cores the tests leave idle (single-process
+runs, waits on timeouts and requeues) instead of running inside a test. Not the lowest priority: beside other
+CPU-bound work at normal priority (a contributor's laptop) a nice-19 build got under 1% of a core and never
+finished, and every DeepSpeed test waited on its lock. A test that needs an op before it is ready
 waits on torch's build lock and then loads it, as with any concurrent build; built ops are cached in
 torch's extensions directory and the process does nothing there.
 """
@@ -32,7 +34,7 @@ def pytest_collection_finish(session) -> None:
         env={**os.environ, "DS_ACCELERATOR": "cpu"},  # the tests' accelerator, so the same builds
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        preexec_fn=lambda: os.nice(19),
+        preexec_fn=lambda: os.nice(5),
     )
 
 

@@ -3,7 +3,6 @@
 import logging
 import os
 import shutil
-import time
 
 import pytest
 import torch
@@ -36,13 +35,12 @@ def test_multipart_upload_listing_and_download(s3, s3_bucket, tmp_path, monkeypa
     }
 
 
-def test_missing_bucket_fails_fast_with_one_line(s3):
-    start = time.monotonic()
+def test_missing_bucket_fails_fast_with_one_line(s3, caplog):
     with pytest.raises(StorageError) as err:
         Storage("s3://no-such-bucket-here/runs").check_writable()
     message = str(err.value)
     assert "no-such-bucket-here" in message and "exists" in message and "\n" not in message
-    assert time.monotonic() - start < 20
+    assert "retrying" not in caplog.text  # failed at the first answer: nothing a retry could mend
 
 
 def test_bad_credentials_fail_fast_without_leaking_them(s3, s3_bucket):

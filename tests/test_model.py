@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -67,14 +66,11 @@ OPENCLIP_PARAMS_M = {
 
 @pytest.mark.parametrize("name", list(OPENCLIP_PARAMS_M))
 def test_param_counts_match_openclip_on_meta(name):
-    start = time.perf_counter()
     model = create_model(name, device="meta")
-    elapsed = time.perf_counter() - start
     params = list(model.parameters())
-    assert all(p.is_meta for p in params)
+    assert all(p.is_meta for p in params)  # nothing allocated: even ViT-bigG-14 costs no memory
     count = sum(p.numel() for p in params) / 1e6
     assert count == pytest.approx(OPENCLIP_PARAMS_M[name], rel=0.005)
-    assert elapsed < 10.0
 
 
 def test_big_configs_dimensions():

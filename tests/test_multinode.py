@@ -108,28 +108,24 @@ def test_a_node_that_never_arrives_stops_the_other_with_one_line(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     port = free_port()
-    started = time.monotonic()
     alone = subprocess.run(
         [DEEPSPEED, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", "0", "--master_addr", "127.0.0.1",
          "--master_port", str(port), "launch/train.py", *RUN, "--logs", str(tmp_path), "--name", "alone",
          "--dist-timeout", "4"],  # fmt: skip
         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
-    waited = time.monotonic() - started
-    assert alone.returncode != 0 and waited < 180, (waited, alone.stdout[-2000:])
+    assert alone.returncode != 0, alone.stdout[-2000:]  # within the guard: --dist-timeout 4 s, not the default 30 min
     errors = [line for line in (alone.stdout + alone.stderr).splitlines() if line.startswith("bigclip: error:")]
     assert len(errors) == 1, alone.stderr[-3000:]
     assert "rank 0 on " in errors[0] and "(node 0)" in errors[0]
     assert f"the process group of 2 ranks did not form within --dist-timeout 4 s at 127.0.0.1:{port}" in errors[0]
 
-    started = time.monotonic()
     agent = subprocess.run(
         [*TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
          "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", "alone", "--rdzv_conf", "join_timeout=4",
          "launch/train.py", "--", *RUN, "--logs", str(tmp_path), "--name", "alone-agent"],  # fmt: skip
         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
-    waited = time.monotonic() - started
-    assert agent.returncode != 0 and waited < 120, (waited, agent.stderr[-2000:])
+    assert agent.returncode != 0, agent.stderr[-2000:]
     assert "RendezvousTimeoutError" in agent.stderr
     assert not os.path.exists(tmp_path / "alone-agent")  # no rank ever started

@@ -169,6 +169,7 @@ def resolve_in_child(cache: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_tag_is_downloaded_into_the_cache_then_used_offline(tmp_path):
     data = os.urandom(1 << 20)
     hub = FakeHub(REPO_ID, "open_clip_model.safetensors", data)

@@ -26,6 +26,11 @@ pytestmark = pytest.mark.slurm
 # 500 steps: 15-40 s of training on 2 CPUs, depending on the machine.
 RUN = [*TINY_SYNTHETIC, "--epochs", "1", "--train-num-samples", "8000", "--log-every-n-steps", "10"]
 STEPS = 8000 // (8 * 2)
+# The templates ask for their own notice (`--signal=B:USR1@180`) 180 s before the time limit, which Slurm sends up
+# to a minute early: with a 5-minute limit that is 2 minutes into a job, which a loaded machine reaches mid-run
+# (the job then requeues itself, as a real time limit makes it). The jobs get 30 minutes, so that only the notices
+# a test sends itself arrive.
+TIME_LIMIT = "--time=30"
 
 
 def _submit(slurm, tmp_path, template: str, sbatch: list[str], flags: list[str], **env: str) -> int:
@@ -38,10 +43,20 @@ def _output(tmp_path) -> str:
     return "".join(open(p).read() for p in glob.glob(str(tmp_path / "*.out")))
 
 
+def wait_for_text(tmp_path, text: str, timeout: float = 60) -> bool:
+    """Poll the job's output until it holds `text` (Slurm may flush it a moment after the job ends)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in _output(tmp_path):
+            return True
+        time.sleep(0.1)
+    return False
+
+
 @pytest.fixture(scope="module")
 def reference(slurm, tmp_path_factory) -> dict[int, float]:
     tmp = tmp_path_factory.mktemp("torchrun-template")
-    job = _submit(slurm, tmp, "torchrun_per_node.sbatch", ["--cpus-per-task=2", "--time=5"],
+    job = _submit(slurm, tmp, "torchrun_per_node.sbatch", ["--cpus-per-task=2", TIME_LIMIT],
                   [*RUN, "--logs", str(tmp)], GPUS_PER_NODE="2", BIGCLIP_NAME="reference")  # fmt: skip
     assert slurm.wait(job, timeout=300) == "COMPLETED", _output(tmp)[-3000:]
     out = _output(tmp)
@@ -59,9 +74,9 @@ def test_torchrun_template_trains_with_two_processes(reference):
 def test_preempted_job_saves_requeues_itself_and_finishes_like_an_uninterrupted_run(slurm, tmp_path, reference):
     # Slurm sends `--signal=B:USR1@N` on slurmctld's 30 s tick, anywhere in the 30 s before limit-N: on a fast
     # machine that was before the first step or after the last. So the test sends the same signal to the
-    # batch shell (`scancel --batch --signal=USR1`) once the run is training; the template's own notice
-    # (@180 with this 5-minute limit) would come 90-120 s into a segment, after the run has ended.
-    job = _submit(slurm, tmp_path, "srun_per_task.sbatch", ["--ntasks-per-node=2", "--cpus-per-task=1", "--time=5"],
+    # batch shell (`scancel --batch --signal=USR1`) once the run is training (the template's own notice, with
+    # TIME_LIMIT, comes long after the run has ended).
+    job = _submit(slurm, tmp_path, "srun_per_task.sbatch", ["--ntasks-per-node=2", "--cpus-per-task=1", TIME_LIMIT],
                   [*RUN, "--logs", str(tmp_path)], BIGCLIP_NAME="preempted")  # fmt: skip
     assert wait_for_step(str(tmp_path / "preempted"), 100, timeout=240), _output(tmp_path)[-3000:]
     slurm.cancel(job, "--batch", "--signal=USR1")
@@ -80,7 +95,7 @@ def test_preempted_job_saves_requeues_itself_and_finishes_like_an_uninterrupted_
 
 
 def test_deepspeed_template_trains_and_a_cancelled_job_is_not_requeued(slurm, tmp_path):
-    job = _submit(slurm, tmp_path, "deepspeed_per_node.sbatch", ["--cpus-per-task=2", "--time=5"],
+    job = _submit(slurm, tmp_path, "deepspeed_per_node.sbatch", ["--cpus-per-task=2", TIME_LIMIT],
                   [*RUN, "--ds_config", "ds_configs/zero2.json", "--logs", str(tmp_path), "--save-every-n-steps", "20"],
                   GPUS_PER_NODE="2", BIGCLIP_NAME="cancelled", DS_ACCELERATOR="cpu")  # fmt: skip
     run_dir = str(tmp_path / "cancelled")
@@ -88,7 +103,10 @@ def test_deepspeed_template_trains_and_a_cancelled_job_is_not_requeued(slurm, tm
     assert "launched by deepspeed launcher" in _output(tmp_path)
     slurm.cancel(job)
     assert slurm.wait(job, timeout=60) == "CANCELLED"
-    time.sleep(slurm.cred_expire + 3)  # a requeued job would be pending again by now
+    # The batch shell heard the cancel (TERM) and says so before anything else it does: from then on it never
+    # requeues the job, so what Slurm shows now is final.
+    assert wait_for_text(tmp_path, "cancelled (SIGTERM to the batch shell); the job is not requeued"), _output(tmp_path)
+    assert "requeueing the job" not in _output(tmp_path)
     info = slurm.job_info(job)
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
     assert max(r["step"] for r in read_metrics(run_dir)) < STEPS

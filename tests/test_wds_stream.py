@@ -239,6 +239,7 @@ def _uneven_worker(rank, port, shards, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_take_equal_steps_and_every_sample_is_read_or_counted(tmp_path):
     """2 ranks, shards of very different sizes: the ranks stop together when the first runs out, and the
     other reads the rest of its shards, counted as dropped: trained + dropped = every sample, once."""

@@ -37,6 +37,7 @@ def imagenet_val(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_imagenet_zero_shot_matches_open_clip(imagenet_val, tmp_path, capsys):
     args = ["--model", "test-tiny", "--dataset-type", "synthetic", "--train-num-samples", "16", "--batch-size", "8",
             "--epochs", "1", "--precision", "fp32", "--workers", "0", "--lr", "1e-3", "--warmup", "1",
