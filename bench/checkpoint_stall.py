@@ -75,7 +75,8 @@ def start_s3() -> tuple[subprocess.Popen, str]:
     return proc, endpoint
 
 
-def build(model_name: str, batch_size: int, ds_config: str | None = None):
+def build(model_name: str, batch_size: int, ds_config: str | None = None, device=None, precision: str = "fp32"):
+    """(engine, world, step): a 1-rank engine for the model, and one timed training step on fixed data."""
     import torch
 
     from bigclip.build import build_engine, build_loss_fn
@@ -85,14 +86,14 @@ def build(model_name: str, batch_size: int, ds_config: str | None = None):
     from bigclip.loop import forward_backward, optimizer_step
     from bigclip.model import create_model, get_model_config
 
-    world = World()
+    world = World(device=device or torch.device("cpu"))
     ensure_process_group(world)  # a 1-rank group: what the process writer needs, as in any torchrun job
     extra = {"ds_config": ds_config} if ds_config else {}
     cfg = resolve(
         dict(
             model=model_name,
             dataset_type="synthetic",
-            precision="fp32",
+            precision=precision,
             batch_size=batch_size,
             lr=1e-4,
             workers=0,
@@ -105,8 +106,8 @@ def build(model_name: str, batch_size: int, ds_config: str | None = None):
     arch = get_model_config(model_name)
     size, ctx = arch["vision_cfg"]["image_size"], arch["text_cfg"]["context_length"]
     g = torch.Generator().manual_seed(0)
-    images = torch.randn(batch_size, 3, size, size, generator=g)
-    texts = torch.randint(1, 250, (batch_size, ctx), generator=g)
+    images = torch.randn(batch_size, 3, size, size, generator=g).to(world.device)
+    texts = torch.randint(1, 250, (batch_size, ctx), generator=g).to(world.device)
 
     def step(before_update=None) -> float:
         t = time.perf_counter()
@@ -114,6 +115,8 @@ def build(model_name: str, batch_size: int, ds_config: str | None = None):
         if before_update is not None:
             before_update()  # as the loop does: an asynchronous save finishes its copy before the update
         optimizer_step(engine)
+        if world.device.type == "cuda":
+            torch.cuda.synchronize()  # the update's kernels belong to this step
         return time.perf_counter() - t
 
     return engine, world, step
