@@ -285,3 +285,39 @@ def test_deepspeed_in_a_single_process(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(step_losses(os.path.join(tmp_path, "zero3"))) == 8
+
+
+_FORWARD_WITHOUT_AUTOCAST = """
+import torch
+from bigclip.build import build_engine, build_model
+from bigclip.config import resolve
+from bigclip.dist import World
+
+world = World()
+cfg = resolve(dict(model="test-tiny", dataset_type="synthetic", precision="amp_bf16", batch_size=2, workers=0,
+                   ds_config={ds_config!r}))
+engine = build_engine(cfg.sections.engine, build_model(cfg.sections.model, cfg.sections.engine, world), world)
+images, texts = torch.randn(2, 3, 16, 16), torch.randint(1, 250, (2, 32))
+with torch.autocast("cpu", enabled=False):  # what DeepSpeed's forward does to an outer autocast on CUDA
+    bare = engine.module(images, texts)["image_features"]
+with engine.autocast():
+    under_autocast = engine.module(images, texts)["image_features"]
+assert bare.dtype == torch.bfloat16 and torch.isfinite(bare).all()
+torch.testing.assert_close(bare.float(), under_autocast.float(), rtol=2e-2, atol=2e-2)
+print("same features")
+"""
+
+
+@pytest.mark.slow
+def test_deepspeed_bf16_forward_needs_no_outer_autocast():
+    """DeepSpeed's forward turns an outer CUDA autocast off (the GPU kit found `--precision amp_bf16 --ds_config`
+    stopping at the first convolution: fp32 images, bf16 weights). On CPU its check misses the CPU autocast, so
+    the run here disables autocast as it does on CUDA: the engine casts the images itself, and the features equal
+    those computed under autocast."""
+    import subprocess
+    import sys
+
+    code = _FORWARD_WITHOUT_AUTOCAST.format(ds_config=SHIPPED["zero2"])
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    assert proc.returncode == 0 and "same features" in proc.stdout, proc.stderr[-3000:]

@@ -75,6 +75,17 @@ def widest_tower(model: nn.Module) -> int | None:
     return max(widths) if widths else None
 
 
+def _inputs_cast_to(dtype: torch.dtype):
+    """A forward pre-hook: floating-point inputs (images) in the dtype of DeepSpeed's bf16/fp16 weights. DeepSpeed
+    leaves that cast to the caller and disables an outer torch.autocast inside its forward on CUDA (torch's
+    is_autocast_enabled() reads CUDA's state), so without it a GPU run stops at the first convolution."""
+
+    def cast(module: nn.Module, args: tuple):
+        return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+    return cast
+
+
 def _param_dtype(ds: dict[str, Any]) -> torch.dtype:
     if ds.get("bf16", {}).get("enabled"):
         return torch.bfloat16
@@ -255,11 +266,14 @@ class DeepSpeedEngine(Engine):
         self._mixed = self.ds.bfloat16_enabled() or self.ds.fp16_enabled()
         self._in_no_sync = False
         self._autocast_dtype = _param_dtype(self.ds_config) if self._mixed else None
+        if self._mixed:
+            model.register_forward_pre_hook(_inputs_cast_to(self._autocast_dtype))
 
     # -- precision and accumulation
     def autocast(self):
-        # DeepSpeed stores bf16/fp16 weights; autocast casts the fp32 inputs (images) to match and keeps the
-        # loss and normalisations in fp32 as under DDP's amp.
+        # DeepSpeed stores bf16/fp16 weights, and its forward turns an outer CUDA autocast off (unless its config
+        # has a torch_autocast section): the inputs are cast by the model's pre-hook (_inputs_cast_to). Autocast
+        # still covers what runs outside DeepSpeed's forward (the loss), as under DDP's amp.
         if self._autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.world.device.type, dtype=self._autocast_dtype)
