@@ -402,3 +402,27 @@ def test_save_every_minutes_follows_rank_0s_clock_and_restarts_after_each_save(m
             cadence.saved()
     assert due == [5, 10]
     assert cadence.after_step(13, stop_requested=True) == (True, True)  # a notice always saves
+
+
+def test_saves_after_the_first_commit_when_torch_closes_its_stager_after_each_stage(tmp_path):
+    """torch 2.11 (the GPU kit's machine) closes DCP's inner StateDictStager after every stage, which empties its
+    copy table: every save after the first failed there with "KeyError: <class 'type'>". The torch here keeps it
+    open, so the test does what that release does after the first save; the second save must still commit the
+    state as it is then."""
+    engine = tiny_engine()
+    manager = CheckpointManager(str(tmp_path), engine, World())
+    record = {"step": 1, "epoch": 0, "samples_seen": 0, "batches_in_epoch": 0}
+    manager.save("first", record)
+    manager.wait()
+    manager.layout._stager._state_dict_stager.close()  # what torch 2.11's DefaultStager does after each stage
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.add_(1.0)
+    manager.save("second", {**record, "step": 2})
+    manager.wait()
+    assert [r.error for r in manager.results] == [None, None]
+    restored = tiny_engine(seed=3)
+    CheckpointManager(str(tmp_path / "other"), restored, World()).load(str(tmp_path / "second"))
+    for (name, a), b in zip(engine.model.state_dict().items(), restored.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    manager.close()

@@ -184,8 +184,12 @@ class DCPLayout(CheckpointLayout):
         # Staging copies in a background thread (a side stream on CUDA): the loop goes on with the next
         # forward and backward, which do not change parameters or optimizer state, and waits for the copy
         # only before the next optimizer step (CheckpointManager.wait_staged).
+        self._stager = self._new_stager()
+        self._reniced = False
+
+    def _new_stager(self) -> DefaultStager:
         cuda = torch.cuda.is_available()
-        self._stager = DefaultStager(
+        return DefaultStager(
             StagingOptions(
                 use_pinned_memory=cuda,
                 use_shared_memory=self.mode == "process",
@@ -193,7 +197,17 @@ class DCPLayout(CheckpointLayout):
                 use_non_blocking_copy=cuda,
             )
         )
-        self._reniced = False
+
+    def _usable_stager(self) -> DefaultStager:
+        """The stager, replaced when the torch release closed it after its last stage. Some releases (2.11 on the
+        GPU kit's machine) close the inner StateDictStager after every stage, which empties its copy table (and
+        its cached buffers): the next stage then fails on the first dict ("KeyError: <class 'type'>"), so every
+        save after the first was lost. A fresh stager per save is what those releases allow."""
+        inner = getattr(self._stager, "_state_dict_stager", None)
+        if inner is not None and not getattr(inner, "_deepcopy_dispatch", True):
+            self._stager.close()
+            self._stager = self._new_stager()
+        return self._stager
 
     # -- saving
     def stage(self, directory: str) -> Future:
@@ -202,7 +216,7 @@ class DCPLayout(CheckpointLayout):
         state = training_state(self.model, self.optimizer, self.scaler)
         if self.replicated:
             state = split_replicated(state, self.world.rank, self.world.world_size)
-        staged = self._stager.stage(state)
+        staged = self._usable_stager().stage(state)
         if not isinstance(staged, Future):
             done: Future = Future()
             done.set_result(staged)
