@@ -67,13 +67,16 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_ms(fn: Callable[[], object], dev: torch.device, warmup: int = 2, repeats: int = 10) -> float:
-    """Median milliseconds of fn() after warm-up (CUDA events on a GPU, wall clock on CPU)."""
+def time_ms(
+    fn: Callable[[], object], dev: torch.device, warmup: int = 2, repeats: int = 10, max_s: float = 3.0
+) -> float:
+    """Median milliseconds of fn() after warm-up (CUDA events on a GPU, wall clock on CPU): `repeats` calls, or
+    fewer (at least 3) once they took max_s, so that one slow configuration cannot eat a part's budget."""
     for _ in range(warmup):
         fn()
     sync(dev)
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats and (len(times) < 3 or sum(times) < 1000 * max_s):
         if dev.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
