@@ -299,10 +299,12 @@ cfg = resolve(dict(model="test-tiny", dataset_type="synthetic", precision="amp_b
 engine = build_engine(cfg.sections.engine, build_model(cfg.sections.model, cfg.sections.engine, world), world)
 images, texts = torch.randn(2, 3, 16, 16), torch.randint(1, 250, (2, 32))
 with torch.autocast("cpu", enabled=False):  # what DeepSpeed's forward does to an outer autocast on CUDA
-    bare = engine.module(images, texts)["image_features"]
+    bare = engine.module(images=images, texts=texts)["image_features"]  # as the loop and eval call it
+    positional = engine.module(images, texts)["image_features"]
 with engine.autocast():
-    under_autocast = engine.module(images, texts)["image_features"]
+    under_autocast = engine.module(images=images, texts=texts)["image_features"]
 assert bare.dtype == torch.bfloat16 and torch.isfinite(bare).all()
+torch.testing.assert_close(bare, positional)
 torch.testing.assert_close(bare.float(), under_autocast.float(), rtol=2e-2, atol=2e-2)
 print("same features")
 """

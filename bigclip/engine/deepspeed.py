@@ -80,8 +80,11 @@ def _inputs_cast_to(dtype: torch.dtype):
     leaves that cast to the caller and disables an outer torch.autocast inside its forward on CUDA (torch's
     is_autocast_enabled() reads CUDA's state), so without it a GPU run stops at the first convolution."""
 
-    def cast(module: nn.Module, args: tuple):
-        return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+    def cast_one(a):
+        return a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
+
+    def cast(module: nn.Module, args: tuple, kwargs: dict):
+        return tuple(cast_one(a) for a in args), {k: cast_one(v) for k, v in kwargs.items()}
 
     return cast
 
@@ -267,7 +270,7 @@ class DeepSpeedEngine(Engine):
         self._in_no_sync = False
         self._autocast_dtype = _param_dtype(self.ds_config) if self._mixed else None
         if self._mixed:
-            model.register_forward_pre_hook(_inputs_cast_to(self._autocast_dtype))
+            model.register_forward_pre_hook(_inputs_cast_to(self._autocast_dtype), with_kwargs=True)
 
     # -- precision and accumulation
     def autocast(self):
