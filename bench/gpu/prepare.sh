@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Run here, on the CPU machine, before a GPU machine is at hand: puts into bench/gpu/wheels/ (ignored by git)
 # every wheel the GPU machine lacks (CPython 3.12, manylinux x86-64, --no-deps, one version each), checks that
-# they fit what a device call carries with the tree, and prints the folder's path as its last line.
+# every requirement of each is carried or already there and that they fit what a device call carries with the
+# tree, and prints the folder's path as its last line.
 #
 #   bash bench/gpu/prepare.sh            # then, on the GPU machine: bash bench/gpu/run.sh OUTDIR
 #
 # The GPU machine's image has torch, triton, timm, numpy, pyyaml, pillow, scikit-learn, tensorboard,
 # safetensors, huggingface_hub, requests, regex, tqdm, einops, msgpack, psutil, py-cpuinfo, ninja, packaging
-# (see docs/benchmarks.md, "GPU"). Not carried: s3fs and wandb (imported only for s3:// paths and
+# (see docs/benchmarks.md, "GPU"; `present` below). Not carried: s3fs and wandb (imported only for s3:// paths and
 # --report-to wandb, which the kit does not use).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -36,6 +37,26 @@ for spec in "${pinned[@]}"; do
 done
 n=$(ls "$out"/*.whl | wc -l)
 [ "$n" -eq "${#pinned[@]}" ] || { echo "prepare.sh: expected ${#pinned[@]} wheels in $out, found $n" >&2; exit 1; }
+# Every requirement of every carried wheel is carried too or already on the GPU machine (its image's list,
+# as read off the machine in 2026-11).
+present="torch torchvision triton timm numpy pyyaml pillow scikit-learn tensorboard safetensors huggingface-hub
+requests urllib3 regex tqdm einops msgpack psutil py-cpuinfo ninja packaging typing-extensions fsspec matplotlib"
+"$py" - "$out" $present <<'PY' || exit 1
+import re, sys, zipfile, pathlib
+out, present = pathlib.Path(sys.argv[1]), {p.lower().replace("_", "-") for p in sys.argv[2:]}
+norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+carried, missing = {}, []
+for wheel in out.glob("*.whl"):
+    with zipfile.ZipFile(wheel) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    name = norm(re.search(r"^Name: (.+)$", meta, re.M).group(1))
+    carried[name] = [norm(re.match(r"[A-Za-z0-9_.-]+", r).group(0))
+                     for r in re.findall(r"^Requires-Dist: (.+)$", meta, re.M) if "extra ==" not in r]
+for name, needs in carried.items():
+    missing += [f"{name} needs {n}" for n in needs if n not in carried and n not in present]
+if missing:
+    sys.exit("prepare.sh: not carried and not on the GPU machine: " + "; ".join(missing))
+PY
 size_mib=$(( $(du -sk "$out" | cut -f1) / 1024 ))
 [ "$size_mib" -le "$limit_mib" ] || { echo "prepare.sh: $out holds $size_mib MiB, over the $limit_mib MiB a device call can carry beside the tree" >&2; exit 1; }
 echo "prepare.sh: $n wheels, $size_mib MiB" >&2

@@ -29,9 +29,9 @@ PARTS = {
     "env": (45, 60, "machine and versions"),
     "losses": (110, 90, "Triton / chunked / naive CLIP and SigLIP losses: time, memory, error vs float64"),
     "int8": (50, 90, "SwitchBack int8 linears vs bf16 nn.Linear; ViT-H-14 image tower with --use-bnb-linear"),
-    "train": (110, 150, "training throughput, bigclip vs open_clip_train, ViT-B-32, batch 256, amp"),
+    "train": (130, 150, "training throughput, bigclip vs open_clip_train, ViT-B-32, batch 256, amp"),
     "engines": (90, 180, "DDP, FSDP2, ZeRO-2, ZeRO-3 on one GPU (NCCL), ViT-L-14: losses and peak memory vs plan"),
-    "ckpt": (60, 120, "checkpoint stall: blocked time, step time during an async save, commit time"),
+    "ckpt": (90, 120, "checkpoint stall: blocked time, step time during an async save, commit time"),
     "giant": (70, 90, "the largest of ViT-bigG-14 / ViT-H-14 that trains on the GPU"),
 }
 TOTAL_GPU_S = 480  # the bound for the whole kit on one H100: 8 minutes

@@ -1,0 +1,98 @@
+"""The GPU acceptance kit (bench/gpu) cannot rot between the times a GPU is at hand: its smoke run (every part,
+on CPU at toy sizes) produces the report and JSON with the figures each part promises, and prepare.sh's wheels
+are complete for the GPU machine and install there with no network."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+from helpers import REPO, subprocess_env
+
+KIT = os.path.join(REPO, "bench", "gpu")
+PARTS = ("env", "losses", "int8", "train", "engines", "ckpt", "giant")
+
+
+@pytest.mark.slow
+def test_smoke_run_reports_every_part_with_its_figures(tmp_path):
+    out = tmp_path / "kit"
+    env = subprocess_env(PYTHON=sys.executable, DS_ACCELERATOR="cpu")
+    proc = subprocess.run(["bash", os.path.join(KIT, "run.sh"), "--smoke", str(out)], capture_output=True, text=True,
+                          env=env, timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())["parts"]
+    assert {name: r["status"] for name, r in results.items()} == dict.fromkeys(PARTS, "ok")
+    tables = {name: r["tables"] for name, r in results.items()}
+
+    accuracy = tables["losses"]["accuracy"]
+    assert len(accuracy) == 2 * 2 * 3  # clip/siglip x fp32/bf16 x triton/chunked/naive
+    for row in accuracy:  # against open_clip's loss in float64
+        bound = 1e-5 if row["dtype"] == "float32" else 2e-2
+        assert float(row["loss_rel_err"]) < bound and float(row["image_grad_rel_err"]) < bound, row
+    assert all(isinstance(r["fwd_bwd_ms"], float) for r in tables["losses"]["speed"])
+
+    arms = {r["arm"] for r in tables["int8"]["layers"]}
+    assert {"linear-bf16", "SwitchBackLinearGlobal", "SwitchBackLinearVectorwise"} <= arms
+    assert all(r["int8_matmuls"] == 2 for r in tables["int8"]["layers"] if r["arm"].startswith("SwitchBack"))
+
+    runs = tables["train"]["runs"]
+    assert {r["trainer"] for r in runs} == {"bigclip", "open_clip_train"}
+    assert all(r["samples_per_s_per_gpu"] > 0 for r in runs)
+
+    engines = {r["engine"]: r for r in tables["engines"]["engines"]}
+    assert set(engines) == {"ddp", "fsdp2", "zero2", "zero3"}
+    for name, r in engines.items():  # fp32 in the smoke run: every engine takes DDP's steps
+        assert float(r["max_rel_diff_vs_ddp"]) < 1e-4, (name, r)
+
+    saves = {r["writer"]: r for r in tables["ckpt"]["saves"]}
+    assert set(saves) == {"thread", "process"} and all(r["commit_s"] > 0 for r in saves.values()), saves
+    assert tables["giant"]["giant"][0]["model"] == "test-tiny"
+
+    report = (out / "report.md").read_text()
+    for name in PARTS[1:]:
+        assert f"## {name}: " in report
+
+
+def test_prepared_wheels_are_complete_and_install_offline_for_python_3_12(tmp_path):
+    proc = subprocess.run(["bash", os.path.join(KIT, "prepare.sh")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    wheels = proc.stdout.strip().splitlines()[-1]
+    names = sorted(os.listdir(wheels))
+    assert len({n.split("-")[0].lower() for n in names}) == len(names)  # one version of each
+    assert sum(os.path.getsize(os.path.join(wheels, n)) for n in names) < 48 * 2**20
+    with zipfile.ZipFile(os.path.join(wheels, next(n for n in names if n.startswith("deepspeed")))) as z:
+        assert not any(n.endswith(".so") for n in z.namelist())  # no compiled ops: it runs on any CUDA
+    # What the GPU machine's run.sh does, with no network, for CPython 3.12 whatever Python runs the test.
+    site = tmp_path / "site"
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+               "--target", str(site), "--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:",
+               "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
+               *(os.path.join(wheels, n) for n in names)]  # fmt: skip
+    proc = subprocess.run(install, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {"deepspeed", "open_clip_train", "webdataset", "torchdata", "pydantic_core"} <= set(os.listdir(site))
+    python312 = _python_3_12()
+    if python312:  # what needs nothing from the GPU machine's image imports under 3.12 here, the compiled one too
+        code = (
+            "import glob, importlib.util, braceexpand, hjson, ftfy, annotated_types\n"
+            f"so = glob.glob({str(site)!r} + '/pydantic_core/_pydantic_core*.so')[0]\n"
+            "spec = importlib.util.spec_from_file_location('pydantic_core._pydantic_core', so)\n"
+            "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+        )
+        proc = subprocess.run([python312, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(site)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _python_3_12() -> str | None:
+    """A CPython 3.12 interpreter on this machine, if any (pyenv's own, not its shim, which needs a selection)."""
+    found = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3.12")))
+    if found:
+        return found[-1]
+    path = shutil.which("python3.12")
+    return path if path and "/shims/" not in path else None
