@@ -90,7 +90,7 @@ def test_cadence_and_exact_mid_epoch_resume(reference, tmp_path):
     assert "waiting for checkpoint " in open(os.path.join(tmp_path, "resumed", "out.log")).read()
 
 
-def _when_step(run_dir, step, action, timeout=240):
+def _when_step(run_dir, step, action, timeout=900):
     """Run action() in a thread as soon as metrics.jsonl shows `step` (the run goes on in this thread)."""
 
     def watch():
@@ -144,7 +144,7 @@ def test_sigterm_to_the_whole_job_with_loader_workers(tmp_path):
     )
     wait_for_step(run_dir, 3, proc)
     os.killpg(proc.pid, signal.SIGTERM)  # the main process and both workers
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-3000:]
     assert "stopped by SIGTERM" in out and "Traceback" not in out
     stopped = max(step_losses(run_dir))

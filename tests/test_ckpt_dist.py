@@ -100,7 +100,7 @@ def test_sigkill_one_rank_then_resume_latest_gives_the_same_losses(tmp_path, eng
     proc = _torchrun(flags, tmp_path)
     # Step 13 logged: step_12 may still be saving, so the last committed checkpoint is at most step 12 and the
     # kill lands after it (a quick machine or a loaded one alike); 27 steps are left, so it lands mid-run.
-    wait_for_step(run_dir, 13, proc, timeout=300)
+    wait_for_step(run_dir, 13, proc, timeout=900)
     victims = [pid for pid in _children(proc.pid) if _rank_of(pid) == 1]
     assert victims, "rank 1 not found"
     os.kill(victims[0], signal.SIGKILL)
@@ -119,7 +119,7 @@ def test_sigkill_one_rank_then_resume_latest_gives_the_same_losses(tmp_path, eng
     newest = max(json.load(open(m))["step"] for m in manifests)
 
     resumed = _torchrun([*flags, "--resume", "latest"], tmp_path)
-    out, _ = resumed.communicate(timeout=300)
+    out, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, out[-3000:]
     line = next(x for x in out.splitlines() if "resumed from" in x)
     resumed_at = int(line.rsplit("step ", 1)[1])
@@ -140,9 +140,9 @@ def test_sigterm_to_torchrun_stops_both_ranks_with_one_final_checkpoint(tmp_path
              "--name", "sig"]  # fmt: skip
     run_dir = os.path.join(tmp_path, "logs", "sig")
     proc = _torchrun(flags, tmp_path)
-    assert wait_for_step(run_dir, 5, proc, timeout=300)
+    assert wait_for_step(run_dir, 5, proc, timeout=900)
     os.kill(proc.pid, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=900)
     stopped = max(r["step"] for r in read_metrics(run_dir) if "loss" in r)
     assert 5 <= stopped < 40, stopped
     said = [line for line in out.splitlines() if "stopped by SIGTERM" in line]
@@ -152,7 +152,7 @@ def test_sigterm_to_torchrun_stops_both_ranks_with_one_final_checkpoint(tmp_path
     assert "Traceback" not in out.split("stopped by SIGTERM")[0]  # bigclip's ranks stopped cleanly
 
     resumed = _torchrun([*flags, "--resume", "latest"], tmp_path)
-    out, _ = resumed.communicate(timeout=300)
+    out, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, out[-3000:]
     steps = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
     assert steps == list(range(1, 41)), steps  # the resumed run took up exactly after the final checkpoint
@@ -379,7 +379,7 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
             nproc, str(tmp_path / "reshard.py"), str(tmp_path / "reshard_spec.json"), str(out), str(tmp_path)
         )
         proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(DS_ACCELERATOR="cpu")
+            cmd, capture_output=True, text=True, timeout=900, env=subprocess_env(DS_ACCELERATOR="cpu")
         )
         assert proc.returncode == 0, (nproc, (proc.stdout + proc.stderr)[-4000:])
         said = [line for line in proc.stdout.splitlines() if "saved by 2 ranks, resumed on" in line]

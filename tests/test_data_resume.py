@@ -77,7 +77,7 @@ def test_sigkill_mid_epoch_then_resume_trains_on_the_same_samples(tmp_path, wher
     killed_dir = str(tmp_path / "killed")
     run_dir = os.path.join(tmp_path, "logs", "killed")
     proc = launch(tmp_path, killed_dir, flags(shards, "killed", *extra))
-    assert wait_for_step(run_dir, 8, proc, timeout=300), proc.stdout.read()[-3000:] if proc.poll() else ""
+    assert wait_for_step(run_dir, 8, proc, timeout=900), proc.stdout.read()[-3000:] if proc.poll() else ""
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     killed_at = max(r["step"] for r in read_metrics(run_dir) if "loss" in r)

@@ -58,7 +58,7 @@ def test_fsdp_validation_with_unequal_shares_runs_in_lockstep(tmp_path):
     (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
     out = tmp_path / "out.json"
     cmd = torchrun_cmd(2, str(tmp_path / "worker.py"), str(out))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=subprocess_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=subprocess_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     results = json.loads(out.read_text())
 

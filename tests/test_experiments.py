@@ -26,6 +26,6 @@ def test_int8_switchback_experiment_runs_its_arms_and_summarises(tmp_path):
         assert float(cells[2]) > 0 and 0 <= float(cells[3]) <= 1 and float(cells[4]) > 0, line
     # a second call keeps finished arms and only summarises
     again = subprocess.run(["bash", "launch/experiments/int8_switchback.sh", str(tmp_path), "--", "--epochs", "1"],
-                           cwd=REPO, capture_output=True, text=True, timeout=120,
+                           cwd=REPO, capture_output=True, text=True, timeout=900,
                            env=subprocess_env(ARMS="linear-fp32", OPTS="stableadamw"))  # fmt: skip
     assert again.returncode == 0 and "linear-fp32-stableadamw: done before, kept" in again.stdout

@@ -165,7 +165,7 @@ def resolve_in_child(cache: str, **env: str) -> subprocess.CompletedProcess:
         f"print(resolve_pretrained('ViT-B-32', {TAG!r}, {cache!r}))"
     )
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=subprocess_env(**env)
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=subprocess_env(**env)
     )
 
 
