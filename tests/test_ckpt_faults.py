@@ -259,9 +259,9 @@ def test_soak_a_checkpoint_every_step_through_two_outages(s3, s3_bucket, proxy, 
 def test_sigkill_of_the_job_during_uploads_never_commits_a_partial_checkpoint(s3, s3_bucket, proxy, tmp_path):
     """A checkpoint to S3 after every step, so that an upload is always in flight; the store freezes at the
     request that would commit the first checkpoint from step 20 on or the epoch's (its manifest, written after
-    every other file), and the whole job is SIGKILLed there. In the bucket, every checkpoint folder with a manifest has every
-    file it names at its size, the cut upload never gets a manifest, and --resume latest on a node without the
-    local copies continues from the bucket's newest committed checkpoint."""
+    every other file), and the whole job is SIGKILLed there. In the bucket, every checkpoint folder with a
+    manifest has every file it names at its size, the cut upload never gets a manifest, and --resume latest on a
+    node without the local copies continues from the bucket's newest committed checkpoint."""
     logs, remote = str(tmp_path / "logs"), f"s3://{s3_bucket}/runs"
     flags = [*TINY_SYNTHETIC, "--train-num-samples", "800", "--epochs", "1", "--lr-scheduler", "const",
              "--logs", logs, "--name", "k", "--remote-sync", remote, "--save-every-n-steps", "1"]  # fmt: skip

@@ -59,6 +59,7 @@ def test_smoke_run_reports_every_part_with_its_figures(tmp_path):
         assert f"## {name}: " in report
 
 
+@pytest.mark.slow  # it downloads the wheels from the package registry
 def test_prepared_wheels_are_complete_and_install_offline_for_python_3_12(tmp_path):
     proc = subprocess.run(["bash", os.path.join(KIT, "prepare.sh")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
