@@ -68,8 +68,12 @@ def _env() -> dict:
 def main() -> None:
     args = part_args(__doc__.split("\n\n")[0])
     rec = Recorder(args.out)
-    work = args.work or tempfile.mkdtemp(prefix="bigclip-gpu-train-")
-    if args.smoke:
+    with tempfile.TemporaryDirectory(prefix="bigclip-gpu-train-", dir=args.work) as work:
+        measure(args.smoke, work, rec)
+
+
+def measure(smoke: bool, work: str, rec: Recorder) -> None:
+    if smoke:
         os.makedirs(os.path.join(work, "tiny"), exist_ok=True)
         with open(os.path.join(work, "tiny", "open_clip_config.json"), "w") as f:
             json.dump(TINY, f)
