@@ -59,6 +59,21 @@ def test_smoke_run_reports_every_part_with_its_figures(tmp_path):
         assert f"## {name}: " in report
 
 
+def test_a_parts_own_budget_is_a_flag_and_a_malformed_one_is_refused_in_one_line(tmp_path):
+    suite = [sys.executable, os.path.join(KIT, "suite.py"), "--smoke", "--parts", "env"]
+    proc = subprocess.run([*suite, "--part-s", "env=1", str(tmp_path / "a")], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr  # a part that did not run is not a pass
+    status = json.loads((tmp_path / "a" / "results.json").read_text())["parts"]["env"]["status"]
+    assert status.startswith("not run: under 5 s"), status  # the 1 s budget replaced the smoke run's 60 s
+    for bad in ("envv=30", "env=soon"):
+        proc = subprocess.run([*suite, "--part-s", bad, str(tmp_path / "b")], capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+        assert f"--part-s {bad}: expected PART=SECONDS" in proc.stderr
+    assert not (tmp_path / "b").exists()  # refused before anything is written
+
+
 @pytest.mark.slow  # it downloads the wheels from the package registry
 def test_prepared_wheels_are_complete_and_install_offline_for_python_3_12(tmp_path):
     proc = subprocess.run(["bash", os.path.join(KIT, "prepare.sh")], capture_output=True, text=True, timeout=600)
