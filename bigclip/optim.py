@@ -5,7 +5,7 @@ and bias), and anything named like a norm or bias, are not decayed. The rule wor
 it gives the same groups before and after an engine wraps or shards the model.
 
 `--opt` picks a name registered in OPTIMIZERS: torch's AdamW, bigclip's StableAdamW (AdamW with per-tensor
-update clipping) or any timm optimizer (timm/<name>).
+update clipping), AdamW with 8-bit moments (optim8bit.py) or any timm optimizer (timm/<name>).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ class OptimizerConfig:
     lr: float | None = flag(None, "Learning rate (default 5e-4).", TRAIN, check=optional(non_negative_number))
     opt: str = flag(
         "adamw",
-        "adamw; stableadamw (AdamW with per-tensor update clipping, Wortsman et al. 2023; new in bigclip); or "
-        "timm/<name> for any timm optimizer.",
+        "adamw; stableadamw (AdamW with per-tensor update clipping, Wortsman et al. 2023; new in bigclip); "
+        "adamw8bit (AdamW with 8-bit moments, torchao; new in bigclip); or timm/<name> for any timm optimizer.",
         TRAIN,
         choices=OPTIMIZERS,
     )
@@ -68,6 +68,9 @@ class OptimizerKind:
     # True when each update needs whole tensors (per-tensor statistics): an engine that hands the optimizer
     # flattened partitions of many tensors (DeepSpeed ZeRO, its bf16/fp16 wrappers) cannot run it exactly.
     per_tensor: bool = False
+    # True when its state is not plain tensors (8-bit codes and scales): only torch's optimizer API over the
+    # model's own parameters keeps and checkpoints it; an engine that builds its own optimizer state cannot.
+    quantized_state: bool = False
     check: Callable[[OptimizerConfig], None] = lambda cfg: None
 
 
@@ -118,6 +121,13 @@ def _adamw(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
 def _stableadamw(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
     hp = hyperparameters(cfg)
     return StableAdamW(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
+
+
+def _adamw8bit(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    from bigclip.optim8bit import AdamW8bit  # torchao: imported only when asked for
+
+    hp = hyperparameters(cfg)
+    return AdamW8bit(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
 
 
 def _check_stableadamw(cfg: OptimizerConfig) -> None:
@@ -285,6 +295,11 @@ OPTIMIZERS.register(
     "stableadamw",
     OptimizerKind(_stableadamw, per_tensor=True, check=_check_stableadamw),
     help="AdamW with per-tensor update clipping, Wortsman et al. 2023; new in bigclip",
+)
+OPTIMIZERS.register(
+    "adamw8bit",
+    OptimizerKind(_adamw8bit, quantized_state=True),
+    help="AdamW with 8-bit blockwise-quantized moments (torchao; 2 bytes per parameter instead of 8); new in bigclip",
 )
 OPTIMIZERS.register(
     "timm/", OptimizerKind(_timm), prefix=True, shown_as="timm/<optimizer name>", help="any timm optimizer"

@@ -3,11 +3,12 @@
     torchrun --nproc_per_node 2 tests/engine_worker.py SPEC.json OUT.json
 
 SPEC is a list of runs: {"name", "steps", "config": {TrainConfig values}, "arch": optional architecture dict
-registered under config["model"], "clamp_check": bool}. Every run sees the same synthetic batches (seeded by
-step and rank) and goes through bigclip's own pieces: engine.build_model, build_engine, the loop's
-forward_backward (OpenCLIP accumulation), engine.step, and an eval forward through engine.module. One launch
-for many engines keeps the cost of process start-up and DeepSpeed initialisation to once per test file.
-"""
+registered under config["model"], "clamp_check": bool, "ranks_emulated": N (one process whose batch_size is
+the global batch of N ranks: rank r's samples in rank order, as gathered features see them)}. Every run sees
+the same synthetic batches (seeded by step and rank) and goes through bigclip's own pieces:
+engine.build_model, build_engine, the loop's forward_backward (OpenCLIP accumulation), engine.step, and an
+eval forward through engine.module. One launch for many engines keeps the cost of process start-up and
+DeepSpeed initialisation to once per test file."""
 
 from __future__ import annotations
 
@@ -135,6 +136,13 @@ def run_one(spec: dict, world) -> dict:
     for step in range(spec["steps"]):
         engine.set_lr(schedule(step))
         micro = [batch(step, world.rank, j, cfg.batch_size, image_size, context) for j in range(cfg.accum_freq)]
+        if spec.get("ranks_emulated"):  # one process on the global batch that N ranks of batch_size would see
+            per_rank = [
+                [batch(step, r, j, cfg.batch_size // spec["ranks_emulated"], image_size, context) for r in ranks]
+                for j in range(cfg.accum_freq)
+                for ranks in [range(spec["ranks_emulated"])]
+            ]
+            micro = [tuple(torch.cat(parts) for parts in zip(*shards)) for shards in per_rank]
         micro = [(images.to(engine.precision.param_dtype), texts) for images, texts in micro]  # as the loop does
         if spec.get("clamp_check") and step == 0:
             _set_logit_scale_master(engine, 10.0)

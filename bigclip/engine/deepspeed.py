@@ -170,6 +170,13 @@ class DeepSpeedEngine(Engine):
                 f"--opt {cfg.optimizer.opt}: DeepSpeed ({why}) steps flattened partitions, not whole tensors, so the "
                 f"per-tensor update clipping cannot be applied; use --engine fsdp (exact on shards) or ddp"
             )
+        if optimizer_kind(cfg.optimizer).quantized_state:
+            # DeepSpeed keeps its own fp32 partitions and saves optimizer state with torch.save of plain tensors;
+            # it has no 8-bit Adam of its own (its 1-bit Adam compresses communication, not state).
+            raise UserError(
+                f"--opt {cfg.optimizer.opt}: DeepSpeed cannot keep or checkpoint 8-bit optimizer state; "
+                f"use --engine fsdp (each rank quantizes its own shard) or --engine ddp"
+            )
         return ds
 
     @staticmethod

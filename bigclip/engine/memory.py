@@ -15,6 +15,7 @@ import resource
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 MAX_DEPTH = 6
 
@@ -40,6 +41,12 @@ class _Counter:
 
     def add(self, t, kind: str) -> None:
         if not isinstance(t, torch.Tensor):
+            return
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if is_traceable_wrapper_subclass(t):  # 8-bit optimizer state: its codes and scales hold the bytes
+            for name in t.__tensor_flatten__()[0]:
+                self.add(getattr(t, name), kind)
             return
         key = _storage(t)
         if key is None or key[0] in self.seen:

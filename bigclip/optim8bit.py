@@ -1,0 +1,170 @@
+"""AdamW with 8-bit moments (--opt adamw8bit): torchao's AdamW8bit, made to fit bigclip's loop and checkpoints.
+
+Why torchao (measured, docs/benchmarks.md "8-bit AdamW"): its optimizer state is a tensor subclass that FSDP2's
+DTensors can wrap, so each rank quantizes its own shard with no code of ours, while bitsandbytes' 8-bit AdamW
+stops at the first DTensor ("got mixed torch.Tensor and DTensor"). Both keep the same 2 bytes per parameter
+(uint8 codes for each moment + one float32 scale per block of 256 values) and agree with each other.
+
+The quantization (torchao's): each moment tensor is cut into blocks of 256 consecutive values of the rank's local
+tensor (row-major), every block scaled by its absolute maximum and mapped to 8-bit codes by a dynamic-tree map
+(signed for the first moment, unsigned for the second), as bitsandbytes' blockwise 8-bit Adam. Tensors of fewer
+than 4096 values, or whose local size is not a multiple of 256 (an uneven FSDP2 shard), keep float moments.
+Under FSDP2 the blocks therefore never cross a shard boundary: a block is 256 values of one rank's shard.
+
+What this module adds to torchao's optimizer:
+
+- The learning rate stays a float in param_groups (the loop and the checkpoint read and write it as one);
+  step() hands torchao's compiled update a tensor (so a changing rate does not recompile it).
+- step() updates each rank's local tensors (see step()).
+- Checkpoints hold the moments dequantized to float32, in the layout of torch's AdamW: DCP reshards them to any
+  world size, torch's AdamW checkpoints load into it and the reverse, and loading quantizes them again. Plain
+  requantization would not give back the saved codes: the signed map's most negative code is -0.99297, not -1,
+  so a block whose largest magnitude is negative would come back with its scale shrunk by that factor. Loading
+  therefore recovers each block's scale (the candidates its extreme value allows) and keeps the one whose codes
+  reproduce every saved value bit for bit: a run resumed at the same world size continues exactly. Blocks that
+  no scale reproduces (a resharded run's blocks straddle the old ones; an AdamW checkpoint) are quantized as a
+  step would. The cost is the float32 copy while a checkpoint is staged (8 bytes per parameter, transient).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed.tensor import DTensor
+from torchao.optim import AdamW8bit as _TorchaoAdamW8bit
+from torchao.optim.adam import single_param_adam
+from torchao.optim.quant_utils import quantize_8bit_with_qmap
+from torchao.optim.subclass_8bit import OptimState8bit
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+SIGNED = {"exp_avg": True, "exp_avg_sq": False}  # the first moment has a sign, the second does not
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def is_quantized(t: torch.Tensor) -> bool:
+    return isinstance(_local(t), OptimState8bit)
+
+
+def _dequantized(t: torch.Tensor) -> torch.Tensor:
+    local = _local(t)
+    if not isinstance(local, OptimState8bit):
+        return t
+    plain = local.dequantize()
+    if isinstance(t, DTensor):
+        return DTensor.from_local(plain, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return plain
+
+
+@torch.no_grad()
+def quantize_exactly_(state: OptimState8bit, values: torch.Tensor) -> None:
+    """Set `state` to `values`, with the codes and per-block scales that dequantize to `values` bit for bit
+    when the values came from dequantizing such a state (see the module docstring); otherwise as copy_ would."""
+    qmap = state.qmap
+    blocks = values.detach().reshape(-1, state.block_size).to(device=qmap.device, dtype=torch.float32)
+    absmax = blocks.abs().amax(-1)
+    candidates = [absmax]  # the block's extreme value was coded as +1.0 (what copy_ assumes)
+    if state.signed:  # ... or as the most negative code: scale = |value| / |code|, give or take rounding
+        scale = absmax / -qmap.min()
+        up, down = torch.nextafter(scale, scale + 1), torch.nextafter(scale, torch.zeros_like(scale))
+        candidates += [scale, up, down, torch.nextafter(up, up + 1), torch.nextafter(down, torch.zeros_like(down))]
+    codes = torch.empty(blocks.shape, dtype=torch.uint8, device=qmap.device)
+    scales = torch.empty_like(absmax)
+    found = torch.zeros_like(absmax, dtype=torch.bool)
+    for candidate in candidates:
+        candidate = candidate.clip(1e-12)  # as torchao's scale_tensor
+        trial = quantize_8bit_with_qmap(blocks / candidate[:, None], qmap)
+        take = ~found & (qmap[trial.int()] * candidate[:, None] == blocks).all(-1)
+        codes[take], scales[take] = trial[take], candidate[take]
+        found |= take
+    if not bool(found.all()):  # values no scale reproduces: quantized as copy_ (and a step) would
+        scale = absmax.clip(1e-12)
+        trial = quantize_8bit_with_qmap(blocks / scale[:, None], qmap)
+        codes[~found], scales[~found] = trial[~found], scale[~found]
+    state.codes.copy_(codes.view(state.codes.shape))
+    state.scale.copy_(scales)
+
+
+@functools.cache
+def _compiled_update():
+    return torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+
+
+class AdamW8bit(_TorchaoAdamW8bit):
+    """torchao's AdamW8bit (decoupled weight decay, bias-corrected moments as torch.optim.AdamW) with float
+    learning rates in param_groups and float32 moments in its state_dict (see the module docstring)."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.0, **kw):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kw)
+        for group in self.param_groups:  # torchao turned them into tensors
+            group["lr"] = float(group["lr"])
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self.param_groups[-1]["lr"] = float(self.param_groups[-1]["lr"])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """torchao's step on each rank's local tensors. torchao hands DTensors to its compiled update; with an
+        uneven FSDP2 shard (130 rows on one rank, 129 on the other) a rank ran a graph compiled for the other
+        shape and stopped ("expected size 129==130"; the guards see the DTensor's global shape). Plain local
+        tensors are guarded by their own shapes, and the update is elementwise, so the local computation is
+        the whole one."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        update = _compiled_update()
+        with torch._dynamo.utils.disable_cache_limit():  # one compile per distinct shape, as torchao's own step
+            for group in self.param_groups:
+                lr = torch.tensor(float(group["lr"]), dtype=torch.float32)  # a tensor: no recompile per rate
+                beta1, beta2 = group["betas"]
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = self._new_buffer(p, True)
+                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                    state["step"] += 1
+                    update(
+                        _local(p.detach()),
+                        _local(p.grad),
+                        state["step"],
+                        _local(state["exp_avg"]),
+                        _local(state["exp_avg_sq"]),
+                        None,  # no AMSGrad
+                        lr,
+                        beta1,
+                        beta2,
+                        group["weight_decay"],
+                        group["eps"],
+                        True,  # decoupled weight decay (AdamW)
+                        self.bf16_stochastic_round and p.dtype is torch.bfloat16,
+                    )
+        return loss
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["state"] = {
+            index: {k: (_dequantized(v) if k in MOMENTS else v) for k, v in per_param.items()}
+            for index, per_param in sd["state"].items()
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # torch's: float moments in place of the quantized ones
+        for group in self.param_groups:
+            group["lr"] = float(group["lr"])
+            for p in group["params"]:
+                state = self.state.get(p)
+                for key in MOMENTS:
+                    if state and key in state and not is_quantized(state[key]):
+                        fresh = self._new_buffer(p, SIGNED[key])
+                        if is_quantized(fresh):  # a tensor the optimizer quantizes: quantize the loaded values
+                            quantize_exactly_(_local(fresh), _local(state[key]))
+                            state[key] = fresh

@@ -1,0 +1,147 @@
+"""--opt adamw8bit (bigclip/optim8bit.py, torchao's AdamW8bit): exact checkpoint round trip of its quantized state,
+its state bytes, agreement across one process, DDP and FSDP2 and with fp32 AdamW, resume and reshard, export,
+and the DeepSpeed refusal."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from helpers import TINY_SYNTHETIC, python_train, step_losses, torchrun
+from safetensors.torch import load_file
+from test_engine_multiprocess import run_worker
+from torchao.optim.subclass_8bit import OptimState8bit
+
+from bigclip import cli
+from bigclip.config import resolve
+from bigclip.errors import UserError
+from bigclip.model import create_model
+from bigclip.optim8bit import quantize_exactly_
+
+
+def _saved_state(signed: bool) -> tuple[OptimState8bit, torch.Tensor]:
+    """A quantized moment as a step leaves it, and the float32 values a checkpoint holds for it."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(64, 128, generator=g) * torch.rand(64, 1, generator=g) * 3
+    values[:2] = 0  # whole blocks of zeros (parameters without gradients yet)
+    if not signed:
+        values = values.square()
+    state = OptimState8bit.zeros(values.shape, signed, 256, "cpu")
+    state.copy_(values)  # what the optimizer's step does
+    return state, state.dequantize()
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["first_moment", "second_moment"])
+def test_a_saved_quantized_state_loads_back_to_the_same_codes_and_scales(signed):
+    state, saved = _saved_state(signed)
+    loaded = OptimState8bit.zeros(saved.shape, signed, 256, "cpu")
+    quantize_exactly_(loaded, saved)
+    assert torch.equal(loaded.codes, state.codes) and torch.equal(loaded.scale, state.scale)
+    if signed:
+        # Why the exact path exists: the signed map's most negative code is -0.99297, so plain requantization
+        # (torchao's copy_) shrinks the scale of every block whose largest magnitude is negative.
+        plain = OptimState8bit.zeros(saved.shape, signed, 256, "cpu")
+        plain.copy_(saved)
+        assert not torch.equal(plain.scale, state.scale)
+
+
+def test_values_that_no_scale_reproduces_are_quantized_as_a_step_would():
+    g = torch.Generator().manual_seed(1)
+    values = torch.randn(32, 256, generator=g)  # not dequantized from anything (an AdamW checkpoint's moments)
+    ours, torchaos = (OptimState8bit.zeros(values.shape, True, 256, "cpu") for _ in range(2))
+    quantize_exactly_(ours, values)
+    torchaos.copy_(values)
+    assert torch.equal(ours.codes, torchaos.codes) and torch.equal(ours.scale, torchaos.scale)
+
+
+def test_deepspeed_refuses_it_in_one_line():
+    with pytest.raises(UserError, match=r"^--opt adamw8bit: DeepSpeed cannot .* use --engine fsdp"):
+        resolve({"opt": "adamw8bit", "engine": "deepspeed"})
+    assert resolve({"opt": "adamw8bit"}).opt == "adamw8bit"
+
+
+# Tolerances (test-tiny, fp32, 20 steps, lr 1e-3). Runs that see the same global batch differ only in the order
+# of float32 sums (DDP's all-reduce, FSDP2's reduce-scatter, accumulation), about 1e-7 relative; with 8-bit
+# moments such a difference can move a value across a code boundary, which changes that one moment entry by one
+# code step (at most 1.4% of its block's scale) from then on. Measured over 20 steps: at most REL_SAME_BATCH/10.
+# Against fp32 AdamW the moments themselves differ by up to half a code step everywhere: measured < 1e-3.
+REL_SAME_BATCH, REL_VS_FP32 = 1e-4, 5e-3
+
+
+def eight_bit_state_bytes(numels: list[int]) -> int:
+    return sum(2 * (n + 4 * n // 256 + 4 * 256) if n >= 4096 and n % 256 == 0 else 8 * n for n in numels)
+
+
+@pytest.mark.slow
+def test_one_process_ddp_and_fsdp2_take_the_same_steps_and_the_state_is_2_bytes_per_parameter(tmp_path):
+    tiny = {"model": "test-tiny", "batch_size": 8, "opt": "adamw8bit", "grad_clip_norm": 1.0}
+    accum = {"accum_freq": 2, "batch_size": 4}  # other batches than without: compared with each other
+    two_ranks = run_worker(tmp_path, [
+        {"name": "ddp_adamw", "steps": 20, "config": {**tiny, "opt": "adamw"}},
+        {"name": "ddp", "steps": 20, "config": tiny},
+        {"name": "fsdp", "steps": 20, "config": {**tiny, "engine": "fsdp"}},
+        {"name": "ddp_accum", "steps": 10, "config": {**tiny, **accum}},
+        {"name": "fsdp_accum_ckpt", "steps": 10,
+         "config": {**tiny, **accum, "engine": "fsdp", "grad_checkpointing": True}},
+    ], name="two")  # fmt: skip
+    one = run_worker(tmp_path, [
+        {"name": "single", "steps": 20, "ranks_emulated": 2, "config": {**tiny, "batch_size": 16}},
+    ], name="one", nproc=1)["single"]  # fmt: skip
+
+    ddp = two_ranks["ddp"]
+    pairs = [("single", one, ddp), ("fsdp", two_ranks["fsdp"], ddp),
+             ("fsdp_accum_ckpt", two_ranks["fsdp_accum_ckpt"], two_ranks["ddp_accum"])]  # fmt: skip
+    for name, run, reference in pairs:
+        for step, (loss, expected) in enumerate(zip(run["losses"], reference["losses"], strict=True)):
+            assert loss == pytest.approx(expected, rel=REL_SAME_BATCH), (name, step)
+    fp32 = two_ranks["ddp_adamw"]["losses"]
+    assert ddp["losses"] == pytest.approx(fp32, rel=REL_VS_FP32)
+    assert ddp["losses"] != fp32  # the moments really were 8-bit
+    assert ddp["losses"][-1] < ddp["losses"][0]
+
+    # State bytes, counted tensor by tensor after the steps (engine.state_bytes) against the arithmetic: fp32
+    # AdamW keeps 8 bytes per parameter; the 8-bit moments 1 byte per value each, plus per moment a float32
+    # scale per block of 256 values and the 256-entry float32 code map, except tensors under 4096 values (or
+    # not a whole number of blocks), whose moments stay float32 (as bitsandbytes).
+    shapes = [p.shape for p in create_model("test-tiny").parameters()]
+    numels = [math.prod(shape) for shape in shapes]
+    params = sum(numels)
+    expected = eight_bit_state_bytes(numels)
+    adamw_state = two_ranks["ddp_adamw"]["state_bytes"]["optimizer"]
+    state = ddp["state_bytes"]["optimizer"]
+    step_counters = 4 * len(numels)  # each parameter's step count, a float32 scalar, in both optimizers
+    assert adamw_state == 8 * params + step_counters
+    assert state == expected + step_counters, (state, expected)
+    assert state < 0.4 * adamw_state  # test-tiny has many small tensors; ViT-B-32's is 0.255x, bigG's 0.254x
+    # FSDP2: each rank quantizes its own shard (rank 0's: the first ceil(rows / 2) rows of every tensor)
+    rank0 = [math.prod(shape[1:]) * -(-shape[0] // 2) if shape else 1 for shape in shapes]
+    assert two_ranks["fsdp"]["state_bytes"]["optimizer"] == eight_bit_state_bytes(rank0) + step_counters
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly_reshards_to_two_ranks_and_exports(tmp_path):
+    common = [*TINY_SYNTHETIC, "--opt", "adamw8bit", "--epochs", "3", "--batch-size", "16", "--logs", str(tmp_path)]
+    full = python_train([*common, "--name", "full", "--save-frequency", "1"], timeout=900)
+    assert full.returncode == 0, full.stderr[-3000:]
+    checkpoint = os.path.join(tmp_path, "full", "checkpoints", "epoch_1")
+    resumed = python_train([*common, "--name", "resumed", "--resume", checkpoint], timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected = step_losses(os.path.join(tmp_path, "full"))
+    got = step_losses(os.path.join(tmp_path, "resumed"))
+    assert sorted(got) == [s for s in sorted(expected) if s > 4] and got  # epoch 1 was steps 1-4
+    assert {s: expected[s] for s in got} == got  # bit for bit: the 8-bit state came back as it was saved
+
+    # Another world size: FSDP2 on 2 ranks (batch 8 each: the same global batch) loads the one-process state.
+    resharded = torchrun(2, [*common, "--name", "fsdp", "--engine", "fsdp", "--batch-size", "8", "--gather-with-grad",
+                             "--resume", checkpoint], timeout=900)  # fmt: skip
+    assert resharded.returncode == 0, resharded.stderr[-3000:]
+    for step, loss in step_losses(os.path.join(tmp_path, "fsdp")).items():
+        assert loss == pytest.approx(expected[step], rel=REL_SAME_BATCH), step
+
+    out = tmp_path / "exported.safetensors"
+    assert cli.main(["export", checkpoint, str(out)]) == 0
+    weights = load_file(out)
+    assert weights and all(t.dtype == torch.float32 for t in weights.values())
+    assert not any("exp_avg" in k for k in weights)
