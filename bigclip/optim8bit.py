@@ -29,13 +29,25 @@ What this module adds to torchao's optimizer:
 from __future__ import annotations
 
 import functools
+import logging
+import warnings
 
 import torch
 from torch.distributed.tensor import DTensor
-from torchao.optim import AdamW8bit as _TorchaoAdamW8bit
-from torchao.optim.adam import single_param_adam
-from torchao.optim.quant_utils import quantize_8bit_with_qmap
-from torchao.optim.subclass_8bit import OptimState8bit
+
+# torchao's import registers an Enum with torch's pytree, which logs a deprecation line on every run; and AOT
+# autograd's cache warns on every compile that torchao's state class has no stable hash. Neither is the user's.
+_pytree_log = logging.getLogger("torch.utils._pytree")
+_level = _pytree_log.level
+_pytree_log.setLevel(logging.ERROR)
+try:
+    from torchao.optim import AdamW8bit as _TorchaoAdamW8bit
+    from torchao.optim.adam import single_param_adam
+    from torchao.optim.quant_utils import quantize_8bit_with_qmap
+    from torchao.optim.subclass_8bit import OptimState8bit
+finally:
+    _pytree_log.setLevel(_level)
+warnings.filterwarnings("ignore", message="OptimState8bit does not implement _stable_hash_for_caching")
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 SIGNED = {"exp_avg": True, "exp_avg_sq": False}  # the first moment has a sign, the second does not
