@@ -5,7 +5,7 @@ and bias), and anything named like a norm or bias, are not decayed. The rule wor
 it gives the same groups before and after an engine wraps or shards the model.
 
 `--opt` picks a name registered in OPTIMIZERS: torch's AdamW, bigclip's StableAdamW (AdamW with per-tensor
-update clipping), AdamW with 8-bit moments (optim8bit.py) or any timm optimizer (timm/<name>).
+update clipping), AdamW with 8-bit moments (torchao_optim.py) or any timm optimizer (timm/<name>).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from timm.optim import create_optimizer_v2
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from bigclip import bf16_rounding
 from bigclip.errors import UserError
 from bigclip.flag_fields import TRAIN, flag, non_negative_number, optional, unit_interval
 from bigclip.registry import Registry
@@ -57,6 +58,13 @@ class OptimizerConfig:
     )
     momentum: float | None = flag(
         None, "Momentum for timm optimizers that take it.", TRAIN, check=optional(non_negative_number)
+    )
+    bf16_round_to_nearest: bool = flag(
+        False,
+        "With bf16 weights (--precision pure_bf16): round each update into the weights to nearest, as torch's "
+        "AdamW does, instead of stochastically (bigclip's default for adamw, stableadamw and adamw8bit, which "
+        "keeps updates smaller than half a bf16 step in expectation; new in bigclip).",
+        TRAIN,
     )
 
 
@@ -113,21 +121,38 @@ def create_optimizer(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Op
     return optimizer_kind(cfg).build(cfg, groups)
 
 
+def rounds_stochastically(cfg: OptimizerConfig, groups: list[dict]) -> bool:
+    """Whether updates are rounded stochastically into the weights: bf16 weights, unless the flag says not."""
+    bf16 = any(p.dtype == torch.bfloat16 for group in groups for p in group["params"])
+    return bf16 and not cfg.bf16_round_to_nearest
+
+
 def _adamw(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
     hp = hyperparameters(cfg)
+    if rounds_stochastically(cfg, groups):
+        from bigclip.torchao_optim import AdamWStochasticBF16  # torchao: imported only when asked for
+
+        return AdamWStochasticBF16(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
     return torch.optim.AdamW(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
 
 
 def _stableadamw(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
     hp = hyperparameters(cfg)
-    return StableAdamW(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
+    return StableAdamW(
+        groups,
+        lr=hp["lr"],
+        betas=(hp["beta1"], hp["beta2"]),
+        eps=hp["eps"],
+        stochastic_rounding=rounds_stochastically(cfg, groups),
+    )
 
 
 def _adamw8bit(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
-    from bigclip.optim8bit import AdamW8bit  # torchao: imported only when asked for
+    from bigclip.torchao_optim import AdamW8bit  # torchao: imported only when asked for
 
     hp = hyperparameters(cfg)
-    return AdamW8bit(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
+    sr = rounds_stochastically(cfg, groups)
+    return AdamW8bit(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"], bf16_stochastic_round=sr)
 
 
 def _check_stableadamw(cfg: OptimizerConfig) -> None:
@@ -215,6 +240,7 @@ class StableAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        stochastic_rounding: bool = False,
     ):
         if not (math.isfinite(lr) and lr >= 0):
             raise ValueError(f"StableAdamW: lr must be a non-negative number, got {lr}")
@@ -225,6 +251,7 @@ class StableAdamW(torch.optim.Optimizer):
         if not (math.isfinite(weight_decay) and weight_decay >= 0):
             raise ValueError(f"StableAdamW: weight_decay must be non-negative, got {weight_decay}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self.stochastic_rounding = stochastic_rounding  # bf16 weights: see bigclip/bf16_rounding.py
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -238,10 +265,12 @@ class StableAdamW(torch.optim.Optimizer):
         sums: list[torch.Tensor] = []
         numels: list[int] = []
         batches: dict[tuple, list[int]] = defaultdict(list)  # (mesh and sharded dims or None, device) -> indices
+        index = -1  # the parameter's position in the optimizer (a stochastic rounding seed)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             eps = group["eps"]
             for p in group["params"]:
+                index += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -263,7 +292,7 @@ class StableAdamW(torch.optim.Optimizer):
                 batches[(_sharded_dims(p), param.device)].append(len(sums))
                 sums.append(ratio.sum())
                 numels.append(p.numel())  # a DTensor's numel is the whole tensor's
-                work.append((group, param, exp_avg, exp_avg_sq))
+                work.append((group, param, exp_avg, exp_avg_sq, index, p))
 
         # Pass 2: whole-tensor sums, one host transfer per batch; sharded tensors' shard sums are all-reduced
         # first, once per mesh and set of sharded dims.
@@ -280,13 +309,19 @@ class StableAdamW(torch.optim.Optimizer):
                 totals[i] = total
 
         # Pass 3: the update with the clipped learning rate, weight decay included.
-        for (group, param, exp_avg, exp_avg_sq), total, numel in zip(work, totals, numels):
-            rms = math.sqrt(total / max(numel, 1))
-            eta = float(group["lr"]) / max(1.0, rms)
-            if group["weight_decay"] != 0:
-                param.mul_(1.0 - eta * group["weight_decay"])
-            denom = exp_avg_sq.sqrt().add_(group["eps"])
-            param.addcdiv_(exp_avg, denom, value=-eta)
+        with bf16_rounding.own_random_stream([w[1] for w in work]):
+            for (group, param, exp_avg, exp_avg_sq, index, p), total, numel in zip(work, totals, numels):
+                rms = math.sqrt(total / max(numel, 1))
+                eta = float(group["lr"]) / max(1.0, rms)
+                stochastic = self.stochastic_rounding and param.dtype == torch.bfloat16
+                target = param.float() if stochastic else param  # bf16: the update in float32, then rounded
+                if group["weight_decay"] != 0:
+                    target.mul_(1.0 - eta * group["weight_decay"])
+                m, v = (exp_avg.float(), exp_avg_sq.float()) if stochastic else (exp_avg, exp_avg_sq)
+                target.addcdiv_(m, v.sqrt().add_(group["eps"]), value=-eta)
+                if stochastic:
+                    bf16_rounding.seed_update(int(self.state[p]["step"]), index, p)
+                    bf16_rounding.round_into_bf16_(param, target)
         return loss
 
 

@@ -130,6 +130,7 @@ def run_one(spec: dict, world) -> dict:
     if spec.get("clamp_check"):
         out["logit_scale_after"] = []
     frozen_before = _frozen(engine) if spec.get("frozen_check") else None
+    torch.manual_seed(cfg.seed + world.rank)  # as train.py: each rank's own random stream from here on
     engine.train()
     reset_int8_matmuls()
     t0 = time.perf_counter()
@@ -168,6 +169,16 @@ def run_one(spec: dict, world) -> dict:
         image_only = engine.module(images=images)["image_features"].float()
     out["eval_checksum"] = [float(text_only.abs().sum()), float(image_only.abs().sum())]
     out["state_bytes"] = engine.state_bytes()
+    # each rank's sum of the weights it holds (DDP replicas: equal; FSDP2 shards: their parts)
+    local_sum = sum(float(getattr(p, "_local_tensor", p).detach().double().sum()) for p in engine.model.parameters())
+    sums = [None] * world.world_size
+    if world.world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_gather_object(sums, local_sum)
+    else:
+        sums = [local_sum]
+    out["weight_sums_per_rank"] = sums
     out["peak_rss_bytes"] = peak_rss_bytes()
     return out
 

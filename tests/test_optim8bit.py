@@ -1,4 +1,4 @@
-"""--opt adamw8bit (bigclip/optim8bit.py, torchao's AdamW8bit): exact checkpoint round trip of its quantized state,
+"""--opt adamw8bit (bigclip/torchao_optim.py, torchao's AdamW8bit): exact checkpoint round trip of its quantized state,
 its state bytes, agreement across one process, DDP and FSDP2 and with fp32 AdamW, resume and reshard, export,
 and the DeepSpeed refusal."""
 
@@ -18,7 +18,7 @@ from bigclip import cli
 from bigclip.config import resolve
 from bigclip.errors import UserError
 from bigclip.model import create_model
-from bigclip.optim8bit import quantize_exactly_
+from bigclip.torchao_optim import quantize_exactly_
 
 
 def _saved_state(signed: bool) -> tuple[OptimState8bit, torch.Tensor]:
@@ -85,6 +85,7 @@ def test_one_process_ddp_and_fsdp2_take_the_same_steps_and_the_state_is_2_bytes_
         {"name": "ddp_accum", "steps": 10, "config": {**tiny, **accum}},
         {"name": "fsdp_accum_ckpt", "steps": 10,
          "config": {**tiny, **accum, "engine": "fsdp", "grad_checkpointing": True}},
+        {"name": "ddp_pure_bf16", "steps": 10, "config": {**tiny, "precision": "pure_bf16"}},
     ], name="two")  # fmt: skip
     one = run_worker(tmp_path, [
         {"name": "single", "steps": 20, "ranks_emulated": 2, "config": {**tiny, "batch_size": 16}},
@@ -96,6 +97,11 @@ def test_one_process_ddp_and_fsdp2_take_the_same_steps_and_the_state_is_2_bytes_
     for name, run, reference in pairs:
         for step, (loss, expected) in enumerate(zip(run["losses"], reference["losses"], strict=True)):
             assert loss == pytest.approx(expected, rel=REL_SAME_BATCH), (name, step)
+    # bf16 weights with stochastic rounding: the replicas draw the same random bits and stay equal
+    pure_bf16 = two_ranks["ddp_pure_bf16"]
+    assert pure_bf16["param_dtypes"] == ["torch.bfloat16"]
+    assert pure_bf16["weight_sums_per_rank"][0] == pure_bf16["weight_sums_per_rank"][1]
+    assert pure_bf16["losses"][-1] < pure_bf16["losses"][0]
     fp32 = two_ranks["ddp_adamw"]["losses"]
     assert ddp["losses"] == pytest.approx(fp32, rel=REL_VS_FP32)
     assert ddp["losses"] != fp32  # the moments really were 8-bit

@@ -1,4 +1,5 @@
-"""AdamW with 8-bit moments (--opt adamw8bit): torchao's AdamW8bit, made to fit bigclip's loop and checkpoints.
+"""AdamW on torchao: 8-bit moments (--opt adamw8bit) and stochastic rounding into bf16 weights (--precision
+pure_bf16; bf16_rounding.py), made to fit bigclip's loop and checkpoints.
 
 Why torchao (measured, docs/benchmarks.md "8-bit AdamW"): its optimizer state is a tensor subclass that FSDP2's
 DTensors can wrap, so each rank quantizes its own shard with no code of ours, while bitsandbytes' 8-bit AdamW
@@ -35,6 +36,8 @@ import warnings
 import torch
 from torch.distributed.tensor import DTensor
 
+from bigclip import bf16_rounding
+
 # torchao's import registers an Enum with torch's pytree, which logs a deprecation line on every run; and AOT
 # autograd's cache warns on every compile that torchao's state class has no stable hash. Neither is the user's.
 _pytree_log = logging.getLogger("torch.utils._pytree")
@@ -42,6 +45,7 @@ _level = _pytree_log.level
 _pytree_log.setLevel(logging.ERROR)
 try:
     from torchao.optim import AdamW8bit as _TorchaoAdamW8bit
+    from torchao.optim import _AdamW as _TorchaoAdamW
     from torchao.optim.adam import single_param_adam
     from torchao.optim.quant_utils import quantize_8bit_with_qmap
     from torchao.optim.subclass_8bit import OptimState8bit
@@ -65,7 +69,7 @@ def _dequantized(t: torch.Tensor) -> torch.Tensor:
     local = _local(t)
     if not isinstance(local, OptimState8bit):
         return t
-    plain = local.dequantize()
+    plain = local.dequantize(torch.float32)  # float32 whatever the weights are: the codes come back exactly
     if isinstance(t, DTensor):
         return DTensor.from_local(plain, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
     return plain
@@ -105,13 +109,17 @@ def _compiled_update():
     return torch.compile(single_param_adam, fullgraph=True, dynamic=False)
 
 
-class AdamW8bit(_TorchaoAdamW8bit):
-    """torchao's AdamW8bit (decoupled weight decay, bias-corrected moments as torch.optim.AdamW) with float
-    learning rates in param_groups and float32 moments in its state_dict (see the module docstring)."""
+class _LocalUpdate:
+    """What bigclip changes in torchao's AdamW step (mixed into its optimizer classes): float learning rates in
+    param_groups, each rank's local tensors handed to the compiled update, and stochastic rounding into bf16
+    weights from bf16_rounding's per-update seeds."""
 
-    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.0, **kw):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kw)
-        for group in self.param_groups:  # torchao turned them into tensors
+    param_groups: list[dict]
+    state: dict
+    bf16_stochastic_round: bool
+
+    def _float_rates(self) -> None:
+        for group in self.param_groups:  # torchao turns them into tensors
             group["lr"] = float(group["lr"])
 
     def add_param_group(self, param_group: dict) -> None:
@@ -130,11 +138,15 @@ class AdamW8bit(_TorchaoAdamW8bit):
             with torch.enable_grad():
                 loss = closure()
         update = _compiled_update()
-        with torch._dynamo.utils.disable_cache_limit():  # one compile per distinct shape, as torchao's own step
+        params = [p for group in self.param_groups for p in group["params"]]
+        # one compile per distinct shape (as torchao's own step); the rounding's random bits on their own stream
+        with torch._dynamo.utils.disable_cache_limit(), bf16_rounding.own_random_stream(params):
+            index = -1
             for group in self.param_groups:
                 lr = torch.tensor(float(group["lr"]), dtype=torch.float32)  # a tensor: no recompile per rate
                 beta1, beta2 = group["betas"]
                 for p in group["params"]:
+                    index += 1
                     if p.grad is None:
                         continue
                     state = self.state[p]
@@ -143,6 +155,9 @@ class AdamW8bit(_TorchaoAdamW8bit):
                         state["exp_avg"] = self._new_buffer(p, True)
                         state["exp_avg_sq"] = self._new_buffer(p, False)
                     state["step"] += 1
+                    stochastic = self.bf16_stochastic_round and p.dtype is torch.bfloat16
+                    if stochastic:
+                        bf16_rounding.seed_update(int(state["step"]), index, p)
                     update(
                         _local(p.detach()),
                         _local(p.grad),
@@ -156,9 +171,27 @@ class AdamW8bit(_TorchaoAdamW8bit):
                         group["weight_decay"],
                         group["eps"],
                         True,  # decoupled weight decay (AdamW)
-                        self.bf16_stochastic_round and p.dtype is torch.bfloat16,
+                        stochastic,
                     )
         return loss
+
+
+class AdamWStochasticBF16(_LocalUpdate, _TorchaoAdamW):
+    """AdamW whose update is computed in float32 and rounded stochastically into bf16 weights (--precision
+    pure_bf16 with --opt adamw); its moments are kept in the weights' dtype, as torch's AdamW keeps them."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.0):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bf16_stochastic_round=True)
+        self._float_rates()
+
+
+class AdamW8bit(_LocalUpdate, _TorchaoAdamW8bit):
+    """torchao's AdamW8bit (decoupled weight decay, bias-corrected moments as torch.optim.AdamW) with float
+    learning rates in param_groups and float32 moments in its state_dict (see the module docstring)."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.0, **kw):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kw)
+        self._float_rates()
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
@@ -169,14 +202,18 @@ class AdamW8bit(_TorchaoAdamW8bit):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)  # torch's: float moments in place of the quantized ones
-        for group in self.param_groups:
-            group["lr"] = float(group["lr"])
-            for p in group["params"]:
-                state = self.state.get(p)
-                for key in MOMENTS:
-                    if state and key in state and not is_quantized(state[key]):
-                        fresh = self._new_buffer(p, SIGNED[key])
-                        if is_quantized(fresh):  # a tensor the optimizer quantizes: quantize the loaded values
-                            quantize_exactly_(_local(fresh), _local(state[key]))
-                            state[key] = fresh
+        # torch's load casts floating state to each parameter's dtype (bf16 weights: bf16 moments), which would
+        # lose the float32 values' exactness: the quantized moments are made from the values as given.
+        given_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        given = [state_dict["state"].get(i, {}) for i in given_ids]
+        super().load_state_dict(state_dict)
+        self._float_rates()
+        params = [p for group in self.param_groups for p in group["params"]]
+        for p, saved in zip(params, given, strict=True):
+            state = self.state.get(p)
+            for key in MOMENTS:
+                if state and key in saved and not is_quantized(state[key]):
+                    fresh = self._new_buffer(p, SIGNED[key])
+                    if is_quantized(fresh):  # a tensor the optimizer quantizes: quantize the loaded values
+                        quantize_exactly_(_local(fresh), _local(saved[key]))
+                        state[key] = fresh
