@@ -230,7 +230,9 @@ class StableAdamW(torch.optim.Optimizer):
     would. step() is therefore a collective under FSDP2, as the engine's grad-norm already is. Flattened
     partitions of many tensors (DeepSpeed ZeRO) cannot be clipped per tensor; the config refuses that pairing.
 
-    Moments are kept in the parameter's dtype (as AdamW); the ratio is summed in float32.
+    Moments are kept in the parameter's dtype (as AdamW); the ratio is summed in float32. With bf16 weights and
+    stochastic_rounding, the update is computed in float32 and rounded into the weights stochastically
+    (bigclip/bf16_rounding.py).
     """
 
     def __init__(

@@ -193,6 +193,13 @@ class AdamW8bit(_LocalUpdate, _TorchaoAdamW8bit):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kw)
         self._float_rates()
 
+    @staticmethod
+    def _subclass_zeros(p: torch.Tensor, signed: bool, block_size: int):
+        # Quantized moments that read as float32 whatever the weights are (torchao gives them the weights'
+        # dtype): the update computes in float32 anyway, and with bf16 weights under FSDP2 torchao's bf16-looking
+        # state stopped its compiled update ("OptimState8bit ... unimplemented operator aten.view.dtype").
+        return OptimState8bit.zeros(p.shape, signed, block_size, p.device, dtype=torch.float32)
+
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["state"] = {

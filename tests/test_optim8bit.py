@@ -86,6 +86,7 @@ def test_one_process_ddp_and_fsdp2_take_the_same_steps_and_the_state_is_2_bytes_
         {"name": "fsdp_accum_ckpt", "steps": 10,
          "config": {**tiny, **accum, "engine": "fsdp", "grad_checkpointing": True}},
         {"name": "ddp_pure_bf16", "steps": 10, "config": {**tiny, "precision": "pure_bf16"}},
+        {"name": "fsdp_pure_bf16", "steps": 10, "config": {**tiny, "precision": "pure_bf16", "engine": "fsdp"}},
     ], name="two")  # fmt: skip
     one = run_worker(tmp_path, [
         {"name": "single", "steps": 20, "ranks_emulated": 2, "config": {**tiny, "batch_size": 16}},
@@ -102,6 +103,8 @@ def test_one_process_ddp_and_fsdp2_take_the_same_steps_and_the_state_is_2_bytes_
     assert pure_bf16["param_dtypes"] == ["torch.bfloat16"]
     assert pure_bf16["weight_sums_per_rank"][0] == pure_bf16["weight_sums_per_rank"][1]
     assert pure_bf16["losses"][-1] < pure_bf16["losses"][0]
+    sharded = two_ranks["fsdp_pure_bf16"]  # its shards round with their own random bits: bf16 noise apart
+    assert sharded["losses"] == pytest.approx(pure_bf16["losses"], rel=3e-2)
     fp32 = two_ranks["ddp_adamw"]["losses"]
     assert ddp["losses"] == pytest.approx(fp32, rel=REL_VS_FP32)
     assert ddp["losses"] != fp32  # the moments really were 8-bit
@@ -128,7 +131,9 @@ def test_one_process_ddp_and_fsdp2_take_the_same_steps_and_the_state_is_2_bytes_
 
 @pytest.mark.slow
 def test_resume_continues_exactly_reshards_to_two_ranks_and_exports(tmp_path):
-    common = [*TINY_SYNTHETIC, "--opt", "adamw8bit", "--epochs", "3", "--batch-size", "16", "--logs", str(tmp_path)]
+    """Under --precision pure_bf16, so the 8-bit moments of bf16 weights and the stochastic rounding resume too."""
+    common = [*TINY_SYNTHETIC, "--opt", "adamw8bit", "--precision", "pure_bf16", "--epochs", "3", "--batch-size", "16",
+              "--logs", str(tmp_path)]  # fmt: skip
     full = python_train([*common, "--name", "full", "--save-frequency", "1"], timeout=900)
     assert full.returncode == 0, full.stderr[-3000:]
     checkpoint = os.path.join(tmp_path, "full", "checkpoints", "epoch_1")
@@ -143,11 +148,12 @@ def test_resume_continues_exactly_reshards_to_two_ranks_and_exports(tmp_path):
     resharded = torchrun(2, [*common, "--name", "fsdp", "--engine", "fsdp", "--batch-size", "8", "--gather-with-grad",
                              "--resume", checkpoint], timeout=900)  # fmt: skip
     assert resharded.returncode == 0, resharded.stderr[-3000:]
+    # Its shards round with other random bits than the one process did: bf16 noise, not a lost state.
     for step, loss in step_losses(os.path.join(tmp_path, "fsdp")).items():
-        assert loss == pytest.approx(expected[step], rel=REL_SAME_BATCH), step
+        assert loss == pytest.approx(expected[step], rel=3e-2), step
 
     out = tmp_path / "exported.safetensors"
     assert cli.main(["export", checkpoint, str(out)]) == 0
     weights = load_file(out)
-    assert weights and all(t.dtype == torch.float32 for t in weights.values())
+    assert weights and all(t.dtype == torch.bfloat16 for t in weights.values())
     assert not any("exp_avg" in k for k in weights)
