@@ -3,12 +3,12 @@
     torchrun --nproc_per_node 2 tests/engine_worker.py SPEC.json OUT.json
 
 SPEC is a list of runs: {"name", "steps", "config": {TrainConfig values}, "arch": optional architecture dict
-registered under config["model"], "clamp_check": bool, "ranks_emulated": N (one process whose batch_size is
-the global batch of N ranks: rank r's samples in rank order, as gathered features see them)}. Every run sees
-the same synthetic batches (seeded by step and rank) and goes through bigclip's own pieces:
-engine.build_model, build_engine, the loop's forward_backward (OpenCLIP accumulation), engine.step, and an
-eval forward through engine.module. One launch for many engines keeps the cost of process start-up and
-DeepSpeed initialisation to once per test file."""
+registered under config["model"], "clamp_check": bool, "seed_per_rank": bool (each rank's own random stream after
+the build, as train.py), "ranks_emulated": N (one process whose batch_size is the global batch of N ranks: rank r's
+samples in rank order, as gathered features see them)}. Every run sees the same synthetic batches (seeded by step
+and rank) and goes through bigclip's own pieces: engine.build_model, build_engine, the loop's forward_backward
+(OpenCLIP accumulation), engine.step, and an eval forward through engine.module. One launch for many engines keeps
+the cost of process start-up and DeepSpeed initialisation to once per test file."""
 
 from __future__ import annotations
 
@@ -130,7 +130,8 @@ def run_one(spec: dict, world) -> dict:
     if spec.get("clamp_check"):
         out["logit_scale_after"] = []
     frozen_before = _frozen(engine) if spec.get("frozen_check") else None
-    torch.manual_seed(cfg.seed + world.rank)  # as train.py: each rank's own random stream from here on
+    if spec.get("seed_per_rank"):
+        torch.manual_seed(cfg.seed + world.rank)  # as train.py: each rank's own random stream from here on
     engine.train()
     reset_int8_matmuls()
     t0 = time.perf_counter()

@@ -85,7 +85,7 @@ def test_one_process_ddp_and_fsdp2_take_the_same_steps_and_the_state_is_2_bytes_
         {"name": "ddp_accum", "steps": 10, "config": {**tiny, **accum}},
         {"name": "fsdp_accum_ckpt", "steps": 10,
          "config": {**tiny, **accum, "engine": "fsdp", "grad_checkpointing": True}},
-        {"name": "ddp_pure_bf16", "steps": 10, "config": {**tiny, "precision": "pure_bf16"}},
+        {"name": "ddp_pure_bf16", "steps": 10, "seed_per_rank": True, "config": {**tiny, "precision": "pure_bf16"}},
         {"name": "fsdp_pure_bf16", "steps": 10, "config": {**tiny, "precision": "pure_bf16", "engine": "fsdp"}},
     ], name="two")  # fmt: skip
     one = run_worker(tmp_path, [
@@ -98,7 +98,8 @@ def test_one_process_ddp_and_fsdp2_take_the_same_steps_and_the_state_is_2_bytes_
     for name, run, reference in pairs:
         for step, (loss, expected) in enumerate(zip(run["losses"], reference["losses"], strict=True)):
             assert loss == pytest.approx(expected, rel=REL_SAME_BATCH), (name, step)
-    # bf16 weights with stochastic rounding: the replicas draw the same random bits and stay equal
+    # bf16 weights with stochastic rounding: the replicas, whose own random streams differ, draw the same random
+    # bits for the rounding and stay equal
     pure_bf16 = two_ranks["ddp_pure_bf16"]
     assert pure_bf16["param_dtypes"] == ["torch.bfloat16"]
     assert pure_bf16["weight_sums_per_rank"][0] == pure_bf16["weight_sums_per_rank"][1]
