@@ -1,5 +1,6 @@
 """The README's first command: `python launch/train.py` with no flags trains the embedded demo; with int8
-SwitchBack MLPs (`--use-bnb-linear SwitchBackLinearGlobal`) it learns as well."""
+SwitchBack MLPs (`--use-bnb-linear SwitchBackLinearGlobal`), and with bf16 weights and 8-bit AdamW, it learns as
+well."""
 
 import json
 import os
@@ -48,3 +49,12 @@ def test_demo_with_int8_switchback_learns_as_well_as_fp32(tmp_path):
     int8, _ = run_demo(tmp_path / "int8", ["--epochs", "8", "--use-bnb-linear", "SwitchBackLinearGlobal"])
     assert int8["epoch"] == fp32["epoch"] == 8
     assert int8["eval/zeroshot_top1"] >= max(fp32["eval/zeroshot_top1"] - 0.15, 0.25), (int8, fp32)
+
+
+def test_demo_with_bf16_weights_and_8bit_adamw_learns_as_well_as_fp32(fp32_demo, tmp_path):
+    """The leanest state bigclip has (bf16 weights rounded stochastically, bf16 gradients, 8-bit Adam moments:
+    about 6 bytes per parameter against fp32 AdamW's 16) reaches the fp32 demo's accuracy within 0.05
+    (measured: 0.922; fp32 about 0.93)."""
+    lean, _ = run_demo(tmp_path, ["--precision", "pure_bf16", "--opt", "adamw8bit"])
+    assert lean["epoch"] == 24
+    assert lean["eval/zeroshot_top1"] >= fp32_demo[0]["eval/zeroshot_top1"] - 0.05, (lean, fp32_demo[0])
