@@ -221,6 +221,16 @@ def test_webdataset_training_epoch_reads_each_shard_once(shards, workers):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+def test_a_webdataset_training_loader_closes_after_use(shards, workers):
+    """--workers 0, the usual debugging setting, trained and then ended with a traceback at close: its
+    single-process iterator has no workers to shut down."""
+    info = load(make_cfg(train_data=shards, train_num_samples=30, batch_size=3, workers=workers))["train"]
+    assert len(next(iter(info.dataloader))[0]) == 3
+    info.close()
+    assert getattr(info.dataloader, "_iterator", None) is None
+
+
+@pytest.mark.parametrize("workers", [0, 2])
 def test_webdataset_resampled_training_fills_the_epoch(shards, workers):
     cfg = make_cfg(train_data=shards, train_num_samples=30, batch_size=3, workers=workers, dataset_resampled=True)
     info = load(cfg)["train"]

@@ -33,7 +33,9 @@ def shut_down_workers(loader) -> None:
     """Stop a loader's persistent worker processes now (DataLoader's own shutdown: tell, then join)."""
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None:
-        iterator._shutdown_workers()
+        shutdown = getattr(iterator, "_shutdown_workers", None)  # --workers 0: a single-process iterator, none
+        if shutdown is not None:
+            shutdown()
         loader._iterator = None
 
 
