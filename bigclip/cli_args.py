@@ -12,6 +12,7 @@ from typing import Any
 
 from bigclip import config as config_mod
 from bigclip.errors import OneLineErrorParser
+from bigclip.flag_fields import default_of
 
 SUBCOMMANDS_HELP = """subcommands:
   bigclip [train] FLAGS     train (the default; `python launch/train.py FLAGS` is the same)
@@ -37,8 +38,9 @@ def _argparse_kwargs(f) -> dict[str, Any]:
             kwargs["type"] = float
         else:
             kwargs["type"] = str
-    if f.default not in (None, False, [], "") and "action" not in kwargs:
-        kwargs["help"] += f" (default: {f.default!r})"
+    default = default_of(f)  # a list or dict flag's default comes from its factory
+    if default not in (None, False, [], {}, "") and "action" not in kwargs:
+        kwargs["help"] += f" (default: {default!r})"
     kwargs["default"] = argparse.SUPPRESS
     return kwargs
 
