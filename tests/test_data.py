@@ -6,6 +6,7 @@ import dataclasses
 import io
 import os
 import tarfile
+import warnings
 
 import numpy as np
 import open_clip
@@ -228,6 +229,13 @@ def test_a_webdataset_training_loader_closes_after_use(shards, workers):
     assert len(next(iter(info.dataloader))[0]) == 3
     info.close()
     assert getattr(info.dataloader, "_iterator", None) is None
+
+
+def test_a_webdataset_loader_is_built_without_torchdatas_deprecation_warning(shards):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load(make_cfg(train_data=shards, train_num_samples=30, batch_size=3, workers=0))
+    assert not [w for w in caught if "set_vital" in str(w.message)]
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import signal
+import warnings
 import weakref
 
 import torch
@@ -51,14 +52,18 @@ def worker_loader(dataset, workers: int, stateful: bool = False, **kwargs) -> Da
     """A DataLoader whose workers survive a preemption SIGTERM. `stateful`: torchdata's StatefulDataLoader, which
     keeps per worker the state (dataset.state_dict()) that came with the last batch taken from it."""
     cls = StatefulDataLoader if stateful else DataLoader
-    loader = cls(
-        dataset,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        worker_init_fn=ignore_sigterm if workers > 0 else None,
-        pin_memory=torch.cuda.is_available(),
-        **kwargs,
-    )
+    with warnings.catch_warnings():
+        # torchdata's constructor calls torch.set_vital, which torch now warns is deprecated: on every run, and
+        # nothing the user can act on
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        loader = cls(
+            dataset,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            worker_init_fn=ignore_sigterm if workers > 0 else None,
+            pin_memory=torch.cuda.is_available(),
+            **kwargs,
+        )
     if workers > 0:
         _LIVE_LOADERS.add(loader)
     return loader
