@@ -14,7 +14,7 @@ from bigclip import evaluate, export, plan
 from bigclip.ckpt.manager import ABANDONED
 from bigclip.cli_args import build_train_parser, parse_train_args  # noqa: F401  (cli's public names)
 from bigclip.dist import where
-from bigclip.errors import UserError, first_line
+from bigclip.errors import UserError, first_line, user_message
 from bigclip.model import get_model_config, list_models
 from bigclip.preemption import StoppedAfterTraining, StoppedBeforeTraining
 from bigclip.storage_options import redact_urls_in
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         if debug:
             traceback.print_exc()
-        _say(f"bigclip: error: {here + ': ' if here else ''}{e}")
+        _say(f"bigclip: error: {here + ': ' if here else ''}{user_message(e)}")
         return 2
     except BrokenPipeError:  # `bigclip models | head`: the reader has gone; nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

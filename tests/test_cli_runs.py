@@ -34,6 +34,23 @@ def test_bad_flag_is_one_line_and_nonzero(tmp_path):
     assert not os.listdir(tmp_path)  # stopped before any work
 
 
+def test_corrupt_shards_read_by_loader_workers_stop_the_run_in_one_line(tmp_path):
+    """The error is raised in a DataLoader worker, which the loader re-raises with the worker's traceback as
+    text ("Caught UserError in DataLoader worker process 0. Original Traceback ..."): the user gets the line."""
+    for i in range(2):
+        (tmp_path / f"shard-{i}.tar").write_bytes(os.urandom(5000))
+    shards = str(tmp_path / "shard-{0..1}.tar")
+    out = python_train(["--model", "test-tiny", "--train-data", shards, "--dataset-type", "webdataset",
+                        "--dataset-resampled", "--workers", "2", "--train-num-samples", "20", "--batch-size", "2",
+                        "--precision", "fp32", "--logs", str(tmp_path / "logs")])  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"bigclip: error: --train-data {shards}: this loader found no usable sample in its shards; check that the "
+        "shards hold .jpg/.png/.webp images with .txt captions"
+    )
+    assert "Traceback" not in out.stderr and "Caught UserError" not in out.stderr
+
+
 def test_csv_run_skips_and_counts_a_missing_image(tmp_path):
     rows = ["filepath\ttitle"]
     for i in range(23):  # 23 good rows + 1 missing = 3 full batches: every row is read
