@@ -19,6 +19,7 @@ pinned=(
     open_clip_torch==3.3.0 ftfy==6.3.1 wcwidth==0.2.14      # the oracle: open_clip_train, its tokenizer
     deepspeed==0.19.8 hjson==3.1.0                           # the ZeRO engines
     pydantic==2.12.5 pydantic_core==2.41.5 annotated-types==0.7.0 typing-inspection==0.4.2  # DeepSpeed's config
+    torchao==0.18.0                                          # --opt adamw8bit, bf16 stochastic rounding
 )
 limit_mib=48  # a device call carries 64 MiB with the tree; the tree itself is a few MiB
 rm -rf "$out" && mkdir -p "$out"
