@@ -185,8 +185,8 @@ def test_no_import_cycles_counting_imports_inside_functions():
 
 # docs/architecture.md's layers: what each top-level module or package of bigclip may import.
 FOUNDATION = {
-    "errors", "registry", "flag_fields", "dist", "precision", "optim", "schedule", "train_state", "log",
-    "storage_options", "preemption",
+    "errors", "registry", "flag_fields", "dist", "precision", "optim", "torchao_optim", "bf16_rounding", "schedule",
+    "train_state", "log", "storage_options", "preemption",
 }  # fmt: skip
 COMPONENTS = {"model", "loss", "data", "ckpt"}
 ALLOWED = {
@@ -250,6 +250,8 @@ LAZY_IMPORTS = {
     "open_clip": "seconds to import; only BPE tokenization, pretrained tags and ImageNet class names",
     "huggingface_hub": "only hub downloads (pretrained tags, hf-hub: models, timm trunk weights)",
     "torch.distributed.checkpoint": "DCP's private helpers, guarded by try/except: they may move between releases",
+    "torchao": "seconds to import (torch.compile's machinery); only --opt adamw8bit and bf16 stochastic rounding",
+    "bigclip.torchao_optim": "imports torchao at module level",
 }
 
 
