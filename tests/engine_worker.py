@@ -170,18 +170,23 @@ def run_one(spec: dict, world) -> dict:
         image_only = engine.module(images=images)["image_features"].float()
     out["eval_checksum"] = [float(text_only.abs().sum()), float(image_only.abs().sum())]
     out["state_bytes"] = engine.state_bytes()
-    # each rank's sum of the weights it holds (DDP replicas: equal; FSDP2 shards: their parts)
-    local_sum = sum(float(getattr(p, "_local_tensor", p).detach().double().sum()) for p in engine.model.parameters())
-    sums = [None] * world.world_size
-    if world.world_size > 1:
-        import torch.distributed as dist
-
-        dist.all_gather_object(sums, local_sum)
-    else:
-        sums = [local_sum]
-    out["weight_sums_per_rank"] = sums
+    if spec.get("seed_per_rank"):  # do replicas that draw their own random streams still hold the same weights?
+        out["weight_sums_per_rank"] = _weight_sums_per_rank(engine, world)
     out["peak_rss_bytes"] = peak_rss_bytes()
     return out
+
+
+@torch.no_grad()
+def _weight_sums_per_rank(engine, world) -> list[float]:
+    """Each rank's sum of the weights it holds (DDP replicas: equal; FSDP2 shards: their parts); a collective."""
+    local = sum(float(getattr(p, "_local_tensor", p).double().sum()) for p in engine.model.parameters())
+    if world.world_size == 1:
+        return [local]
+    import torch.distributed as dist
+
+    sums = [None] * world.world_size
+    dist.all_gather_object(sums, local)
+    return sums
 
 
 @torch.no_grad()
