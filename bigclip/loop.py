@@ -134,6 +134,8 @@ def train_one_epoch(
     for micro in groups:
         progress.data_ready()
         engine.set_lr(schedule(state.step))
+        if engine.steps_in_backward:
+            checkpointer.wait_for_staging()  # the backward updates the parameters (--optimizer-in-backward)
         loss, out = forward_backward(engine, loss_fn, micro, world)
         if out is None:
             engine.zero_grad()

@@ -79,6 +79,10 @@ class OptimizerKind:
     # True when its state is not plain tensors (8-bit codes and scales): only torch's optimizer API over the
     # model's own parameters keeps and checkpoints it; an engine that builds its own optimizer state cannot.
     quantized_state: bool = False
+    # True when a tensor's update reads only its own gradient and state, so each parameter can be stepped alone
+    # as soon as its gradient is final (--optimizer-in-backward); timm's optimizers are not known to (LAMB reads
+    # the global gradient norm).
+    steps_per_parameter: bool = False
     check: Callable[[OptimizerConfig], None] = lambda cfg: None
 
 
@@ -254,6 +258,9 @@ class StableAdamW(torch.optim.Optimizer):
             raise ValueError(f"StableAdamW: weight_decay must be non-negative, got {weight_decay}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.stochastic_rounding = stochastic_rounding  # bf16 weights: see bigclip/bf16_rounding.py
+        # The position of its first parameter among the model's: an optimizer of one parameter (stepped in the
+        # backward) seeds that parameter's rounding as the optimizer of them all would.
+        self.first_index = 0
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -267,7 +274,7 @@ class StableAdamW(torch.optim.Optimizer):
         sums: list[torch.Tensor] = []
         numels: list[int] = []
         batches: dict[tuple, list[int]] = defaultdict(list)  # (mesh and sharded dims or None, device) -> indices
-        index = -1  # the parameter's position in the optimizer (a stochastic rounding seed)
+        index = self.first_index - 1  # the parameter's position (a stochastic rounding seed)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             eps = group["eps"]
@@ -327,15 +334,15 @@ class StableAdamW(torch.optim.Optimizer):
         return loss
 
 
-OPTIMIZERS.register("adamw", OptimizerKind(_adamw), help="torch's AdamW")
+OPTIMIZERS.register("adamw", OptimizerKind(_adamw, steps_per_parameter=True), help="torch's AdamW")
 OPTIMIZERS.register(
     "stableadamw",
-    OptimizerKind(_stableadamw, per_tensor=True, check=_check_stableadamw),
+    OptimizerKind(_stableadamw, per_tensor=True, steps_per_parameter=True, check=_check_stableadamw),
     help="AdamW with per-tensor update clipping, Wortsman et al. 2023; new in bigclip",
 )
 OPTIMIZERS.register(
     "adamw8bit",
-    OptimizerKind(_adamw8bit, quantized_state=True),
+    OptimizerKind(_adamw8bit, quantized_state=True, steps_per_parameter=True),
     help="AdamW with 8-bit blockwise-quantized moments (torchao; 2 bytes per parameter instead of 8); new in bigclip",
 )
 OPTIMIZERS.register(

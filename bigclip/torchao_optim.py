@@ -117,6 +117,9 @@ class _LocalUpdate:
     param_groups: list[dict]
     state: dict
     bf16_stochastic_round: bool
+    # The position of its first parameter among the model's: an optimizer of one parameter (stepped in the
+    # backward) seeds that parameter's rounding as the optimizer of them all would.
+    first_index: int = 0
 
     def _float_rates(self) -> None:
         for group in self.param_groups:  # torchao turns them into tensors
@@ -141,7 +144,7 @@ class _LocalUpdate:
         params = [p for group in self.param_groups for p in group["params"]]
         # one compile per distinct shape (as torchao's own step); the rounding's random bits on their own stream
         with torch._dynamo.utils.disable_cache_limit(), bf16_rounding.own_random_stream(params):
-            index = -1
+            index = self.first_index - 1  # the parameter's position (a stochastic rounding seed)
             for group in self.param_groups:
                 lr = torch.tensor(float(group["lr"]), dtype=torch.float32)  # a tensor: no recompile per rate
                 beta1, beta2 = group["betas"]

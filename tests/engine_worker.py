@@ -5,7 +5,8 @@
 SPEC is a list of runs: {"name", "steps", "config": {TrainConfig values}, "arch": optional architecture dict
 registered under config["model"], "clamp_check": bool, "seed_per_rank": bool (each rank's own random stream after
 the build, as train.py), "ranks_emulated": N (one process whose batch_size is the global batch of N ranks: rank r's
-samples in rank order, as gathered features see them)}. Every run sees the same synthetic batches (seeded by step
+samples in rank order, as gathered features see them), "live_grads": bool (the most gradient bytes alive at once,
+and the largest block's)}. Every run sees the same synthetic batches (seeded by step
 and rank) and goes through bigclip's own pieces: engine.build_model, build_engine, the loop's forward_backward
 (OpenCLIP accumulation), engine.step, and an eval forward through engine.module. One launch for many engines keeps
 the cost of process start-up and DeepSpeed initialisation to once per test file."""
@@ -130,6 +131,7 @@ def run_one(spec: dict, world) -> dict:
     if spec.get("clamp_check"):
         out["logit_scale_after"] = []
     frozen_before = _frozen(engine) if spec.get("frozen_check") else None
+    live_grads = _LiveGradients(engine) if spec.get("live_grads") else None
     if spec.get("seed_per_rank"):
         torch.manual_seed(cfg.seed + world.rank)  # as train.py: each rank's own random stream from here on
     engine.train()
@@ -149,6 +151,8 @@ def run_one(spec: dict, world) -> dict:
         if spec.get("clamp_check") and step == 0:
             _set_logit_scale_master(engine, 10.0)
         loss, _ = forward_backward(engine, loss_fn, micro, world)
+        if live_grads is not None:
+            live_grads.measure()  # what is still alive when the backward has returned
         out["norms"].append(optimizer_step(engine))
         out["losses"].append(loss)
         if spec.get("clamp_check"):
@@ -173,7 +177,39 @@ def run_one(spec: dict, world) -> dict:
     if spec.get("seed_per_rank"):  # do replicas that draw their own random streams still hold the same weights?
         out["weight_sums_per_rank"] = _weight_sums_per_rank(engine, world)
     out["peak_rss_bytes"] = peak_rss_bytes()
+    if live_grads is not None:
+        out["live_grad_peak_bytes"] = live_grads.peak
+        out["largest_block_bytes"] = live_grads.largest_block
+        out["grad_bytes"] = live_grads.all_grads
     return out
+
+
+class _LiveGradients:
+    """The most gradient bytes (.grad of this rank's parameters, local shards) alive at once: measured from a
+    post-accumulate-grad hook on every parameter that runs before the engine's own hooks and one that runs after
+    them, and when the backward has returned."""
+
+    def __init__(self, engine):
+        self.params = [p for p in engine.model.parameters() if p.requires_grad]
+        self.peak = 0
+        self.largest_block = max(
+            sum(self._bytes(p) for p in block.parameters() if p.requires_grad)
+            for block in engine.model.transformer_blocks()
+        )
+        self.all_grads = sum(self._bytes(p) for p in self.params)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(lambda _p: self.measure())
+            # and once before the engine's hooks, when the new gradient exists and nothing has freed it yet
+            first = p.register_post_accumulate_grad_hook(lambda _p: self.measure())
+            p._post_accumulate_grad_hooks.move_to_end(first.id, last=False)
+
+    @staticmethod
+    def _bytes(t: torch.Tensor) -> int:
+        t = getattr(t, "_local_tensor", t)
+        return t.numel() * t.element_size()
+
+    def measure(self) -> None:
+        self.peak = max(self.peak, sum(self._bytes(p.grad) for p in self.params if p.grad is not None))
 
 
 @torch.no_grad()

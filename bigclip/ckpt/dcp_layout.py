@@ -58,6 +58,8 @@ def _quiet_single_process():
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> dict[str, Any]:
     """FQN-keyed model and optimizer state (DTensor shards under FSDP) plus the grad scaler."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    # Optimizers that are several (one per parameter, stepped in the backward) save as the one they stand for.
+    optim_sd = getattr(optimizer, "saved_state_dict", lambda sd: sd)(optim_sd)
     state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
@@ -276,9 +278,8 @@ class DCPLayout(CheckpointLayout):
                     process_group=self.group,
                     no_dist=self.group is None,
                 )
-            set_state_dict(
-                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-            )
+            optim_sd = getattr(self.optimizer, "loadable_state_dict", lambda sd: sd)(state["optimizer"])
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd)
         except (Exception, CheckpointException) as wrapped:  # DCP wraps each rank's failure (a BaseException)
             e = first_failure(wrapped)
             if isinstance(e, UserError):

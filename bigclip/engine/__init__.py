@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from bigclip.dist import World
+from bigclip.engine import in_backward
 from bigclip.engine.base import Engine, StateBytes
 from bigclip.engine.config import DEFAULT_ENGINE, ENGINES, SHARDED_INIT_MODES, EngineConfig, ModelSize
 from bigclip.engine.ddp import DDPEngine
@@ -55,6 +56,7 @@ def check_config(cfg: EngineConfig) -> EngineConfig:
     for _, cls in ENGINES.items():
         result = cls.check_config(cfg)
         resolved = result if cls is chosen else resolved
+    in_backward.check_config(cfg)
     return dataclasses.replace(cfg, resolved=resolved)
 
 

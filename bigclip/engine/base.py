@@ -27,6 +27,9 @@ gradient synchronisation and the on-disk format of its state. Callers use only:
     with engine.no_sync(): ...             micro-batches whose gradients are not synchronised yet
     engine.backward(loss)
     engine.step() -> grad norm             unscale, clip, optimizer step, zero grads (inf/nan: step skipped)
+    engine.steps_in_backward               True when backward() already updated the parameters
+                                           (--optimizer-in-backward): a checkpoint's staging must be done
+                                           before it, not just before step()
     engine.update_parameter_(p, fix)       after step(): apply an in-place elementwise fix to every copy of p the
                                            engine keeps (the one its optimizer updates and the one the forward
                                            sees); how the model's constraints (CLIP's temperature) are enforced
@@ -48,11 +51,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from bigclip import optim
 from bigclip.ckpt.dcp_layout import DCPLayout
 from bigclip.ckpt.layout import CheckpointLayout
 from bigclip.dist import World
 from bigclip.engine.config import EngineConfig, ModelSize
+from bigclip.engine.in_backward import PerParameterOptimizers, StepInBackward
 from bigclip.engine.memory import tensor_bytes
+from bigclip.errors import UserError
 from bigclip.precision import Precision, resolve_precision
 
 ParameterFix = Callable[[torch.Tensor], object]
@@ -95,6 +101,10 @@ class Engine(abc.ABC):
         self.cfg = cfg
         self.world = world
         self.precision: Precision = resolve_precision(cfg.precision, world.device)
+
+    @property
+    def steps_in_backward(self) -> bool:
+        return False
 
     # -- model access: set by each engine's __init__
     module: nn.Module  # the callable model: forward(images=None, texts=None) -> features dict (maybe wrapped)
@@ -157,11 +167,39 @@ class TorchOptimizerEngine(Engine):
 
     # Parameters the optimizer updates, for the grad norm and clipping; set by the subclass's __init__.
     _params: list[torch.Tensor]
+    # --optimizer-in-backward: the hooks that step each parameter from the backward (engine/in_backward.py)
+    _in_backward: StepInBackward | None = None
+
+    def _build_optimizer(self, model: nn.Module, **step_in_backward) -> None:
+        """The optimizer over the model's parameter groups: one, or with --optimizer-in-backward one per parameter,
+        stepped by hooks (`step_in_backward`: how gradients are made final, see StepInBackward)."""
+        groups = optim.param_groups(model, self.cfg.optimizer.wd)
+        if self.cfg.optimizer_in_backward:
+            self.optimizer = PerParameterOptimizers(self.cfg.optimizer, groups)
+            self._in_backward = StepInBackward(self.optimizer, self.world.device, **step_in_backward)
+        else:
+            self.optimizer = optim.create_optimizer(self.cfg.optimizer, groups)
+        self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    @property
+    def steps_in_backward(self) -> bool:
+        return self._in_backward is not None
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if self._in_backward is not None:
+            self._in_backward.finish_backward()
 
     def step(self) -> float:
+        if self._in_backward is not None:
+            norm = self._in_backward.take_norm()
+            if not math.isfinite(norm):
+                raise UserError(
+                    f"the gradients were not finite (grad norm {norm}) although the loss was, and "
+                    f"--optimizer-in-backward had already applied them; resume from the last checkpoint "
+                    f"(--resume latest) with a lower --lr, or without the flag (the ordinary step skips such steps)"
+                )
+            return norm
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norm = clip_and_measure(self._params, self.cfg.grad_clip_norm)

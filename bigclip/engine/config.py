@@ -46,6 +46,13 @@ class EngineConfig:
     grad_clip_norm: float | None = flag(
         None, "Clip the global gradient norm to this value.", TRAIN, check=optional(non_negative_number)
     )
+    optimizer_in_backward: bool = flag(
+        False,
+        "Step each parameter's optimizer inside the backward as soon as its gradient is synchronised, then free "
+        "the gradient: the full set of gradients never exists (ddp, fsdp; not with --accum-freq > 1 or "
+        "--grad-clip-norm; new in bigclip).",
+        TRAIN,
+    )
     torchcompile: bool = flag(False, "torch.compile each transformer block.", TRAIN)
     precision: str = flag("amp", "Numeric precision.", PREC, choices=PRECISIONS)
     grad_checkpointing: bool = flag(False, "Recompute every transformer block in backward.", PREC)

@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from bigclip import optim
 from bigclip.dist import World
+from bigclip.engine import in_backward
 from bigclip.engine.base import StateBytes, TorchOptimizerEngine
 from bigclip.engine.config import EngineConfig
 from bigclip.errors import UserError
@@ -46,16 +47,41 @@ class DDPEngine(TorchOptimizerEngine):
         if cfg.use_bn_sync and world.distributed:
             self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
         self.module = self.model
-        if world.distributed:
-            ddp_kwargs: dict[str, Any] = {"static_graph": cfg.ddp_static_graph}
-            if world.device.type == "cuda":
-                ddp_kwargs["device_ids"] = [world.device]
-            self.module = DistributedDataParallel(self.model, **ddp_kwargs)
-        self.optimizer = optim.create_optimizer(cfg.optimizer, optim.param_groups(self.model, cfg.optimizer.wd))
+        if world.distributed and cfg.optimizer_in_backward:
+            # DDP's reducer would keep a bucket copy of every gradient: the gradients are averaged by the
+            # in-backward hooks instead (engine/in_backward.py), and what DDP does besides is done here.
+            replicate_from_rank0(self.model)
+            self._build_optimizer(
+                self.model, average_over=dist.group.WORLD, in_flight_bytes=in_backward.in_flight_budget(self.model)
+            )
+        else:
+            if world.distributed:
+                ddp_kwargs: dict[str, Any] = {"static_graph": cfg.ddp_static_graph}
+                if world.device.type == "cuda":
+                    ddp_kwargs["device_ids"] = [world.device]
+                self.module = DistributedDataParallel(self.model, **ddp_kwargs)
+            self._build_optimizer(self.model)
         self.scaler = torch.amp.GradScaler(world.device.type) if self.precision.loss_scaling else None
-        self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def no_sync(self):
         if isinstance(self.module, DistributedDataParallel):
             return self.module.no_sync()
         return super().no_sync()
+
+
+def replicate_from_rank0(model: nn.Module) -> None:
+    """What DistributedDataParallel does besides averaging gradients: every rank starts from rank 0's parameters
+    and buffers, and floating-point buffers (BatchNorm statistics) are rank 0's at every training forward."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    if buffers:
+
+        def broadcast_buffers(module: nn.Module, _args) -> None:
+            if module.training:
+                with torch.no_grad():
+                    for buffer in buffers:
+                        dist.broadcast(buffer, src=0)
+
+        model.register_forward_pre_hook(broadcast_buffers)

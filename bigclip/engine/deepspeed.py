@@ -170,6 +170,13 @@ class DeepSpeedEngine(Engine):
                 f"--opt {cfg.optimizer.opt}: DeepSpeed ({why}) steps flattened partitions, not whole tensors, so the "
                 f"per-tensor update clipping cannot be applied; use --engine fsdp (exact on shards) or ddp"
             )
+        if cfg.optimizer_in_backward:
+            # ZeRO's optimizer steps flat partitions after its own reduction of every gradient bucket; it has no
+            # per-parameter step to run from a hook.
+            raise UserError(
+                "--optimizer-in-backward: DeepSpeed steps its flattened partitions after the whole backward; "
+                "use --engine fsdp (steps each shard after its reduce-scatter) or --engine ddp"
+            )
         if optimizer_kind(cfg.optimizer).quantized_state:
             # DeepSpeed keeps its own fp32 partitions and saves optimizer state with torch.save of plain tensors;
             # it has no 8-bit Adam of its own (its 1-bit Adam compresses communication, not state).

@@ -27,7 +27,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from bigclip import optim
 from bigclip.dist import World
 from bigclip.engine.base import StateBytes, TorchOptimizerEngine
 from bigclip.engine.config import EngineConfig, ModelSize
@@ -140,8 +139,9 @@ class FSDPEngine(TorchOptimizerEngine):
             )
 
         self.model = self.module = model  # FSDP2 shards the model in place: no wrapper
-        self.optimizer = optim.create_optimizer(cfg.optimizer, optim.param_groups(model, cfg.optimizer.wd))
-        self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        # --optimizer-in-backward: FSDP2 runs a shard's hooks after its reduce-scatter; the shards of a gradient
+        # are summed over the shard group for the norm.
+        self._build_optimizer(model, norm_group=self.mesh.get_group("shard"))
         self.scaler = None
         if self.precision.loss_scaling:
             # Shards overflow independently; the sharded scaler agrees on "found inf" across ranks.

@@ -1,0 +1,215 @@
+"""--optimizer-in-backward: each parameter's optimizer step runs inside the backward, as soon as its gradient is
+final (synchronised across ranks), and the gradient is freed right after, so the full set of gradients never
+exists: at most about one transformer block's gradients are alive at any moment (ViT-bigG-14: 5 GB of bf16
+gradients, or 10 GB of fp32 ones, become a few hundred MB).
+
+Each parameter has an optimizer of its own (as torch.distributed.optim's _apply_optimizer_in_backward and
+torchtitan's optimizers-in-backward do), built by the --opt registry over a group of one parameter with its
+group's hyperparameters; only optimizers whose update of a tensor reads nothing but that tensor's gradient and
+state may be used this way (OptimizerKind.steps_per_parameter). DCP saves the list as one FQN-keyed optimizer
+state, as it saves one optimizer.
+
+Where the gradient is final, per engine:
+
+- FSDP2 calls a sharded parameter's post-accumulate-grad hooks right after its reduce-scatter (and HSDP's
+  all-reduce across replicas): the hook steps the rank's shard.
+- DDP: DistributedDataParallel's reducer keeps a flat bucket copy of every gradient for the whole run, which
+  would keep the memory this exists to save, so the engine does not wrap the model in it. A parameter's hook
+  starts an asynchronous all-reduce of its gradient (divided by the world size first, as DDP does); when the
+  gradients in flight would exceed one block's bytes (less its largest tensor, so that with the gradient just
+  produced they stay within one block), the ones in flight are awaited, stepped and freed; the last ones at the
+  end of the backward.
+- one process: the hook steps at once.
+
+It is exactly the ordinary step (same arithmetic, one tensor at a time) where the ordinary step needs nothing
+but each tensor's own gradient. The config refuses the rest in one line (check_config): --accum-freq > 1 (the
+step would run after the first micro-batch), --grad-clip-norm (needs the global norm before any update), fp16
+loss scaling (needs every gradient checked for overflow first), and optimizers that read other tensors. A step
+whose gradients turn out non-finite (with a finite loss) cannot be skipped as the ordinary step skips it: its
+tensors were already updated when the norm is known, so the run stops with one line at the end of that step,
+before any checkpoint holds the result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from bigclip import optim
+from bigclip.engine.config import EngineConfig
+from bigclip.errors import UserError
+from bigclip.precision import resolve_precision
+
+FLAG = "--optimizer-in-backward"
+
+
+def check_config(cfg: EngineConfig) -> None:
+    """The rules of --optimizer-in-backward that hold under every engine (DeepSpeed refuses it on its own)."""
+    if not cfg.optimizer_in_backward:
+        return
+    if cfg.accum_freq > 1:
+        raise UserError(
+            f"{FLAG}: steps each parameter as soon as its gradient exists, so it cannot accumulate micro-batches "
+            f"(--accum-freq {cfg.accum_freq}); use one or the other"
+        )
+    if cfg.grad_clip_norm is not None:
+        raise UserError(
+            f"{FLAG}: --grad-clip-norm needs the global gradient norm before any parameter is updated; "
+            f"drop one of the two (the norm is still logged)"
+        )
+    device = torch.device("cuda" if cfg.device.startswith("cuda") and torch.cuda.is_available() else "cpu")
+    if resolve_precision(cfg.precision, device).loss_scaling:
+        raise UserError(
+            f"{FLAG}: --precision {cfg.precision} scales the loss (fp16), which needs every gradient checked for "
+            f"overflow before any update; use --precision amp_bf16, pure_bf16 or fp32"
+        )
+    if not optim.optimizer_kind(cfg.optimizer).steps_per_parameter:
+        raise UserError(
+            f"{FLAG}: --opt {cfg.optimizer.opt} is not known to update a tensor from its own gradient alone; "
+            f"use --opt adamw, stableadamw or adamw8bit"
+        )
+
+
+class PerParameterOptimizers:
+    """One optimizer per trainable parameter, each with its group's hyperparameters. Offers what the engine,
+    checkpoints (DCP takes an iterable of optimizers) and memory accounting use of one optimizer."""
+
+    def __init__(self, cfg: optim.OptimizerConfig, groups: list[dict]):
+        self.by_param: dict[torch.Tensor, torch.optim.Optimizer] = {}
+        self.groups = [({k: v for k, v in group.items() if k != "params"}, len(group["params"])) for group in groups]
+        index = 0
+        for group in groups:
+            hyperparameters = {k: v for k, v in group.items() if k != "params"}
+            for p in group["params"]:
+                optimizer = optim.create_optimizer(cfg, [{**hyperparameters, "params": [p]}])
+                optimizer.first_index = index  # stochastic rounding seeds as one optimizer over all would
+                self.by_param[p] = optimizer
+                index += 1
+
+    # Checkpoints hold the optimizer state as one optimizer over the model's groups would (DCP's FQN-keyed form:
+    # "state" by parameter name, "param_groups" with the names of their parameters), so a run resumes with or
+    # without --optimizer-in-backward from a checkpoint written either way.
+    def saved_state_dict(self, per_parameter: dict) -> dict:
+        """DCP's state dict of the per-parameter optimizers (one group each, in creation order) -> the groups."""
+        singles = iter(per_parameter["param_groups"])
+        grouped = []
+        for hyperparameters, size in self.groups:
+            members = [next(singles) for _ in range(size)]
+            first = members[0] if members else {}
+            grouped.append({**first, **({} if members else hyperparameters), "params": [
+                name for member in members for name in member["params"]
+            ]})  # fmt: skip
+        return {"state": per_parameter["state"], "param_groups": grouped}
+
+    @staticmethod
+    def loadable_state_dict(grouped: dict) -> dict:
+        """The groups' state dict -> one group per parameter, as set_state_dict expects for these optimizers."""
+        singles = [{**group, "params": [name]} for group in grouped["param_groups"] for name in group["params"]]
+        return {"state": grouped["state"], "param_groups": singles}
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        return iter(self.by_param.values())
+
+    def __len__(self) -> int:
+        return len(self.by_param)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for optimizer in self for group in optimizer.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for optimizer in self for p, s in optimizer.state.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def in_flight_budget(model: nn.Module) -> int:
+    """How many gradient bytes may wait for their all-reduce (DDP): the largest transformer block's trainable
+    parameters less its largest tensor, so that those in flight and the one just produced never exceed one
+    block's gradients."""
+    budgets = []
+    for block in model.transformer_blocks():
+        sizes = [_local(p).numel() * p.element_size() for p in block.parameters() if p.requires_grad]
+        budgets.append(sum(sizes) - max(sizes, default=0))
+    return max(budgets, default=0)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class StepInBackward:
+    """Post-accumulate-grad hooks that step each parameter's optimizer and free its gradient.
+
+    `average_over`: the process group whose gradients are averaged here (DDP without its reducer; None when the
+    gradient arrives final: one process, FSDP2). `norm_group`: the group whose ranks hold disjoint pieces of each
+    gradient, over which the squared norms are summed (FSDP2's shard group; None when each rank holds whole
+    gradients). `in_flight_bytes`: how many gradient bytes may wait for their all-reduce before they are stepped.
+    """
+
+    def __init__(
+        self,
+        optimizers: PerParameterOptimizers,
+        device: torch.device,
+        average_over=None,
+        norm_group=None,
+        in_flight_bytes: int = 0,
+    ):
+        self.optimizers = optimizers
+        self.device = device
+        self.average_over = average_over
+        self.norm_group = norm_group
+        self.in_flight_bytes = in_flight_bytes
+        self._in_flight: list[tuple[torch.Tensor, object]] = []
+        self._in_flight_total = 0
+        self._square_sum: torch.Tensor | None = None
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in optimizers.by_param]
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        if self.average_over is None:
+            self._step(param)
+            return
+        grad = param.grad
+        size = grad.numel() * grad.element_size()
+        if self._in_flight and self._in_flight_total + size > self.in_flight_bytes:
+            self.finish_backward()
+        grad.div_(dist.get_world_size(self.average_over))  # before the sum, as DDP does: no overflow
+        work = dist.all_reduce(grad, group=self.average_over, async_op=True)
+        self._in_flight.append((param, work))
+        self._in_flight_total += size
+
+    def finish_backward(self) -> None:
+        """Await, step and free the gradients still in flight (the engine calls it after loss.backward())."""
+        for param, work in self._in_flight:
+            work.wait()
+            self._step(param)
+        self._in_flight.clear()
+        self._in_flight_total = 0
+
+    @torch.no_grad()
+    def _step(self, param: torch.Tensor) -> None:
+        grad = _local(param.grad)
+        square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        self._square_sum = square if self._square_sum is None else self._square_sum + square
+        self.optimizers.by_param[param].step()
+        param.grad = None
+
+    def take_norm(self) -> float:
+        """The global gradient norm of the step that just ran in the backward (0.0 when nothing was stepped)."""
+        total = self._square_sum if self._square_sum is not None else torch.zeros((), device=self.device)
+        self._square_sum = None
+        if self.norm_group is not None:
+            dist.all_reduce(total, group=self.norm_group)
+        return math.sqrt(float(total))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
