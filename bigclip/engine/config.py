@@ -74,6 +74,13 @@ class EngineConfig:
         aliases=["--ds_config", "--deepspeed_config", "--deepspeed-config"],
         metavar="FILE",
     )
+    zero_nvme_path: str | None = flag(
+        None,
+        "Folder on a local NVMe drive where DeepSpeed ZeRO-Infinity swaps parameters and optimizer state: fills "
+        '"nvme_path": "auto" in --ds_config (ds_configs/zero3_nvme.json); new in bigclip.',
+        DIST,
+        metavar="DIR",
+    )
     deepspeed: bool = flag(
         False, "Use the DeepSpeed engine (DeepSpeed's own flag; ZeRO-2 unless --ds_config says otherwise).", DIST
     )

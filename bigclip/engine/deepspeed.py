@@ -177,6 +177,8 @@ class DeepSpeedEngine(Engine):
                 "--optimizer-in-backward: DeepSpeed steps its flattened partitions after the whole backward; "
                 "use --engine fsdp (steps each shard after its reduce-scatter) or --engine ddp"
             )
+        if dsc.offloads_to_nvme(ds):
+            _check_async_io(cfg.ds_config or "the default DeepSpeed config")
         if optimizer_kind(cfg.optimizer).quantized_state:
             # DeepSpeed keeps its own fp32 partitions and saves optimizer state with torch.save of plain tensors;
             # it has no 8-bit Adam of its own (its 1-bit Adam compresses communication, not state).
@@ -200,12 +202,13 @@ class DeepSpeedEngine(Engine):
             for what, on in (("optimizer", dsc.offloads_optimizer(ds)), ("parameters", dsc.offloads_params(ds)))
             if on
         ]
-        setup = "zero3_offload" if stage == 3 and offload else f"zero{stage}"
+        nvme = dsc.offloads_to_nvme(ds)
+        setup = ("zero3_nvme" if nvme else "zero3_offload") if stage == 3 and offload else f"zero{stage}"
         line = (
             f"deepspeed: ZeRO stage {stage} over {world.world_size} rank(s) ({cfg.ds_config or 'the default config'})"
         )
         if offload:
-            line += f", {' and '.join(offload)} offloaded to host memory"
+            line += f", {' and '.join(offload)} offloaded to " + ("NVMe (ZeRO-Infinity)" if nvme else "host memory")
         if stage == 3:
             built = (
                 "on meta, initialised shard by shard"
@@ -229,6 +232,7 @@ class DeepSpeedEngine(Engine):
             "zero2": setup(lambda psi, n, w: w * psi + (12 + w) * psi / n),  # gradients partitioned too
             "zero3": setup(lambda psi, n, w: (12 + 2 * w) * psi / n),  # everything partitioned
             "zero3_offload": setup(lambda psi, n, w: 0.0),  # all of it in host memory: GPU buffers only
+            "zero3_nvme": setup(lambda psi, n, w: 0.0),  # all of it swapped to NVMe: GPU buffers only
         }
 
     @classmethod
@@ -236,6 +240,8 @@ class DeepSpeedEngine(Engine):
         return [
             "zero3_offload keeps weights, gradients and Adam state in host memory (16Ψ/N bytes per "
             "rank there); its GPU column is working buffers only.",
+            "zero3_nvme (ZeRO-Infinity) swaps weights and Adam state to NVMe files (16Ψ/N bytes per rank "
+            "there); host and GPU hold working buffers only.",
             "zero1 is the ZeRO paper's stage 1 (full gradients), which DeepSpeed holds while it "
             "accumulates over --accum-freq micro-batches; with --accum-freq 1 it reduces gradients into "
             "partitions during backward and measures like zero2.",
@@ -375,3 +381,15 @@ class DeepSpeedEngine(Engine):
 
     def state_bytes(self) -> dict[str, int]:
         return tensor_bytes(self.model, self.ds.optimizer)
+
+
+def _check_async_io(path: str) -> None:
+    """ZeRO-Infinity reads and writes its swap files through DeepSpeed's async_io op, built (JIT, on first use)
+    against libaio: without libaio's headers and library DeepSpeed would fail deep inside its first swap."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise UserError(
+            f"{path}: offloads to NVMe, which needs DeepSpeed's async_io op and so libaio "
+            f"(Debian/Ubuntu: apt-get install libaio-dev; RHEL: yum install libaio-devel)"
+        )

@@ -10,6 +10,7 @@ for bigclip may leave the values bigclip already knows to bigclip:
     bf16.enabled / fp16.enabled      --precision (amp on CPU, amp_bf16, bf16 -> bf16; GPU amp, fp16 -> fp16)
     optimizer.params.*               --lr, --beta1/--beta2 (betas), --eps, --wd
     zero_optimization.*bucket*, stage3_param_persistence_threshold   from the model's width
+    zero_optimization.offload_param.nvme_path   --zero-nvme-path (ZeRO-Infinity; the folder must be writable)
 
 An explicit value that contradicts the run (e.g. train_micro_batch_size_per_gpu 32 with --batch-size 64)
 stops the run before any work with one line naming both. bigclip's --lr-scheduler drives the learning rate
@@ -208,6 +209,15 @@ def resolve_flags(cfg: EngineConfig, device_type: str, raw: dict[str, Any] | Non
     zero = ds.setdefault("zero_optimization", {})
     if not isinstance(zero, dict) or zero.get("stage", 0) not in (0, 1, 2, 3):
         raise UserError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3")
+    _fill_nvme_paths(zero, cfg, path)
+    if offloads_to_nvme(ds) and device_type == "cpu" and not bf16:
+        # zero.Init(dtype=...) takes the accelerator's default instead when the accelerator has no fp16, so the
+        # CPU accelerator's parameter swapper keeps float32 weights as bf16 (measured: the losses drift from
+        # ZeRO-3 offload's); with bf16 weights that is what they are anyway.
+        raise UserError(
+            f"{path}: parameters swapped to NVMe on the CPU accelerator are stored in bf16 by DeepSpeed whatever "
+            f"--precision {cfg.precision} keeps; use --precision amp or amp_bf16 (DeepSpeed bf16) for ZeRO-Infinity"
+        )
     ds.setdefault("steps_per_print", 10**9)  # bigclip logs progress itself
     ds.setdefault("wall_clock_breakdown", False)
     return ds
@@ -280,6 +290,52 @@ def _fill_optimizer(section: dict, cfg: EngineConfig, path: str) -> None:
     _fill(params, "weight_decay", hp["wd"], "optimizer.params.weight_decay", f"--wd {hp['wd']}", path, _close)
     if kind == "adam":
         params.setdefault("adam_w_mode", True)  # OpenCLIP's AdamW: decoupled weight decay
+
+
+def _fill_nvme_paths(zero: dict[str, Any], cfg: EngineConfig, path: str) -> None:
+    """ZeRO-Infinity's parameter swap folder: "auto" is --zero-nvme-path; the folder must exist and be writable,
+    and DeepSpeed swaps parameters to NVMe only at stage 3. Optimizer state on NVMe is refused (see below)."""
+    for section in ("offload_param", "offload_optimizer"):
+        offload = zero.get(section) or {}
+        if offload.get("device") != "nvme":
+            continue
+        where = f"zero_optimization.{section}.nvme_path"
+        if section == "offload_optimizer":
+            # engine.load_checkpoint skips the ZeRO optimizer file when the optimizer is swapped to NVMe and copies
+            # back only the swap files: Adam's step counts, and every sub-group under aio's 1 MiB minimum (never
+            # swapped), restart from scratch. Measured with DeepSpeed 0.19.8: the second step after a resume
+            # differs from the uninterrupted run's (the first already does for small sub-groups).
+            raise UserError(
+                f'{path}: zero_optimization.offload_optimizer.device "nvme": DeepSpeed cannot resume the '
+                f"checkpoints it writes so (its load restarts Adam's step counts); offload the optimizer to "
+                f'"cpu" and the parameters to "nvme", as ds_configs/zero3_nvme.json does'
+            )
+        if zero.get("stage", 0) != 3:
+            raise UserError(
+                f'{path}: zero_optimization.{section}.device is "nvme" but ZeRO-Infinity swaps to NVMe only '
+                f'at zero_optimization.stage 3 (this file: {zero.get("stage", 0)}); use stage 3 or device "cpu"'
+            )
+        if offload.get("nvme_path", AUTO) == AUTO:
+            if not cfg.zero_nvme_path:
+                raise UserError(
+                    f'{path}: {where} is "auto"; pass --zero-nvme-path DIR (a folder on a local NVMe drive) or '
+                    f"write the folder into the file"
+                )
+            offload["nvme_path"] = cfg.zero_nvme_path
+        elif cfg.zero_nvme_path and offload["nvme_path"] != cfg.zero_nvme_path:
+            raise UserError(
+                f"{path}: {where} is {json.dumps(offload['nvme_path'])} but --zero-nvme-path says "
+                f'{json.dumps(cfg.zero_nvme_path)}; make them agree or set it to "auto"'
+            )
+        folder = offload["nvme_path"]
+        if not (isinstance(folder, str) and os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)):
+            source = f"--zero-nvme-path {folder}" if folder == cfg.zero_nvme_path else f"{path}: {where} {folder!r}"
+            raise UserError(f"{source}: not a writable folder; create it (on a local NVMe drive) or name another")
+
+
+def offloads_to_nvme(ds: dict[str, Any]) -> bool:
+    zero = ds.get("zero_optimization", {})
+    return any((zero.get(s) or {}).get("device") == "nvme" for s in ("offload_param", "offload_optimizer"))
 
 
 def stage(ds: dict[str, Any]) -> int:
