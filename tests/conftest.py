@@ -1,8 +1,9 @@
 """Suite-wide set-up: DeepSpeed's C++ ops are built in the machine's idle time.
 
-In a fresh environment DeepSpeed JIT-builds two ops on first use: its shared-memory collectives
-(deepspeed_shm_comm, ~30 s, the first DeepSpeed run) and CPU Adam (cpu_adam, ~45 s,
-ds_configs/zero3_offload.json). When the session runs DeepSpeed tests, both are built from the start in a
+In a fresh environment DeepSpeed JIT-builds three ops on first use: its shared-memory collectives
+(deepspeed_shm_comm, ~30 s, the first DeepSpeed run), CPU Adam (cpu_adam, ~45 s, ds_configs/zero3_offload.json)
+and async I/O with its pinned-memory helper (async_io + pin_memory, ~2 min, ds_configs/zero3_nvme.json). When
+the session runs DeepSpeed tests, all three are built from the start in a
 process at a lower CPU priority (nice 5), so the compiler mostly uses cores the tests leave idle (single-process
 runs, waits on timeouts and requeues) instead of running inside a test. Not the lowest priority: beside other
 CPU-bound work at normal priority (a contributor's laptop) a nice-19 build got under 1% of a core and never
@@ -19,8 +20,10 @@ import sys
 
 _BUILD_OPS = """
 from deepspeed.accelerator import get_accelerator
-for name in ("ShareMemCommBuilder", "CPUAdamBuilder"):
-    get_accelerator().create_op_builder(name).load()
+for name in ("ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder"):
+    builder = get_accelerator().create_op_builder(name)
+    if builder.is_compatible():  # async_io needs libaio (.ci/run installs it)
+        builder.load()
 """
 _WAIT_S = 900  # an unfinished build would leave torch's lock behind: let it finish
 

@@ -67,7 +67,7 @@ class EngineConfig:
     )
     ds_config: str | None = flag(
         None,
-        "DeepSpeed JSON config (ds_configs/zero{1,2,3}.json, zero3_offload.json); "
+        "DeepSpeed JSON config (ds_configs/zero{1,2,3}.json, zero3_offload.json, zero3_nvme.json); "
         '"auto" values are filled from bigclip\'s flags. Selects --engine '
         "deepspeed.",
         DIST,
