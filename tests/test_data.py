@@ -478,3 +478,15 @@ def test_validation_count_is_checked_against_val_num_samples(caplog):
         assert "validation:" not in caplog.text
         _check_val_count(9, val, 12, World())
     assert "9 samples evaluated and 2 skipped as unusable, but --val-num-samples is 12" in caplog.text
+
+
+def test_the_default_worker_count_fits_the_cpus_and_draws_no_pytorch_warning():
+    from bigclip.data.config import DataConfig
+    from bigclip.data.workers import worker_loader
+
+    workers = DataConfig().workers
+    assert workers == min(4, len(os.sched_getaffinity(0)))  # OpenCLIP's 4, unless this process has fewer CPUs
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        worker_loader(list(range(8)), workers, batch_size=2)
+    assert not [w for w in caught if "worker" in str(w.message)], [str(w.message) for w in caught]

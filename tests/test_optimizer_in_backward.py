@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import subprocess
+import sys
 
 import pytest
-from helpers import TINY_SYNTHETIC, step_losses
+from helpers import REPO, TINY_SYNTHETIC, step_losses, subprocess_env
 from test_engine_multiprocess import run_worker
 
 from bigclip import cli
@@ -86,3 +90,25 @@ def test_a_run_resumes_exactly_with_or_without_the_flag_from_a_checkpoint_writte
     ]:
         resume = os.path.join(tmp_path, checkpoint, "checkpoints", "epoch_1")
         assert run(name, "--resume", resume, *flags) == later, name
+
+
+@pytest.mark.slow
+def test_the_giant_on_small_benchmark_reports_its_rows(tmp_path):
+    """bench/giant_on_small.py at toy size (its bigG run takes most of an hour): its JSON rows carry every figure."""
+    rows_file = tmp_path / "rows.json"
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "giant_on_small.py"), "--models", "test-tiny", "--setups",
+         "bf16_adamw8bit", "bf16_adamw8bit_in_backward", "--steps", "2", "--json", str(rows_file)],
+        capture_output=True, text=True, timeout=900, env=subprocess_env(),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(rows_file.read_text())
+    assert [r["setup"] for r in rows] == ["bf16_adamw8bit", "bf16_adamw8bit_in_backward"]
+    for row in rows:
+        assert row.keys() >= {"model", "setup", "steps", "losses", "state_bytes_per_param", "peak_gb_per_rank",
+                              "peak_gb_machine", "s_per_step"}  # fmt: skip
+        assert row["steps"] == 2 and all(math.isfinite(x) for x in row["losses"]) and row["weights_changed"]
+        assert 0 < row["peak_gb_per_rank"] and row["s_per_step"] > 0
+    # gradients are not kept after the backward: 2 bytes per parameter less (bf16), to the largest block's
+    lean, leaner = (r["state_bytes_per_param"] for r in rows)
+    assert 1.8 < lean - leaner <= 2.0, (lean, leaner)

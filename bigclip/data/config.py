@@ -7,6 +7,7 @@ detection of --dataset-type auto, the upsampling factors and the shard lists all
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,19 @@ from bigclip.data.transforms import INTERPOLATIONS, RESIZE_MODES
 from bigclip.flag_fields import DATA, EVAL, flag, non_negative_int, optional, positive_int
 from bigclip.registry import Registry
 from bigclip.storage_options import parse_storage_options
+
+OPENCLIP_WORKERS = 4
+
+
+def default_workers() -> int:
+    """--workers' default: OpenCLIP's 4, but no more than the CPUs this process may run on (a 2-core machine
+    otherwise gets PyTorch's warning that 4 workers exceed its suggested maximum, and slower loading)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or OPENCLIP_WORKERS
+    return min(OPENCLIP_WORKERS, cpus)
+
 
 # --dataset-type NAME -> a data/sources.py DataSource; each kind's module registers itself (data/factory.py
 # imports them). Created here, with the flag that names it.
@@ -60,7 +74,13 @@ class DataConfig:
     train_data_upsampling_factors: str | None = flag(
         None, "Per-source sampling weights a::b for the '::' sources of --train-data (with --dataset-resampled).", DATA
     )
-    workers: int = flag(4, "Data loader workers per process.", DATA, check=non_negative_int)
+    workers: int = flag(
+        default_workers(),
+        f"Data loader workers per process (OpenCLIP's default {OPENCLIP_WORKERS}, or the CPUs this process may use "
+        f"when fewer: more workers than CPUs only contend).",
+        DATA,
+        check=non_negative_int,
+    )
     image_mean: list[float] | None = flag(None, "Override the image normalisation mean.", DATA, nargs="+", type=float)
     image_std: list[float] | None = flag(None, "Override the image normalisation std.", DATA, nargs="+", type=float)
     image_interpolation: str | None = flag(None, "bicubic, bilinear or random.", DATA, choices=INTERPOLATIONS)

@@ -34,6 +34,11 @@ class DDPEngine(TorchOptimizerEngine):
 
     @classmethod
     def describe_plan(cls, cfg: EngineConfig, world: World, num_params: int) -> tuple[str, str]:
+        if cfg.optimizer_in_backward:
+            return cls.name, (
+                f"ddp: the whole model and its optimizer state on each of {world.world_size} rank(s); each "
+                f"parameter stepped in the backward once its gradient is all-reduced (no gradients kept)"
+            )
         return cls.name, f"ddp: the whole model, its gradients and AdamW state on each of {world.world_size} rank(s)"
 
     @classmethod

@@ -106,6 +106,8 @@ class FSDPEngine(TorchOptimizerEngine):
             layout = f"HSDP: {replicas} replicas, each sharded over {world.world_size // replicas} rank(s)"
         init = "on meta, initialised shard by shard" if wants_sharded_init(cfg, num_params) else "whole, then sharded"
         extra = ", shards offloaded to host memory" if cfg.fsdp_offload_cpu else ""
+        if cfg.optimizer_in_backward:
+            extra += ", each shard stepped after its reduce-scatter (no gradients kept)"
         return cls.name, f"fsdp2: fully_shard per transformer block, then the root; {layout}; model built {init}{extra}"
 
     def __init__(self, cfg: EngineConfig, model: nn.Module, world: World):

@@ -1,0 +1,262 @@
+"""Giant towers on a small machine: ViT-bigG-14 trained by 2 FSDP2 ranks on one 24 GB, 2-core CPU machine.
+
+    python bench/giant_on_small.py                                   # the bigG demonstration
+    python bench/giant_on_small.py --models ViT-H-14 ViT-bigG-14 --json rows.json
+
+Each (model, setup) is its own `torchrun` launch of 2 ranks (FSDP2, --grad-checkpointing, batch 1 per rank,
+random images and texts) through the pieces of a training run (build_model on meta and sharded init,
+build_engine, the loop's forward_backward and optimizer step). The setups, leanest last:
+
+    fp32_adamw                 fp32 weights, gradients and AdamW moments: 16 bytes per parameter (today's FSDP,
+                               and what OpenCLIP's FSDP2 keeps)
+    bf16_adamw                 --precision pure_bf16: bf16 weights and gradients, AdamW moments in bf16, updates
+                               rounded stochastically into the weights: 8 bytes per parameter
+    bf16_adamw8bit             ... with --opt adamw8bit: 8-bit moments, 6 bytes per parameter
+    bf16_adamw8bit_in_backward ... with --optimizer-in-backward: no gradients kept, 4 bytes per parameter plus
+                               about one block's gradients
+
+A setup whose state alone (bytes per parameter x parameters) would not fit in 85% of the machine's available
+memory is not launched (printed as such). Measured per setup: the state bytes per parameter each rank holds after
+a backward (engine.state_bytes(): weights, gradients kept after the backward, optimizer state), each rank's peak
+resident memory (VmHWM), the machine's peak (used memory sampled every 0.2 s, above what was used before the
+launch), seconds per step (median of the steps after the first), the losses, and whether the weights changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GB = 1e9
+SETUPS = {
+    "fp32_adamw": ({"precision": "fp32", "opt": "adamw"}, 16),
+    "bf16_adamw": ({"precision": "pure_bf16", "opt": "adamw"}, 8),
+    "bf16_adamw8bit": ({"precision": "pure_bf16", "opt": "adamw8bit"}, 6),
+    "bf16_adamw8bit_in_backward": ({"precision": "pure_bf16", "opt": "adamw8bit", "optimizer_in_backward": True}, 4),
+}
+FIT_SHARE = 0.85
+
+
+# ------------------------------------------------------------------------------------------- worker side
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from bigclip.build import build_engine, build_loss_fn, build_model
+    from bigclip.config import resolve
+    from bigclip.dist import init_distributed, shutdown
+    from bigclip.engine.memory import peak_rss_bytes
+    from bigclip.loop import forward_backward, optimizer_step
+    from bigclip.model import create_model, get_model_config
+
+    world = init_distributed("cpu")
+    flags, _ = SETUPS[args.setup]
+    cfg = resolve(
+        {
+            "model": args.model,
+            "dataset_type": "synthetic",
+            "engine": "fsdp",
+            "batch_size": args.batch_size,
+            "grad_checkpointing": True,
+            "lr": 1e-4,
+            "warmup": 1,
+            "workers": 0,
+            **flags,
+        }
+    )
+    arch = get_model_config(cfg.model)
+    size, context = arch["vision_cfg"]["image_size"], arch["text_cfg"]["context_length"]
+    vocab = arch["text_cfg"].get("vocab_size", 49408)
+    torch.manual_seed(0)
+    run = cfg.sections
+    model = build_model(run.model, run.engine, world, functools.partial(create_model, cfg.model))
+    engine = build_engine(run.engine, model, world)
+    loss_fn = build_loss_fn(run.loss, world)
+    engine.train()
+    params = sum(p.numel() for p in engine.model.parameters())  # global shapes (DTensors)
+    before = _checksum(engine)
+    g = torch.Generator().manual_seed(world.rank)
+    losses, times, state = [], [], None
+    for step in range(args.steps):
+        engine.set_lr(1e-4)
+        images = torch.randn(cfg.batch_size, 3, size, size, generator=g).to(engine.precision.param_dtype)
+        texts = torch.randint(1, vocab - 1, (cfg.batch_size, context), generator=g)
+        start = time.perf_counter()
+        loss, _ = forward_backward(engine, loss_fn, [(images, texts)], world)
+        if step == 1:  # after a backward (what the ordinary step keeps until it steps), with optimizer state
+            counting = time.perf_counter()
+            state = engine.state_bytes()
+            start += time.perf_counter() - counting
+        optimizer_step(engine)
+        times.append(time.perf_counter() - start)
+        losses.append(loss)
+        print(f"rank {world.rank} step {step}: loss {loss:.4f}, {times[-1]:.1f} s", flush=True)
+    out = {
+        "rank": world.rank,
+        "params": params,
+        "state": state,
+        "peak_rss": peak_rss_bytes(),
+        "losses": losses,
+        "s_per_step": sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0],
+        "weights_changed": _checksum(engine) != before,
+    }
+    gathered = [None] * world.world_size
+    dist.all_gather_object(gathered, out)
+    if world.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    shutdown()
+
+
+def _checksum(engine) -> float:
+    import torch
+
+    with torch.no_grad():
+        return sum(float(getattr(p, "_local_tensor", p).double().sum()) for p in engine.model.parameters())
+
+
+# ------------------------------------------------------------------------------------------- driver side
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _meminfo() -> dict[str, int]:
+    with open("/proc/meminfo") as f:
+        return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+
+
+def _used() -> int:
+    info = _meminfo()
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+class MachinePeak:
+    """The machine's used memory, sampled in a thread while a launch runs, above what was used before it."""
+
+    def __init__(self, every_s: float = 0.2):
+        self.baseline = _used()
+        self.peak = 0
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.peak = max(self.peak, _used() - self.baseline)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def launch(model: str, setup: str, args) -> tuple[list[dict] | str, int]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+               os.path.abspath(__file__), "--worker", "--model", model, "--setup", setup, "--steps", str(args.steps),
+               "--batch-size", str(args.batch_size), "--out", out]  # fmt: skip
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": REPO,
+            "MALLOC_MMAP_THRESHOLD_": str(4 << 20),  # freed tensors leave the process: RSS follows live memory
+        }
+        with MachinePeak() as machine:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+        if proc.returncode != 0:
+            lines = proc.stderr.splitlines()
+            lines = [x for x in lines if x.startswith("[rank") and "Error" in x] or [x for x in lines if "Error" in x]
+            lines = lines or [f"signal {-proc.returncode}" if proc.returncode < 0 else "?"]
+            return f"failed (exit {proc.returncode}): {lines[-1][:200]}", machine.peak
+        with open(out) as f:
+            return json.load(f), machine.peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["ViT-bigG-14"])
+    p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=1, help="per rank")
+    p.add_argument("--json", metavar="FILE", help="write every figure as a list of rows")
+    p.add_argument("--timeout", type=int, default=3600)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--setup", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+
+    sys.path.insert(0, REPO)
+    from bigclip.plan import model_facts
+
+    available = _meminfo()["MemAvailable"]
+    total = _meminfo()["MemTotal"]
+    print(f"# 2 FSDP2 ranks, --grad-checkpointing, batch {args.batch_size} per rank, {args.steps} steps; machine: "
+          f"{total / GB:.1f} GB, {available / GB:.1f} GB available, {os.cpu_count()} CPUs\n")  # fmt: skip
+    print("| model | setup | state B/param (measured) | peak GB per rank | peak GB machine | s/step | losses | "
+          "weights changed |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---|---|")
+    rows = []
+    for model in args.models:
+        psi = model_facts(model).params
+        for setup in args.setups:
+            state_per_param = SETUPS[setup][1]
+            if state_per_param * psi > FIT_SHARE * available:
+                print(f"| {model} | {setup} | ({state_per_param}) | does not fit: {state_per_param * psi / GB:.1f} GB "
+                      f"of state, {available / GB:.1f} GB available | | | | |", flush=True)  # fmt: skip
+                continue
+            result, machine_peak = launch(model, setup, args)
+            if isinstance(result, str):
+                print(f"| {model} | {setup} | | {result} | {machine_peak / GB:.1f} | | | |", flush=True)
+                continue
+            state = sum(r["state"]["total"] for r in result)
+            row = {
+                "model": model,
+                "setup": setup,
+                "steps": len(result[0]["losses"]),
+                "losses": result[0]["losses"],
+                "state_bytes_per_param": state / result[0]["params"],
+                "peak_gb_per_rank": max(r["peak_rss"] for r in result) / GB,
+                "peak_gb_machine": machine_peak / GB,
+                "s_per_step": max(r["s_per_step"] for r in result),
+                "weights_changed": all(r["weights_changed"] for r in result),
+            }
+            rows.append(row)
+            losses = ", ".join(f"{x:.3f}" for x in row["losses"])
+            print(
+                f"| {model} | {setup} | {row['state_bytes_per_param']:.2f} | {row['peak_gb_per_rank']:.1f} | "
+                f"{row['peak_gb_machine']:.1f} | {row['s_per_step']:.1f} | {losses} | {row['weights_changed']} |",
+                flush=True,
+            )
+            if args.json:  # after every row: a launch that fails later still leaves the rows before it
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
+        # what OpenCLIP keeps for the same model: fp32 weights, gradients and AdamW moments
+        print(
+            f"\n{model}: {psi / 1e9:.2f}B parameters; OpenCLIP's fp32 state: DDP {16 * psi / GB:.1f} GB per rank "
+            f"({2 * 16 * psi / GB:.1f} GB for 2 ranks), FSDP2 {16 * psi / 2 / GB:.1f} GB per rank of 2\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
