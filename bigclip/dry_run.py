@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from bigclip import plan
 from bigclip.dist import World, describe_world
-from bigclip.engine import EngineConfig, describe_plan
+from bigclip.engine import EngineConfig, StateRecipe, describe_plan
 from bigclip.model.config import ModelConfig
 
 
 def _memory_lines(cfg: EngineConfig, world: World, setup: str, facts: plan.ModelFacts) -> list[str]:
-    precision = "fp32" if cfg.precision == "fp32" else "amp"
-    state = plan.state_bytes(setup, facts.params, world.world_size, precision, facts)
+    recipe = StateRecipe(cfg.precision, cfg.optimizer.opt, cfg.optimizer_in_backward)
+    state = plan.state_bytes(setup, facts.params, world.world_size, recipe, facts) or 0.0
     activations = plan.activation_bytes(facts, cfg.batch_size, cfg.grad_checkpointing)
     total = state + activations + plan.OVERHEAD_BYTES
     gib = plan.GiB
     return [
-        f"memory per GPU ({setup}, precision {precision}, {world.world_size} rank(s), micro-batch {cfg.batch_size}"
+        f"memory per GPU ({setup}, {recipe.describe()}, {world.world_size} rank(s), micro-batch {cfg.batch_size}"
         f"{', --grad-checkpointing' if cfg.grad_checkpointing else ''}): state {state / gib:.1f} GiB + activations "
         f"{activations / gib:.1f} GiB + {plan.OVERHEAD_BYTES / gib:.0f} GiB reserved = {total / gib:.1f} GiB"
         + (f" + the {facts.uncounted}'s activations, not estimated" if facts.uncounted else ""),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bigclip.engine import ModelSize, memory_notes, memory_setups
+from bigclip.engine import ModelSize, StateRecipe, memory_notes, memory_setups
 from bigclip.engine import state_bytes as engine_state_bytes
 from bigclip.errors import OneLineErrorParser
 from bigclip.model import create_model
@@ -51,9 +51,12 @@ def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
     )
 
 
-def state_bytes(setup: str, psi: int, n: int, precision: str = "amp", facts: ModelSize | None = None) -> float:
-    """Parameters + gradients + optimizer state per GPU (bytes): the engine's own memory model for `setup`."""
-    return engine_state_bytes(setup, psi, n, precision, facts)
+def state_bytes(
+    setup: str, psi: int, n: int, recipe: StateRecipe | str = "amp", facts: ModelSize | None = None
+) -> float | None:
+    """Parameters + gradients + optimizer state per GPU (bytes): the engine's own memory model for `setup` (None
+    where that engine cannot keep the state as `recipe` says)."""
+    return engine_state_bytes(setup, psi, n, recipe, facts)
 
 
 def activation_bytes(facts: ModelFacts, batch: int, checkpointing: bool) -> float:
@@ -66,23 +69,76 @@ def activation_bytes(facts: ModelFacts, batch: int, checkpointing: bool) -> floa
 
 
 def max_batch(
-    facts: ModelFacts, engine: str, n: int, gpu_bytes: float, checkpointing: bool, precision: str = "amp"
+    facts: ModelFacts, engine: str, n: int, gpu_bytes: float, checkpointing: bool, recipe: StateRecipe | str = "amp"
 ) -> int | None:
-    """The largest micro-batch per GPU that fits; None when a tower's activations are not counted."""
-    if facts.uncounted:
+    """The largest micro-batch per GPU that fits; None when a tower's activations are not counted or the setup
+    cannot keep the state as `recipe` says."""
+    state = state_bytes(engine, facts.params, n, recipe, facts)
+    if facts.uncounted or state is None:
         return None
-    free = gpu_bytes - OVERHEAD_BYTES - state_bytes(engine, facts.params, n, precision, facts)
+    free = gpu_bytes - OVERHEAD_BYTES - state
     per_sample = activation_bytes(facts, 1, checkpointing)
     return max(0, math.floor(free / per_sample))
+
+
+# The recipes `bigclip plan --gpu-mem` weighs against each other: every precision's weights, AdamW or 8-bit
+# moments, gradients kept or stepped in the backward.
+RECIPES = tuple(
+    StateRecipe(precision, opt, in_backward)
+    for precision in ("fp32", "amp", "pure_bf16")
+    for opt in ("adamw", "adamw8bit")
+    for in_backward in (False, True)
+)
+
+
+def fitting_setups(facts: ModelFacts, n: int, gpu_bytes: float, batch: int) -> list[tuple[float, str, StateRecipe]]:
+    """(state bytes, setup, recipe) of every setup on the GPU that fits `batch` samples per GPU with
+    --grad-checkpointing, most state first; offload setups (whose GPU holds buffers only) are left out."""
+    if facts.uncounted:
+        return []
+    room = gpu_bytes - OVERHEAD_BYTES - activation_bytes(facts, batch, True)
+    fits = []
+    for setup in memory_setups():
+        if "offload" in setup or "nvme" in setup:
+            continue
+        for recipe in RECIPES:
+            state = state_bytes(setup, facts.params, n, recipe, facts)
+            if state is not None and state <= room:
+                fits.append((state, setup, recipe))
+    return sorted(fits, key=lambda fit: -fit[0])
 
 
 def _gb(x: float) -> str:
     return f"{x / GiB:.1f}"
 
 
+def _fit_lines(facts: ModelFacts, n: int, gpu_mem: list[float], batch: int) -> list[str]:
+    lines = []
+    for mem in gpu_mem:
+        fits = fitting_setups(facts, n, mem * 1e9, batch)
+        where = f"{batch} samples per GPU with --grad-checkpointing on {n} GPUs of {mem:g} GB"
+        if facts.uncounted:
+            lines.append(f"{where}: not estimated (the {facts.uncounted}'s activations are not counted)")
+        elif not fits:
+            lines.append(f"{where}: no setup fits without offloading to host memory or NVMe")
+        else:
+            (most, setup, recipe), (least, lean_setup, lean_recipe) = fits[0], fits[-1]
+            lines.append(
+                f"{where}: the setup that keeps the most state and fits is {setup} ({recipe.describe()}: "
+                f"{_gb(most)} GiB of state); the leanest is {lean_setup} ({lean_recipe.describe()}: {_gb(least)} GiB)"
+            )
+    return lines
+
+
 def render(
-    models: list[str], gpus: list[int], gpu_mem: list[float], batch: int, precision: str, image_size: int | None = None
+    models: list[str],
+    gpus: list[int],
+    gpu_mem: list[float],
+    batch: int,
+    recipe: StateRecipe | str,
+    image_size: int | None = None,
 ) -> str:
+    recipe = StateRecipe(recipe) if isinstance(recipe, str) else recipe
     lines = []
     for name in models:
         facts = model_facts(name, image_size)
@@ -91,7 +147,7 @@ def render(
         lines += [
             f"## {name}: {facts.params / 1e9:.2f}B parameters (largest block "
             f"{facts.block_params / 1e6:.0f}M, outside blocks {facts.root_params / 1e6:.0f}M), "
-            f"precision {precision}",
+            f"{recipe.describe()}",
             "",
             f"Activations for {batch} samples per GPU: {_gb(act)} GiB, with --grad-checkpointing {_gb(act_ckpt)} GiB"
             + (f" (not counting the {facts.uncounted}: no batch size is suggested)." if facts.uncounted else "."),
@@ -110,15 +166,18 @@ def render(
         )
         lines += [header, "|" + "---|" * (1 + len(gpus) + len(gpu_mem))]
         for engine in memory_setups():
-            states = [_gb(state_bytes(engine, facts.params, n, precision, facts)) for n in gpus]
+            states = [state_bytes(engine, facts.params, n, recipe, facts) for n in gpus]
+            if states[0] is None:
+                lines.append(f"| {engine} | " + " | ".join("cannot" for _ in gpus + gpu_mem) + " |")
+                continue
             fits = []
             for mem in gpu_mem:
                 gpu_bytes = mem * 1e9
-                a = max_batch(facts, engine, gpus[0], gpu_bytes, False, precision)
-                b = max_batch(facts, engine, gpus[0], gpu_bytes, True, precision)
+                a = max_batch(facts, engine, gpus[0], gpu_bytes, False, recipe)
+                b = max_batch(facts, engine, gpus[0], gpu_bytes, True, recipe)
                 fits.append("n/a" if a is None else f"{a} / {b}")
-            lines.append(f"| {engine} | " + " | ".join(states) + " | " + " | ".join(fits) + " |")
-        lines.append("")
+            lines.append(f"| {engine} | " + " | ".join(_gb(x) for x in states) + " | " + " | ".join(fits) + " |")
+        lines += ["", *_fit_lines(facts, gpus[0], gpu_mem, batch), ""]
     for note in memory_notes():  # what each engine says about reading its rows
         lines += [note, ""]
     return "\n".join(lines).rstrip("\n")
@@ -130,8 +189,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gpus", nargs="+", type=int, default=[8, 64, 256, 1024])
     parser.add_argument("--gpu-mem", nargs="+", type=float, default=[40, 80], help="GB per GPU")
     parser.add_argument("--batch-size", type=int, default=32, help="micro-batch per GPU")
-    parser.add_argument("--precision", choices=("amp", "fp32"), default="amp")
+    parser.add_argument("--precision", choices=("amp", "amp_bf16", "fp32", "pure_bf16", "bf16"), default="amp")
+    parser.add_argument("--opt", choices=("adamw", "adamw8bit"), default="adamw", help="optimizer state to count")
+    parser.add_argument("--optimizer-in-backward", action="store_true", help="gradients are not kept until the step")
     parser.add_argument("--force-image-size", type=int, default=None)
     args = parser.parse_args(argv)
-    print(render(args.model, args.gpus, args.gpu_mem, args.batch_size, args.precision, args.force_image_size))
+    recipe = StateRecipe(args.precision, args.opt, args.optimizer_in_backward)
+    print(render(args.model, args.gpus, args.gpu_mem, args.batch_size, recipe, args.force_image_size))
     return 0

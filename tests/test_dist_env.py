@@ -90,7 +90,7 @@ def test_dry_run_prints_world_engine_and_memory_plan_and_trains_nothing(tmp_path
     assert lines[1] == "world: 1 rank(s) on 1 node(s), backend none, launched by single process"
     assert "model ViT-B-32: 151.3M parameters" in lines
     assert any(line.startswith("engine fsdp2:") and "built on meta" in line for line in lines)
-    assert any(line.startswith("memory per GPU (fsdp, precision amp, 1 rank(s), micro-batch 16)") for line in lines)
+    assert any(line.startswith("memory per GPU (fsdp, amp, adamw, 1 rank(s), micro-batch 16)") for line in lines)
     assert os.listdir(tmp_path) == []  # no run folder
 
 

@@ -13,6 +13,8 @@ from helpers import REPO, TINY_SYNTHETIC, step_losses, subprocess_env
 from test_engine_multiprocess import run_worker
 
 from bigclip import cli
+from bigclip.engine import StateRecipe
+from bigclip.model import create_model
 
 
 @pytest.mark.parametrize(
@@ -47,6 +49,8 @@ def test_steps_match_the_ordinary_step_and_at_most_one_block_of_gradients_is_ali
          "config": {**tiny, **in_backward, "engine": "fsdp"}},
         {"name": "fsdp_bf16_8bit", "steps": 6, "config": {**tiny, **bf16_8bit}},
         {"name": "fsdp_bf16_8bit_in_backward", "steps": 6, "config": {**tiny, **bf16_8bit, **in_backward}},
+        {"name": "ddp_bf16_8bit_in_backward", "steps": 3, "live_grads": True,
+         "config": {**tiny, **bf16_8bit, **in_backward, "engine": "ddp"}},
         {"name": "ddp_stableadamw_amp", "steps": 6, "config": {**tiny, "opt": "stableadamw", "precision": "amp_bf16"}},
         {"name": "ddp_stableadamw_amp_in_backward", "steps": 6,
          "config": {**tiny, "opt": "stableadamw", "precision": "amp_bf16", **in_backward}},
@@ -62,6 +66,28 @@ def test_steps_match_the_ordinary_step_and_at_most_one_block_of_gradients_is_ali
         assert stepped["norms"] == pytest.approx(runs[ordinary]["norms"], rel=norm_rel), ordinary
         assert stepped["state_bytes"]["optimizer"] == runs[ordinary]["state_bytes"]["optimizer"], ordinary
     assert runs["ddp"]["losses"][-1] < runs["ddp"]["losses"][0]
+
+    # The planner's bytes per parameter (StateRecipe), against the tensors counted one by one (DDP: whole tensors)
+    numels = [p.numel() for p in create_model("test-tiny").parameters()]
+    psi, counters = sum(numels), 4 * len(numels)  # each parameter's step count, a float32 scalar
+    for name, recipe in (("ddp", StateRecipe("fp32")), ("ddp_bf16_8bit_in_backward", StateRecipe("pure_bf16",
+                         "adamw8bit", True))):  # fmt: skip
+        run = runs[name]
+        assert run["state_bytes"]["params"] == recipe.weight_bytes * psi, name
+        assert run["grad_bytes"] == psi * (recipe.weight_bytes)  # what the backward produces, kept or not
+        kept = run["live_grad_peak_bytes"] if recipe.grad_bytes else 0
+        assert kept == recipe.grad_bytes * psi or recipe.in_backward, name
+        # 8-bit moments: the plan counts 2 x (1 byte + a float32 scale per 256 values); tensors under 4096 values
+        # (or not whole blocks) keep their moments in the weights' dtype and each quantized moment has a
+        # 256-entry float32 code map, which the plan leaves out (under 0.1% of a ViT-B-32's state)
+        small = sum(n for n in numels if n < 4096 or n % 256)
+        quantized = sum(1 for n in numels if n >= 4096 and n % 256 == 0)
+        slack = 0.0
+        if recipe.opt == "adamw8bit":
+            slack = (2 * recipe.weight_bytes - recipe.optimizer_bytes) * small + 2 * 256 * 4 * quantized
+        expected = recipe.optimizer_bytes * psi + slack
+        # plus each parameter's step count, a float32 scalar (not a storage of its own in every run)
+        assert expected <= run["state_bytes"]["optimizer"] <= expected + counters, name
 
     for engine in ("ddp", "fsdp"):
         ordinary, stepped = runs[engine], runs[f"{engine}_in_backward"]

@@ -25,7 +25,7 @@ from torch import nn
 from bigclip.dist import World
 from bigclip.engine import in_backward
 from bigclip.engine.base import Engine, StateBytes
-from bigclip.engine.config import DEFAULT_ENGINE, ENGINES, SHARDED_INIT_MODES, EngineConfig, ModelSize
+from bigclip.engine.config import DEFAULT_ENGINE, ENGINES, SHARDED_INIT_MODES, EngineConfig, ModelSize, StateRecipe
 from bigclip.engine.ddp import DDPEngine
 from bigclip.engine.deepspeed import DeepSpeedEngine
 from bigclip.engine.fsdp import FSDPEngine
@@ -80,12 +80,15 @@ def memory_notes() -> list[str]:
     return [note for _, cls in ENGINES.items() for note in cls.memory_notes()]
 
 
-def state_bytes(setup: str, psi: int, n: int, precision: str = "amp", size: ModelSize | None = None) -> float:
-    """Parameters + gradients + optimizer state per GPU (bytes) for Ψ = `psi` parameters on `n` ranks."""
+def state_bytes(
+    setup: str, psi: int, n: int, recipe: StateRecipe | str = "amp", size: ModelSize | None = None
+) -> float | None:
+    """Parameters + gradients + optimizer state per GPU (bytes) for Ψ = `psi` parameters on `n` ranks, kept as
+    `recipe` says (a --precision name alone: AdamW, gradients kept); None where the setup cannot run it."""
     models = memory_setups()
     if setup not in models:
         raise UserError(f"memory setup {setup!r}: choose one of {', '.join(models)}")
-    return models[setup](psi, n, precision, size)
+    return models[setup](psi, n, StateRecipe(recipe) if isinstance(recipe, str) else recipe, size)
 
 
 def apply_locks(model: nn.Module, cfg: EngineConfig) -> None:
@@ -124,6 +127,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "ModelSize",
+    "StateRecipe",
     "DDPEngine",
     "FSDPEngine",
     "DeepSpeedEngine",

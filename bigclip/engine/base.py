@@ -55,15 +55,16 @@ from bigclip import optim
 from bigclip.ckpt.dcp_layout import DCPLayout
 from bigclip.ckpt.layout import CheckpointLayout
 from bigclip.dist import World
-from bigclip.engine.config import EngineConfig, ModelSize
+from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
 from bigclip.engine.in_backward import PerParameterOptimizers, StepInBackward
 from bigclip.engine.memory import tensor_bytes
 from bigclip.errors import UserError
 from bigclip.precision import Precision, resolve_precision
 
 ParameterFix = Callable[[torch.Tensor], object]
-# (Ψ parameters, N data-parallel ranks, "amp" or "fp32", the model's block sizes or None) -> bytes per GPU
-StateBytes = Callable[[int, int, str, ModelSize | None], float]
+# (Ψ parameters, N data-parallel ranks, the state's recipe, the model's block sizes or None) -> bytes per GPU, or
+# None where the engine cannot run that recipe (DeepSpeed with 8-bit moments)
+StateBytes = Callable[[int, int, StateRecipe, ModelSize | None], float | None]
 
 
 class Engine(abc.ABC):

@@ -122,3 +122,41 @@ class ModelSize:
     params: int
     block_params: int  # the largest transformer block
     root_params: int  # parameters outside the blocks (embeddings, projections, norms, logit scale)
+
+
+# Optimizer state bytes per parameter of --opt adamw8bit: two 8-bit moments, each with a float32 scale per block of
+# 256 values (tensors under 4096 values keep float32 moments; not counted here).
+ADAMW8BIT_BYTES = 2 * (1 + 4 / 256)
+LOW_PRECISION_WEIGHTS = ("bf16", "pure_bf16", "fp16", "pure_fp16")
+
+
+@dataclass(frozen=True)
+class StateRecipe:
+    """What decides the training state's bytes per parameter besides the engine: the weights' dtype (--precision),
+    the optimizer's state (--opt) and whether gradients are kept until the step (--optimizer-in-backward)."""
+
+    precision: str = "amp"
+    opt: str = "adamw"
+    in_backward: bool = False
+
+    @property
+    def weight_bytes(self) -> int:
+        """fp32 weights (fp32, and amp's master copy), or 16-bit ones without a master copy (pure bf16/fp16)."""
+        return 2 if self.precision in LOW_PRECISION_WEIGHTS else 4
+
+    @property
+    def grad_bytes(self) -> int:
+        """Gradients held until the step, in the weights' dtype; none when each is stepped as it arrives."""
+        return 0 if self.in_backward else self.weight_bytes
+
+    @property
+    def optimizer_bytes(self) -> float:
+        """Adam's two moments: in the weights' dtype (torch's AdamW, bigclip's bf16 AdamW), or 8-bit."""
+        return ADAMW8BIT_BYTES if self.opt == "adamw8bit" else 2 * self.weight_bytes
+
+    @property
+    def per_param(self) -> float:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def describe(self) -> str:
+        return f"{self.precision}, {self.opt}" + (", optimizer in backward" if self.in_backward else "")

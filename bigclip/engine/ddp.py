@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from bigclip.dist import World
 from bigclip.engine import in_backward
 from bigclip.engine.base import StateBytes, TorchOptimizerEngine
-from bigclip.engine.config import EngineConfig
+from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
 from bigclip.errors import UserError
 
 
@@ -43,8 +43,13 @@ class DDPEngine(TorchOptimizerEngine):
 
     @classmethod
     def memory_models(cls) -> dict[str, StateBytes]:
-        # fp32 weights, gradients and Adam moments on every rank, whatever the precision (amp keeps fp32 weights)
-        return {cls.name: lambda psi, n, precision, size: 16 * psi}
+        def ddp(psi: int, n: int, recipe: StateRecipe, size: ModelSize | None) -> float:
+            # the whole state on every rank (amp keeps fp32 weights); stepped in the backward, at most one
+            # block's gradients are in flight
+            in_flight = recipe.weight_bytes * size.block_params if recipe.in_backward and size else 0
+            return recipe.per_param * psi + in_flight
+
+        return {cls.name: ddp}
 
     def __init__(self, cfg: EngineConfig, model: nn.Module, world: World):
         super().__init__(cfg, model, world)

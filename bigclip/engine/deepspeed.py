@@ -44,7 +44,7 @@ from bigclip.ckpt.layout import CheckpointLayout
 from bigclip.dist import World
 from bigclip.engine import ds_config as dsc
 from bigclip.engine.base import Engine, StateBytes, clip_and_measure
-from bigclip.engine.config import EngineConfig
+from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
 from bigclip.engine.memory import tensor_bytes
 from bigclip.engine.sharded_init import (
     build_for_sharding,
@@ -225,14 +225,19 @@ class DeepSpeedEngine(Engine):
         (DeepSpeed keeps a separate fp32 master even then)."""
 
         def setup(stage_bytes):  # stage_bytes(Ψ, N, working-copy bytes per parameter) -> bytes
-            return lambda psi, n, precision, size: stage_bytes(psi, n, 4 if precision == "fp32" else 2)
+            def state(psi: int, n: int, recipe: StateRecipe, size: ModelSize | None) -> float | None:
+                if recipe.opt == "adamw8bit" or recipe.in_backward:
+                    return None  # refused by check_config: DeepSpeed keeps its own fp32 Adam state and steps
+                return stage_bytes(psi, n, 4 if recipe.precision == "fp32" else 2)
+
+            return state
 
         return {
             "zero1": setup(lambda psi, n, w: 2 * w * psi + 12 * psi / n),  # full weights and gradients
             "zero2": setup(lambda psi, n, w: w * psi + (12 + w) * psi / n),  # gradients partitioned too
             "zero3": setup(lambda psi, n, w: (12 + 2 * w) * psi / n),  # everything partitioned
             "zero3_offload": setup(lambda psi, n, w: 0.0),  # all of it in host memory: GPU buffers only
-            "zero3_nvme": setup(lambda psi, n, w: 0.0),  # all of it swapped to NVMe: GPU buffers only
+            "zero3_nvme": setup(lambda psi, n, w: 0.0),  # weights on NVMe, the rest in host memory: GPU buffers
         }
 
     @classmethod
@@ -240,8 +245,8 @@ class DeepSpeedEngine(Engine):
         return [
             "zero3_offload keeps weights, gradients and Adam state in host memory (16Ψ/N bytes per "
             "rank there); its GPU column is working buffers only.",
-            "zero3_nvme (ZeRO-Infinity) swaps weights and Adam state to NVMe files (16Ψ/N bytes per rank "
-            "there); host and GPU hold working buffers only.",
+            "zero3_nvme (ZeRO-Infinity) swaps the 16-bit weights to NVMe files and keeps fp32 masters, gradients "
+            "and Adam state in host memory (as zero3_offload); the GPU holds working buffers only.",
             "zero1 is the ZeRO paper's stage 1 (full gradients), which DeepSpeed holds while it "
             "accumulates over --accum-freq micro-batches; with --accum-freq 1 it reduces gradients into "
             "partitions during backward and measures like zero2.",

@@ -29,7 +29,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from bigclip.dist import World
 from bigclip.engine.base import StateBytes, TorchOptimizerEngine
-from bigclip.engine.config import EngineConfig, ModelSize
+from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
 from bigclip.engine.memory import tensor_bytes
 from bigclip.engine.sharded_init import build_for_sharding, is_meta, materialise, wants_sharded_init
 from bigclip.engine.single import ensure_process_group
@@ -89,11 +89,13 @@ class FSDPEngine(TorchOptimizerEngine):
 
     @classmethod
     def memory_models(cls) -> dict[str, StateBytes]:
-        def fsdp(psi: int, n: int, precision: str, size: ModelSize | None) -> float:
-            state = 16 * psi / n  # fp32 shards of weights, gradients and Adam moments
-            if precision != "fp32" and size is not None:
+        def fsdp(psi: int, n: int, recipe: StateRecipe, size: ModelSize | None) -> float:
+            state = recipe.per_param * psi / n  # shards of weights, gradients and optimizer state
+            if recipe.precision in ("amp", "amp_bf16", "amp_bfloat16") and size is not None:
                 # MixedPrecisionPolicy all-gathers in bf16: two blocks in flight, and the root stays gathered
                 state += 2 * (2 * size.block_params + size.root_params)
+            if recipe.in_backward and size is not None:  # one block's gradient shards until they are stepped
+                state += recipe.weight_bytes * size.block_params / n
             return state
 
         return {cls.name: fsdp}
