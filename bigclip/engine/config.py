@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from bigclip.flag_fields import (
     DIST,
     MODEL,
@@ -76,7 +78,7 @@ class EngineConfig:
     )
     zero_nvme_path: str | None = flag(
         None,
-        "Folder on a local NVMe drive where DeepSpeed ZeRO-Infinity swaps parameters and optimizer state: fills "
+        "Folder on a local NVMe drive where DeepSpeed ZeRO-Infinity swaps the parameters: fills "
         '"nvme_path": "auto" in --ds_config (ds_configs/zero3_nvme.json); new in bigclip.',
         DIST,
         metavar="DIR",
@@ -114,6 +116,10 @@ class EngineConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     resolved: Any = None  # the chosen engine's check_config result (DeepSpeed: the resolved JSON)
 
+    def device_type(self) -> str:
+        """The device type the run will use, known at flag validation (before the world is set up)."""
+        return "cuda" if self.device.startswith("cuda") and torch.cuda.is_available() else "cpu"
+
 
 @dataclass(frozen=True)
 class ModelSize:
@@ -143,6 +149,11 @@ class StateRecipe:
     def weight_bytes(self) -> int:
         """fp32 weights (fp32, and amp's master copy), or 16-bit ones without a master copy (pure bf16/fp16)."""
         return 2 if self.precision in LOW_PRECISION_WEIGHTS else 4
+
+    @property
+    def mixed(self) -> bool:
+        """amp: fp32 weights computed in 16 bits (FSDP2 all-gathers them in bf16)."""
+        return self.precision != "fp32" and self.weight_bytes == 4
 
     @property
     def grad_bytes(self) -> int:

@@ -137,10 +137,6 @@ def mark_blocks_as_leaves(model: nn.Module) -> None:
             set_z3_leaf_module(block, True)
 
 
-def _device_type(cfg: EngineConfig) -> str:
-    return "cuda" if cfg.device.startswith("cuda") and torch.cuda.is_available() else "cpu"
-
-
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
     help = "DeepSpeed ZeRO stages 0-3 and offload, as --ds_config says (ZeRO-2 without one)"
@@ -152,7 +148,7 @@ class DeepSpeedEngine(Engine):
         run here, before any work. Returns the result for the engine to complete (EngineConfig.resolved)."""
         if cfg.engine != cls.name:
             return None
-        ds = dsc.resolve_flags(cfg, _device_type(cfg))
+        ds = dsc.resolve_flags(cfg, cfg.device_type())
         dsc.for_run(ds, cfg, None, None)  # nothing but world- and model-sized "auto" left
         stage = dsc.stage(ds)
         if cfg.sharded_init == "always" and stage != 3:
@@ -191,7 +187,7 @@ class DeepSpeedEngine(Engine):
     @staticmethod
     def _flag_values(cfg: EngineConfig) -> dict[str, Any]:
         # An EngineConfig built by hand (not through the config's sections) has not been resolved yet.
-        return cfg.resolved if cfg.resolved is not None else dsc.resolve_flags(cfg, _device_type(cfg))
+        return cfg.resolved if cfg.resolved is not None else dsc.resolve_flags(cfg, cfg.device_type())
 
     @classmethod
     def describe_plan(cls, cfg: EngineConfig, world: World, num_params: int) -> tuple[str, str]:

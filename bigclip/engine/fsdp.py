@@ -91,7 +91,7 @@ class FSDPEngine(TorchOptimizerEngine):
     def memory_models(cls) -> dict[str, StateBytes]:
         def fsdp(psi: int, n: int, recipe: StateRecipe, size: ModelSize | None) -> float:
             state = recipe.per_param * psi / n  # shards of weights, gradients and optimizer state
-            if recipe.precision in ("amp", "amp_bf16", "amp_bfloat16") and size is not None:
+            if recipe.mixed and size is not None:
                 # MixedPrecisionPolicy all-gathers in bf16: two blocks in flight, and the root stays gathered
                 state += 2 * (2 * size.block_params + size.root_params)
             if recipe.in_backward and size is not None:  # one block's gradient shards until they are stepped

@@ -62,8 +62,7 @@ def check_config(cfg: EngineConfig) -> None:
             f"{FLAG}: --grad-clip-norm needs the global gradient norm before any parameter is updated; "
             f"drop one of the two (the norm is still logged)"
         )
-    device = torch.device("cuda" if cfg.device.startswith("cuda") and torch.cuda.is_available() else "cpu")
-    if resolve_precision(cfg.precision, device).loss_scaling:
+    if resolve_precision(cfg.precision, torch.device(cfg.device_type())).loss_scaling:
         raise UserError(
             f"{FLAG}: --precision {cfg.precision} scales the loss (fp16), which needs every gradient checked for "
             f"overflow before any update; use --precision amp_bf16, pure_bf16 or fp32"
@@ -81,10 +80,11 @@ class PerParameterOptimizers:
 
     def __init__(self, cfg: optim.OptimizerConfig, groups: list[dict]):
         self.by_param: dict[torch.Tensor, torch.optim.Optimizer] = {}
-        self.groups = [({k: v for k, v in group.items() if k != "params"}, len(group["params"])) for group in groups]
+        self.groups: list[tuple[dict, int]] = []  # (hyperparameters, number of parameters) of each group
         index = 0
         for group in groups:
             hyperparameters = {k: v for k, v in group.items() if k != "params"}
+            self.groups.append((hyperparameters, len(group["params"])))
             for p in group["params"]:
                 optimizer = optim.create_optimizer(cfg, [{**hyperparameters, "params": [p]}])
                 optimizer.first_index = index  # stochastic rounding seeds as one optimizer over all would
@@ -100,10 +100,10 @@ class PerParameterOptimizers:
         grouped = []
         for hyperparameters, size in self.groups:
             members = [next(singles) for _ in range(size)]
-            first = members[0] if members else {}
-            grouped.append({**first, **({} if members else hyperparameters), "params": [
-                name for member in members for name in member["params"]
-            ]})  # fmt: skip
+            # a member's values as saved (its lr as last set); an empty group keeps the model's hyperparameters
+            values = dict(members[0]) if members else dict(hyperparameters)
+            values["params"] = [name for member in members for name in member["params"]]
+            grouped.append(values)
         return {"state": per_parameter["state"], "param_groups": grouped}
 
     @staticmethod
