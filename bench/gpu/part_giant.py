@@ -1,6 +1,7 @@
-"""GPU kit, giant tower: the largest of ViT-bigG-14 / ViT-H-14 that trains on the one GPU with the leanest setup
-bigclip has today (FSDP2, --grad-checkpointing, --precision amp_bf16, AdamW): the batch that fit (halved from 64
-on out-of-memory), seconds per step, peak memory, next to `bigclip plan`'s prediction.
+"""GPU kit, giant tower: the largest of ViT-bigG-14 / ViT-H-14 that trains on the one GPU under FSDP2 with
+--grad-checkpointing, in two setups: amp_bf16 with AdamW (fp32 state, 16 bytes per parameter) and the leanest
+(--precision pure_bf16 --opt adamw8bit --optimizer-in-backward: about 4 bytes per parameter): the batch that fit
+(halved from 64 on out-of-memory), seconds per step, peak memory, next to `bigclip plan`'s prediction.
 """
 
 from __future__ import annotations
@@ -15,13 +16,24 @@ from part_engines import batches
 from bigclip.build import build_engine, build_loss_fn, build_model
 from bigclip.config import resolve
 from bigclip.dist import World
+from bigclip.engine.config import StateRecipe
 from bigclip.loop import forward_backward, optimizer_step
 from bigclip.plan import activation_bytes, model_facts, state_bytes
 
+# setup name -> the flags it adds (the smoke run on CPU uses fp32 for the first: CPU autocast is not measured here)
+SETUPS = {
+    "amp_bf16, AdamW": {"precision": "amp_bf16", "opt": "adamw"},
+    "pure_bf16, adamw8bit, optimizer in backward": {
+        "precision": "pure_bf16",
+        "opt": "adamw8bit",
+        "optimizer_in_backward": True,
+    },
+}
 
-def train_steps(model: str, batch: int, steps: int, world: World, precision: str) -> tuple[list[float], float, float]:
-    cfg = resolve(dict(model=model, dataset_type="synthetic", precision=precision, batch_size=batch, lr=1e-5,
-                       workers=0, engine="fsdp", grad_checkpointing=True))  # fmt: skip
+
+def train_steps(model: str, batch: int, steps: int, world: World, flags: dict) -> tuple[list[float], float, float]:
+    cfg = resolve(dict(model=model, dataset_type="synthetic", batch_size=batch, lr=1e-5, workers=0, engine="fsdp",
+                       grad_checkpointing=True, **flags))  # fmt: skip
     t = time.perf_counter()
     engine = build_engine(cfg.sections.engine, build_model(cfg.sections.model, cfg.sections.engine, world), world)
     built_s = time.perf_counter() - t
@@ -29,6 +41,7 @@ def train_steps(model: str, batch: int, steps: int, world: World, precision: str
     engine.set_lr(1e-5)
     times = []
     for images, texts in batches(model, batch, steps, world.device):
+        images = images.to(dtype=engine.precision.param_dtype)  # what the loop does (bf16 for pure bf16)
         t = time.perf_counter()
         forward_backward(engine, loss_fn, [(images, texts)], world)
         optimizer_step(engine)
@@ -39,43 +52,54 @@ def train_steps(model: str, batch: int, steps: int, world: World, precision: str
     return times, peak, built_s
 
 
-def main() -> None:
-    args = part_args(__doc__.split("\n\n")[0])
-    rec = Recorder(args.out)
-    dev = device()
-    world = World(device=dev)
-    candidates, batch0, steps = (("test-tiny",), 4, 3) if args.smoke else (("ViT-bigG-14", "ViT-H-14"), 64, 5)
-    precision = "fp32" if args.smoke else "amp_bf16"
+def largest_that_trains(rec: Recorder, world: World, candidates, batch0: int, steps: int, name: str, flags: dict):
+    """One row: the first candidate that trains at some batch (halved from batch0 on out-of-memory)."""
     for model in candidates:
         batch = batch0
         while batch >= 1:
             free_memory()
-            if dev.type == "cuda":
+            if world.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             try:
-                times, peak, built_s = train_steps(model, batch, steps, world, precision)
+                times, peak, built_s = train_steps(model, batch, steps, world, flags)
             except Exception as e:  # noqa: BLE001 - out of memory halves the batch; anything else is reported
                 if not is_oom(e):
-                    rec.row("giant", model=model, batch=batch, result=f"error: {type(e).__name__}: {str(e)[:160]}")
+                    rec.row("giant", model=model, setup=name, batch=batch,
+                            result=f"error: {type(e).__name__}: {str(e)[:160]}")  # fmt: skip
                     break
-                rec.note(f"{model}: batch {batch} ran out of memory")
+                rec.note(f"{model}, {name}: batch {batch} ran out of memory")
                 batch //= 2
                 continue
             facts = model_facts(model)
-            plan = state_bytes("fsdp", facts.params, 1, "amp", facts) + activation_bytes(facts, batch, True)
+            recipe = StateRecipe(flags["precision"], flags["opt"], flags.get("optimizer_in_backward", False))
+            plan_state = state_bytes("fsdp", facts.params, 1, recipe, facts)
+            step_s = statistics.median(times[1:] or times)
             rec.row(
                 "giant",
                 model=model,
                 params_b=round(facts.params / 1e9, 2),
-                setup=f"fsdp2 + grad checkpointing + {precision}, AdamW",
+                setup=f"fsdp2 + grad checkpointing + {name}",
+                bytes_per_param=recipe.per_param,
                 batch=batch,
                 build_s=round(built_s, 1),
-                s_per_step=round(statistics.median(times[1:] or times), 3),
-                samples_per_s=round(batch / statistics.median(times[1:] or times), 1),
-                peak_gib=round(peak / 2**30, 2) if dev.type == "cuda" else None,
-                plan_gib=round(plan / 2**30, 2),
+                s_per_step=round(step_s, 3),
+                samples_per_s=round(batch / step_s, 1),
+                peak_gib=round(peak / 2**30, 2) if world.device.type == "cuda" else None,
+                plan_state_gib=round(plan_state / 2**30, 2),
+                plan_gib=round((plan_state + activation_bytes(facts, batch, True)) / 2**30, 2),
             )
-            return  # the largest candidate that trains is the answer
+            return
+
+
+def main() -> None:
+    args = part_args(__doc__.split("\n\n")[0])
+    rec = Recorder(args.out)
+    world = World(device=device())
+    candidates, batch0, steps = (("test-tiny",), 4, 3) if args.smoke else (("ViT-bigG-14", "ViT-H-14"), 64, 5)
+    for name, flags in SETUPS.items():
+        if args.smoke and flags["precision"] == "amp_bf16":
+            name, flags = name.replace("amp_bf16", "fp32"), {**flags, "precision": "fp32"}
+        largest_that_trains(rec, world, candidates, batch0, steps, name, flags)
 
 
 if __name__ == "__main__":
