@@ -6,7 +6,7 @@ SPEC is a list of runs: {"name", "steps", "config": {TrainConfig values}, "arch"
 registered under config["model"], "clamp_check": bool, "seed_per_rank": bool (each rank's own random stream after
 the build, as train.py), "ranks_emulated": N (one process whose batch_size is the global batch of N ranks: rank r's
 samples in rank order, as gathered features see them), "live_grads": bool (the most gradient bytes alive at once,
-and the largest block's)}. Every run sees the same synthetic batches (seeded by step
+the largest block's, and how many storages hold the gradients)}. Every run sees the same synthetic batches (seeded by step
 and rank) and goes through bigclip's own pieces: engine.build_model, build_engine, the loop's forward_backward
 (OpenCLIP accumulation), engine.step, and an eval forward through engine.module. One launch for many engines keeps
 the cost of process start-up and DeepSpeed initialisation to once per test file."""
@@ -153,6 +153,7 @@ def run_one(spec: dict, world) -> dict:
         loss, _ = forward_backward(engine, loss_fn, micro, world)
         if live_grads is not None:
             live_grads.measure()  # what is still alive when the backward has returned
+            live_grads.count_storages()
         out["norms"].append(optimizer_step(engine))
         out["losses"].append(loss)
         if spec.get("clamp_check"):
@@ -181,6 +182,7 @@ def run_one(spec: dict, world) -> dict:
         out["live_grad_peak_bytes"] = live_grads.peak
         out["largest_block_bytes"] = live_grads.largest_block
         out["grad_bytes"] = live_grads.all_grads
+        out["grad_storages"], out["params_with_grad"] = live_grads.storages, live_grads.with_grad
     return out
 
 
@@ -207,6 +209,12 @@ class _LiveGradients:
     def _bytes(t: torch.Tensor) -> int:
         t = getattr(t, "_local_tensor", t)
         return t.numel() * t.element_size()
+
+    def count_storages(self) -> None:
+        """How many distinct memory blocks hold the gradients (DDP's bucket views: one per bucket)."""
+        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in self.params if p.grad is not None]
+        self.storages = len({g.untyped_storage().data_ptr() for g in grads})
+        self.with_grad = len(grads)
 
     def measure(self) -> None:
         self.peak = max(self.peak, sum(self._bytes(p.grad) for p in self.params if p.grad is not None))

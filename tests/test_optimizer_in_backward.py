@@ -89,6 +89,9 @@ def test_steps_match_the_ordinary_step_and_at_most_one_block_of_gradients_is_ali
         # plus each parameter's step count, a float32 scalar (not a storage of its own in every run)
         assert expected <= run["state_bytes"]["optimizer"] <= expected + counters, name
 
+    # DDP's gradients are views of its all-reduce buckets (gradient_as_bucket_view): the reducer keeps no second
+    # copy; test-tiny's gradients fit one 25 MB bucket
+    assert runs["ddp"]["grad_storages"] == 1 < runs["ddp"]["params_with_grad"]
     for engine in ("ddp", "fsdp"):
         ordinary, stepped = runs[engine], runs[f"{engine}_in_backward"]
         # The ordinary step holds every gradient (this rank's shards under FSDP2) when the backward returns ...

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bigclip.dist import World
 from bigclip.engine import in_backward
-from bigclip.engine.base import StateBytes, TorchOptimizerEngine
+from bigclip.engine.base import StateBytes, TorchOptimizerEngine, WorkingBytes
 from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
 from bigclip.errors import UserError
 
@@ -51,6 +51,15 @@ class DDPEngine(TorchOptimizerEngine):
 
         return {cls.name: ddp}
 
+    @classmethod
+    def working_bytes(
+        cls, setup: str, psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str
+    ) -> WorkingBytes:
+        # amp: autocast keeps a 16-bit copy of every fp32 weight from its first use in the forward until the
+        # backward is done with it; every rank steps every parameter
+        copies = 2 * psi if recipe.mixed else 0
+        return WorkingBytes(copies, recipe.step_scratch_bytes(psi, size.largest_tensor, device_type))
+
     def __init__(self, cfg: EngineConfig, model: nn.Module, world: World):
         super().__init__(cfg, model, world)
         self.model = model.to(device=world.device, dtype=self.precision.param_dtype)
@@ -66,7 +75,9 @@ class DDPEngine(TorchOptimizerEngine):
             )
         else:
             if world.distributed:
-                ddp_kwargs: dict[str, Any] = {"static_graph": cfg.ddp_static_graph}
+                # Gradients as views of the all-reduce buckets: otherwise the reducer keeps its bucket copy of
+                # every gradient beside .grad for the whole run (one more gradient's bytes per parameter).
+                ddp_kwargs: dict[str, Any] = {"static_graph": cfg.ddp_static_graph, "gradient_as_bucket_view": True}
                 if world.device.type == "cuda":
                     ddp_kwargs["device_ids"] = [world.device]
                 self.module = DistributedDataParallel(self.model, **ddp_kwargs)

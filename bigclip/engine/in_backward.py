@@ -13,7 +13,7 @@ Where the gradient is final, per engine:
 
 - FSDP2 calls a sharded parameter's post-accumulate-grad hooks right after its reduce-scatter (and HSDP's
   all-reduce across replicas): the hook steps the rank's shard.
-- DDP: DistributedDataParallel's reducer keeps a flat bucket copy of every gradient for the whole run, which
+- DDP: DistributedDataParallel's reducer keeps a flat bucket of every gradient for the whole run, which
   would keep the memory this exists to save, so the engine does not wrap the model in it. A parameter's hook
   starts an asynchronous all-reduce of its gradient (divided by the world size first, as DDP does); when the
   gradients in flight would exceed one block's bytes (less its largest tensor, so that with the gradient just
