@@ -16,14 +16,20 @@ from bigclip.model.config import ModelConfig
 
 def _memory_lines(cfg: EngineConfig, world: World, setup: str, facts: plan.ModelFacts) -> list[str]:
     recipe = StateRecipe(cfg.precision, cfg.optimizer.opt, cfg.optimizer_in_backward)
-    state = plan.state_bytes(setup, facts.params, world.world_size, recipe, facts) or 0.0
-    activations = plan.activation_bytes(facts, cfg.batch_size, cfg.grad_checkpointing)
-    total = state + activations + plan.OVERHEAD_BYTES
-    gib = plan.GiB
-    return [
+    where = (
         f"memory per GPU ({setup}, {recipe.describe()}, {world.world_size} rank(s), micro-batch {cfg.batch_size}"
-        f"{', --grad-checkpointing' if cfg.grad_checkpointing else ''}): state {state / gib:.1f} GiB + activations "
-        f"{activations / gib:.1f} GiB + {plan.OVERHEAD_BYTES / gib:.0f} GiB reserved = {total / gib:.1f} GiB"
+        f"{', --grad-checkpointing' if cfg.grad_checkpointing else ''})"
+    )
+    parts = plan.peak_parts(setup, facts, world.world_size, recipe, cfg.batch_size, cfg.grad_checkpointing)
+    if parts is None:
+        return [f"{where}: this engine cannot keep the state so"]
+    gib = plan.GiB
+    moment = "the optimizer step" if parts["step"] > parts["backward"] else "the start of the backward"
+    total = parts["peak"] + plan.OVERHEAD_BYTES
+    return [
+        f"{where}: state {parts['state'] / gib:.1f} GiB, activations {parts['activations'] / gib:.1f} GiB, working "
+        f"buffers {parts['working'] / gib:.1f} GiB; peak at {moment} {parts['peak'] / gib:.1f} GiB + "
+        f"{plan.OVERHEAD_BYTES / gib:.0f} GiB reserved = {total / gib:.1f} GiB"
         + (f" + the {facts.uncounted}'s activations, not estimated" if facts.uncounted else ""),
     ]
 

@@ -7,20 +7,27 @@ each engine states its own memory model (Engine.memory_models in engine/ddp.py, 
 per setup it can run) and what to know when reading its rows (Engine.memory_notes); this module measures the
 model and adds the activations.
 
-Activations per sample (16-bit, Korthikanti et al. 2022 without dropout and with fused attention, which saves
-no s×s scores): each block stores about s·h·(16 + 4r) bytes (s tokens, width h, MLP ratio r). With
---grad-checkpointing each block keeps only its 2·s·h-byte input, plus one block's full activations while it
-is recomputed. Both towers count; the contrastive loss is chunked (no B×B logits) and is ignored here.
+Activations per sample (Korthikanti et al. 2022 without dropout and with fused attention, which saves no s×s
+scores): each block stores about s·h·(8 + 2r) values (s tokens, width h, MLP ratio r), 2 bytes each (amp, pure
+bf16) or 4 (fp32). With --grad-checkpointing each block keeps only its s·h-value input, plus one block's full
+activations while it is recomputed. Both towers count; the contrastive loss is chunked (no B×B logits) and is
+ignored here.
+
+The peak (peak_parts) is the larger of the start of the backward (weights, optimizer state, the gradients'
+memory where the engine keeps it between steps, activations, autocast's weight copies) and the optimizer step
+(the whole state and the step's temporaries: torch's multi-tensor AdamW builds one float32 moment-sized
+temporary on CUDA). Checked against measurement by bench/plan_check.py (CPU, every setup) and the GPU kit.
 ResNet and timm image towers are not transformers: their parameters count, their activations are not
 estimated, and no batch size is suggested for them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from bigclip.engine import ModelSize, StateRecipe, memory_notes, memory_setups
+from bigclip.engine import ModelSize, StateRecipe, memory_notes, memory_setups, working_bytes
 from bigclip.engine import state_bytes as engine_state_bytes
 from bigclip.errors import OneLineErrorParser
 from bigclip.model import create_model
@@ -43,11 +50,18 @@ def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
     model = create_model(name, device="meta", image_size=image_size)
     block_sizes = [sum(p.numel() for p in b.parameters()) for b in model.transformer_blocks()]
     params = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters())
     vision, text = model.visual.activation_shape(), model.text.activation_shape()
     towers = tuple(shape for shape in (vision, text) if shape is not None)
     uncounted = None if vision else f"image tower ({model.visual.description})"
     return ModelFacts(
-        params, max(block_sizes), params - sum(block_sizes), name=name, towers=towers, uncounted=uncounted
+        params,
+        max(block_sizes),
+        params - sum(block_sizes),
+        largest_tensor=largest,
+        name=name,
+        towers=towers,
+        uncounted=uncounted,
     )
 
 
@@ -59,26 +73,72 @@ def state_bytes(
     return engine_state_bytes(setup, psi, n, recipe, facts)
 
 
-def activation_bytes(facts: ModelFacts, batch: int, checkpointing: bool) -> float:
-    """Activation memory per GPU for `batch` samples (16-bit activations)."""
-    full_per_block = [tokens * width * (16 + 4 * ratio) for _, tokens, width, ratio in facts.towers]
+def activation_bytes(facts: ModelFacts, batch: int, checkpointing: bool, element_bytes: int = 2) -> float:
+    """Activation memory per GPU for `batch` samples, each saved value `element_bytes` wide (16-bit by default;
+    4 under --precision fp32)."""
+    full_per_block = [tokens * width * (8 + 2 * ratio) * element_bytes for _, tokens, width, ratio in facts.towers]
     if not checkpointing:
         return batch * sum(layers * f for (layers, *_), f in zip(facts.towers, full_per_block))
-    kept = sum(layers * 2 * tokens * width for layers, tokens, width, _ in facts.towers)
+    kept = sum(layers * tokens * width * element_bytes for layers, tokens, width, _ in facts.towers)
     return batch * (kept + max(full_per_block))
+
+
+def peak_parts(
+    setup: str,
+    facts: ModelFacts,
+    n: int,
+    recipe: StateRecipe,
+    batch: int,
+    checkpointing: bool,
+    device_type: str = "cuda",
+) -> dict[str, float] | None:
+    """The predicted peak per GPU (bytes; the fixed reserve not included) and its parts, or None where the setup
+    cannot keep the state as `recipe` says. The peak is the larger of two moments:
+
+    - the start of the backward: weights, optimizer state, the gradients' memory where the engine keeps it between
+      steps (else one block's), all activations, and what the engine keeps from forward to backward (autocast's
+      weight copies);
+    - the optimizer step: the whole state, gradients included, and the step's temporaries.
+
+    Stepped in the backward (--optimizer-in-backward), the step's moment is the update of the largest tensor.
+    """
+    psi = facts.params
+    kept = state_bytes(setup, psi, n, recipe, facts)
+    if kept is None:
+        return None
+    working = working_bytes(setup, psi, n, recipe, facts, device_type)
+    at_backward = kept
+    if not working.gradients_persist:  # the state with one block's gradients instead of all of them
+        at_backward = state_bytes(setup, psi, n, dataclasses.replace(recipe, in_backward=True), facts)
+    activations = activation_bytes(facts, batch, checkpointing, recipe.activation_bytes)
+    backward = at_backward + activations + working.backward
+    step = kept + working.step
+    if recipe.in_backward:  # one tensor's update at a time, the largest (the token embedding) late in the backward
+        step = at_backward + working.step
+    return {
+        "state": kept,
+        "activations": activations,
+        "working": working.backward + working.step,
+        "backward": backward,
+        "step": step,
+        "peak": max(backward, step),
+    }
 
 
 def max_batch(
     facts: ModelFacts, engine: str, n: int, gpu_bytes: float, checkpointing: bool, recipe: StateRecipe | str = "amp"
 ) -> int | None:
-    """The largest micro-batch per GPU that fits; None when a tower's activations are not counted or the setup
-    cannot keep the state as `recipe` says."""
-    state = state_bytes(engine, facts.params, n, recipe, facts)
-    if facts.uncounted or state is None:
+    """The largest micro-batch per GPU whose predicted peak fits; None when a tower's activations are not counted
+    or the setup cannot keep the state as `recipe` says."""
+    recipe = StateRecipe(recipe) if isinstance(recipe, str) else recipe
+    empty = peak_parts(engine, facts, n, recipe, 0, checkpointing)
+    if facts.uncounted or empty is None:
         return None
-    free = gpu_bytes - OVERHEAD_BYTES - state
-    per_sample = activation_bytes(facts, 1, checkpointing)
-    return max(0, math.floor(free / per_sample))
+    room = gpu_bytes - OVERHEAD_BYTES
+    if empty["peak"] > room:
+        return 0
+    per_sample = activation_bytes(facts, 1, checkpointing, recipe.activation_bytes)
+    return max(0, math.floor((room - empty["backward"]) / per_sample))
 
 
 # The recipes `bigclip plan --gpu-mem` weighs against each other: every precision's weights, AdamW or 8-bit
@@ -96,14 +156,14 @@ def fitting_setups(facts: ModelFacts, n: int, gpu_bytes: float, batch: int) -> l
     --grad-checkpointing, most state first; offload setups (whose GPU holds buffers only) are left out."""
     if facts.uncounted:
         return []
-    room = gpu_bytes - OVERHEAD_BYTES - activation_bytes(facts, batch, True)
     fits = []
     for setup in memory_setups():
         if "offload" in setup or "nvme" in setup:
             continue
         for recipe in RECIPES:
-            state = state_bytes(setup, facts.params, n, recipe, facts)
-            if state is not None and state <= room:
+            parts = peak_parts(setup, facts, n, recipe, batch, True)
+            if parts is not None and parts["peak"] + OVERHEAD_BYTES <= gpu_bytes:
+                state = parts["state"]
                 fits.append((state, setup, recipe))
     return sorted(fits, key=lambda fit: -fit[0])
 
@@ -142,8 +202,8 @@ def render(
     lines = []
     for name in models:
         facts = model_facts(name, image_size)
-        act = activation_bytes(facts, batch, False)
-        act_ckpt = activation_bytes(facts, batch, True)
+        act = activation_bytes(facts, batch, False, recipe.activation_bytes)
+        act_ckpt = activation_bytes(facts, batch, True, recipe.activation_bytes)
         lines += [
             f"## {name}: {facts.params / 1e9:.2f}B parameters (largest block "
             f"{facts.block_params / 1e6:.0f}M, outside blocks {facts.root_params / 1e6:.0f}M), "
@@ -153,8 +213,8 @@ def render(
             + (f" (not counting the {facts.uncounted}: no batch size is suggested)." if facts.uncounted else "."),
             "",
             "State per GPU (GiB) = parameters + gradients + optimizer state; then the largest "
-            f"micro-batch per GPU that fits ({_gb(OVERHEAD_BYTES)} GiB reserved), without / with "
-            "checkpointing.",
+            f"micro-batch per GPU whose peak (peak_parts: the backward's or the optimizer step's) fits "
+            f"({_gb(OVERHEAD_BYTES)} GiB reserved), without / with checkpointing.",
             "",
         ]
         header = (

@@ -18,9 +18,10 @@ from common import REPO, Recorder, device, free_memory, part_args
 from bigclip.build import build_engine, build_loss_fn, build_model
 from bigclip.config import resolve
 from bigclip.dist import World
+from bigclip.engine.config import StateRecipe
 from bigclip.loop import forward_backward, optimizer_step
 from bigclip.model import get_model_config
-from bigclip.plan import activation_bytes, model_facts, state_bytes
+from bigclip.plan import model_facts, peak_parts
 
 ENGINES = {  # label -> (flags, the plan's setup name)
     "ddp": ({"engine": "ddp"}, "ddp"),
@@ -68,7 +69,7 @@ def main() -> None:
     model, batch, steps, precision = ("test-tiny", 4, 3, "fp32") if args.smoke else ("ViT-L-14", 32, 10, "amp_bf16")
     data = batches(model, batch, steps, dev)
     facts = model_facts(model)
-    predicted_activations = activation_bytes(facts, batch, checkpointing=False)
+    recipe = StateRecipe(precision)
     reference = None
     for label, (flags, setup) in ENGINES.items():
         free_memory()
@@ -83,7 +84,7 @@ def main() -> None:
             continue
         reference = losses if label == "ddp" else reference
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference)) if reference else None
-        predicted = state_bytes(setup, facts.params, 1, "amp" if precision != "fp32" else "fp32", facts)
+        plan = peak_parts(setup, facts, 1, recipe, batch, False, dev.type)
         rec.row(
             "engines",
             engine=label,
@@ -95,8 +96,8 @@ def main() -> None:
             max_rel_diff_vs_ddp=None if worst is None else f"{worst:.1e}",
             within_bf16_tolerance=None if worst is None else worst <= BF16_TOLERANCE,
             peak_gib=round((peak - baseline) / 2**30, 2) if dev.type == "cuda" else None,
-            plan_gib=round((predicted + predicted_activations) / 2**30, 2),
-            plan_state_gib=round(predicted / 2**30, 2),
+            plan_gib=round(plan["peak"] / 2**30, 2),
+            plan_state_gib=round(plan["state"] / 2**30, 2),
             wall_s=round(time.perf_counter() - t, 1),
         )
         rec.data.setdefault("losses", {})[label] = losses

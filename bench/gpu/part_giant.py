@@ -18,7 +18,7 @@ from bigclip.config import resolve
 from bigclip.dist import World
 from bigclip.engine.config import StateRecipe
 from bigclip.loop import forward_backward, optimizer_step
-from bigclip.plan import activation_bytes, model_facts, state_bytes
+from bigclip.plan import model_facts, peak_parts
 
 # setup name -> the flags it adds (the smoke run on CPU uses fp32 for the first: CPU autocast is not measured here)
 SETUPS = {
@@ -72,7 +72,7 @@ def largest_that_trains(rec: Recorder, world: World, candidates, batch0: int, st
                 continue
             facts = model_facts(model)
             recipe = StateRecipe(flags["precision"], flags["opt"], flags.get("optimizer_in_backward", False))
-            plan_state = state_bytes("fsdp", facts.params, 1, recipe, facts)
+            plan = peak_parts("fsdp", facts, 1, recipe, batch, True, world.device.type)
             step_s = statistics.median(times[1:] or times)
             rec.row(
                 "giant",
@@ -85,8 +85,8 @@ def largest_that_trains(rec: Recorder, world: World, candidates, batch0: int, st
                 s_per_step=round(step_s, 3),
                 samples_per_s=round(batch / step_s, 1),
                 peak_gib=round(peak / 2**30, 2) if world.device.type == "cuda" else None,
-                plan_state_gib=round(plan_state / 2**30, 2),
-                plan_gib=round((plan_state + activation_bytes(facts, batch, True)) / 2**30, 2),
+                plan_state_gib=round(plan["state"] / 2**30, 2),
+                plan_gib=round(plan["peak"] / 2**30, 2),
             )
             return
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from bigclip.dist import World
 from bigclip.engine import in_backward
-from bigclip.engine.base import Engine, StateBytes
+from bigclip.engine.base import Engine, StateBytes, WorkingBytes
 from bigclip.engine.config import DEFAULT_ENGINE, ENGINES, SHARDED_INIT_MODES, EngineConfig, ModelSize, StateRecipe
 from bigclip.engine.ddp import DDPEngine
 from bigclip.engine.deepspeed import DeepSpeedEngine
@@ -91,6 +91,14 @@ def state_bytes(
     return models[setup](psi, n, StateRecipe(recipe) if isinstance(recipe, str) else recipe, size)
 
 
+def working_bytes(
+    setup: str, psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str = "cuda"
+) -> WorkingBytes:
+    """What `setup` allocates per GPU beyond the state (its engine's own arithmetic, see Engine.working_bytes)."""
+    owner = next(cls for _, cls in ENGINES.items() if setup in cls.memory_models())
+    return owner.working_bytes(setup, psi, n, recipe, size, device_type)
+
+
 def apply_locks(model: nn.Module, cfg: EngineConfig) -> None:
     if cfg.lock_image:
         model.lock_image_tower(cfg.lock_image_unlocked_groups, cfg.lock_image_freeze_bn_stats)
@@ -139,4 +147,6 @@ __all__ = [
     "memory_notes",
     "memory_setups",
     "state_bytes",
+    "working_bytes",
+    "WorkingBytes",
 ]

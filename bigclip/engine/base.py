@@ -46,6 +46,7 @@ import abc
 import contextlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -65,6 +66,18 @@ ParameterFix = Callable[[torch.Tensor], object]
 # (Ψ parameters, N data-parallel ranks, the state's recipe, the model's block sizes or None) -> bytes per GPU, or
 # None where the engine cannot run that recipe (DeepSpeed with 8-bit moments)
 StateBytes = Callable[[int, int, StateRecipe, ModelSize | None], float | None]
+
+
+@dataclass(frozen=True)
+class WorkingBytes:
+    """Memory beyond the training state, per GPU: what lives from the forward to the end of the backward besides
+    the activations (autocast's 16-bit copies of fp32 weights), and the optimizer step's temporaries; and whether
+    the gradients' memory stays allocated between steps (DDP's buckets, DeepSpeed's flat buffers) or is freed
+    after each step and filled again during the backward (FSDP2: one block's unsharded gradients at a time)."""
+
+    backward: float = 0.0
+    step: float = 0.0
+    gradients_persist: bool = True
 
 
 class Engine(abc.ABC):
@@ -92,6 +105,14 @@ class Engine(abc.ABC):
     def memory_models(cls) -> dict[str, StateBytes]:
         """Setup name -> parameters + gradients + optimizer state per GPU, in bytes (ZeRO paper arithmetic)."""
         return {}
+
+    @classmethod
+    def working_bytes(
+        cls, setup: str, psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str
+    ) -> WorkingBytes:
+        """Bytes per GPU beyond the state that the engine's forward/backward and its optimizer step allocate; none
+        by default (DeepSpeed stores 16-bit weights and its fused optimizers update in place)."""
+        return WorkingBytes()
 
     @classmethod
     def memory_notes(cls) -> list[str]:

@@ -128,6 +128,7 @@ class ModelSize:
     params: int
     block_params: int  # the largest transformer block
     root_params: int  # parameters outside the blocks (embeddings, projections, norms, logit scale)
+    largest_tensor: int = 0  # the largest single parameter (the token embedding in CLIP's text towers)
 
 
 # Optimizer state bytes per parameter of --opt adamw8bit: two 8-bit moments, each with a float32 scale per block of
@@ -164,6 +165,23 @@ class StateRecipe:
     def optimizer_bytes(self) -> float:
         """Adam's two moments: in the weights' dtype (torch's AdamW, bigclip's bf16 AdamW), or 8-bit."""
         return ADAMW8BIT_BYTES if self.opt == "adamw8bit" else 2 * self.weight_bytes
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of each value the backward keeps: float32 under fp32, else 16-bit (amp computes in bf16/fp16)."""
+        return 4 if self.precision == "fp32" else 2
+
+    def step_scratch_bytes(self, local_params: float, largest_local: float, device_type: str) -> float:
+        """Temporaries of one optimizer step beyond the state, for `local_params` parameters of which the largest
+        tensor holds `largest_local`. torch's AdamW (fp32 weights and amp's masters) on CUDA takes its multi-tensor
+        path, which builds sqrt(v) for every parameter at once: one float32 moment's bytes per parameter; stepped
+        tensor by tensor (on CPU, or in the backward) it builds two float32 temporaries of one tensor. torchao's
+        compiled updates (8-bit AdamW; bf16 AdamW with stochastic rounding) fuse each tensor's update: none."""
+        if self.opt not in ("adamw", "stableadamw") or self.weight_bytes != 4:
+            return 0.0
+        if self.in_backward or device_type != "cuda":
+            return 2 * 4 * largest_local
+        return 4 * local_params
 
     @property
     def per_param(self) -> float:

@@ -30,6 +30,7 @@ No rank ever holds more than its shards plus one module's parameters.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -43,7 +44,7 @@ from bigclip.ckpt.deepspeed_layout import DeepSpeedLayout
 from bigclip.ckpt.layout import CheckpointLayout
 from bigclip.dist import World
 from bigclip.engine import ds_config as dsc
-from bigclip.engine.base import Engine, StateBytes, clip_and_measure
+from bigclip.engine.base import Engine, StateBytes, WorkingBytes, clip_and_measure
 from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
 from bigclip.engine.memory import tensor_bytes
 from bigclip.engine.sharded_init import (
@@ -235,6 +236,17 @@ class DeepSpeedEngine(Engine):
             "zero3_offload": setup(lambda psi, n, w: 0.0),  # all of it in host memory: GPU buffers only
             "zero3_nvme": setup(lambda psi, n, w: 0.0),  # weights on NVMe, the rest in host memory: GPU buffers
         }
+
+    @classmethod
+    def working_bytes(
+        cls, setup: str, psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str
+    ) -> WorkingBytes:
+        if "offload" in setup or "nvme" in setup:
+            return WorkingBytes()  # the step runs in host memory (DeepSpeed's CPU Adam)
+        # ZeRO's step flattens the rank's gradient partition into a new float32 tensor (the .grad of its fp32
+        # master partition, whatever --precision), then the client optimizer (torch's AdamW) steps that one tensor
+        masters = dataclasses.replace(recipe, precision="fp32")
+        return WorkingBytes(step=4 * psi / n + masters.step_scratch_bytes(psi / n, psi / n, device_type))
 
     @classmethod
     def memory_notes(cls) -> list[str]:

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from bigclip.dist import World
-from bigclip.engine.base import StateBytes, TorchOptimizerEngine
+from bigclip.engine.base import StateBytes, TorchOptimizerEngine, WorkingBytes
 from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
 from bigclip.engine.memory import tensor_bytes
 from bigclip.engine.sharded_init import build_for_sharding, is_meta, materialise, wants_sharded_init
@@ -91,14 +91,24 @@ class FSDPEngine(TorchOptimizerEngine):
     def memory_models(cls) -> dict[str, StateBytes]:
         def fsdp(psi: int, n: int, recipe: StateRecipe, size: ModelSize | None) -> float:
             state = recipe.per_param * psi / n  # shards of weights, gradients and optimizer state
-            if recipe.mixed and size is not None:
-                # MixedPrecisionPolicy all-gathers in bf16: two blocks in flight, and the root stays gathered
-                state += 2 * (2 * size.block_params + size.root_params)
+            if size is not None:
+                # all-gathered weights (amp: MixedPrecisionPolicy gathers in bf16): two blocks in flight, and the
+                # root stays gathered
+                gathered = 2 if recipe.mixed else recipe.weight_bytes
+                state += gathered * (2 * size.block_params + size.root_params)
             if recipe.in_backward and size is not None:  # one block's gradient shards until they are stepped
                 state += recipe.weight_bytes * size.block_params / n
             return state
 
         return {cls.name: fsdp}
+
+    @classmethod
+    def working_bytes(
+        cls, setup: str, psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str
+    ) -> WorkingBytes:
+        # the 16-bit all-gathers are in the state (above); each rank steps its own shards
+        step = recipe.step_scratch_bytes(psi / n, size.largest_tensor / n, device_type)
+        return WorkingBytes(step=step, gradients_persist=False)
 
     @classmethod
     def describe_plan(cls, cfg: EngineConfig, world: World, num_params: int) -> tuple[str, str]:

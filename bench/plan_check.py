@@ -1,0 +1,240 @@
+"""`bigclip plan`'s peak-memory prediction against measurement, for every setup it describes.
+
+    python bench/plan_check.py --model ViT-B-32 --batch-size 16
+    python bench/plan_check.py --model ViT-L-14 --batch-size 2 --engines ddp fsdp
+
+Setups: precision (fp32, amp, pure_bf16) x optimizer (AdamW, 8-bit AdamW) x engine (DDP, FSDP2, DeepSpeed ZeRO-3)
+x gradients kept or the optimizer stepped in the backward. A setup bigclip refuses is listed with its one-line
+refusal. Each other setup runs in a fresh 2-rank `torchrun` launch on this CPU (gloo): the real engine, loss and
+loop step (build_model -> build_engine -> forward_backward -> optimizer_step) on random batches. Measured: the
+rank's resident memory above its baseline, taken after imports and the process group and before the model is
+built (Linux's VmHWM, reset at the baseline through /proc/self/clear_refs), the larger of the two ranks. Glibc
+returns freed tensors of 1 MiB+ to the system (MALLOC_MMAP_THRESHOLD_), so resident memory follows live bytes.
+Predicted: bigclip.plan.peak_parts for a CPU (the larger of the backward's and the optimizer step's peak, what
+`bigclip plan` and `--dry-run` count) plus the runtime: the same setup measured the same way on test-tiny (almost
+no state), what a training step costs on this machine besides the model (autograd, gloo, oneDNN, the compiler
+behind torchao's updates), where a GPU's reserve stands in the plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINES = {
+    "ddp": {"engine": "ddp"},
+    "fsdp": {"engine": "fsdp"},
+    "zero3": {"ds_config": os.path.join(REPO, "ds_configs", "zero3.json")},
+}
+PRECISIONS = ("fp32", "amp", "pure_bf16")
+OPTIMIZERS = ("adamw", "adamw8bit")
+WORLD = 2
+
+
+def flags(model: str, batch: int, engine: str, precision: str, opt: str, in_backward: bool) -> dict:
+    return {
+        "model": model,
+        "dataset_type": "synthetic",
+        "precision": precision,
+        "opt": opt,
+        "optimizer_in_backward": in_backward,
+        "batch_size": batch,
+        "lr": 1e-4,
+        "warmup": 1,
+        "workers": 0,
+        **ENGINES[engine],
+    }
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+
+
+# ------------------------------------------------------------------------------------------- worker side
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from bigclip.build import build_engine, build_loss_fn, build_model
+    from bigclip.config import resolve
+    from bigclip.dist import init_distributed, shutdown
+    from bigclip.engine.memory import peak_rss_bytes
+    from bigclip.loop import forward_backward, optimizer_step
+    from bigclip.model import create_model, get_model_config
+
+    world = init_distributed("cpu")
+    cfg = resolve(flags(args.model, args.batch_size, args.engine, args.precision, args.opt, args.in_backward))
+    arch = get_model_config(cfg.model)
+    size, context = arch["vision_cfg"]["image_size"], arch["text_cfg"]["context_length"]
+    run = cfg.sections
+    loss_fn = build_loss_fn(run.loss, world)
+    g = torch.Generator().manual_seed(world.rank)
+    batches = [
+        (torch.randn(cfg.batch_size, 3, size, size, generator=g), torch.randint(1, 250, (cfg.batch_size, context)))
+        for _ in range(args.steps)
+    ]
+    dist.barrier()
+    baseline = _rss()
+    _reset_peak()
+    torch.manual_seed(0)
+    model = build_model(run.model, run.engine, world, functools.partial(create_model, cfg.model))
+    engine = build_engine(run.engine, model, world)
+    engine.train()
+    for images, texts in batches:
+        images = images.to(dtype=engine.precision.param_dtype)  # what the loop does (pure bf16 takes bf16 input)
+        forward_backward(engine, loss_fn, [(images, texts)], world)
+        optimizer_step(engine)
+    out = {"rank": world.rank, "above_baseline": peak_rss_bytes() - baseline, "baseline": baseline}
+    gathered = [None] * world.world_size
+    dist.all_gather_object(gathered, out)
+    if world.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    shutdown()
+
+
+# ------------------------------------------------------------------------------------------- driver side
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(engine: str, precision: str, opt: str, in_backward: bool, args, model: str) -> list[dict] | str:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
+               f"--master_port={_free_port()}", os.path.abspath(__file__), "--worker", "--engine", engine,
+               "--precision", precision, "--opt", opt, "--model", model, "--batch-size", str(args.batch_size),
+               "--steps", str(args.steps), "--out", out] + (["--in-backward"] if in_backward else [])  # fmt: skip
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "DS_ACCELERATOR": "cpu",
+            "PYTHONPATH": REPO,
+            "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
+        }
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+        if proc.returncode != 0:
+            errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line] or ["?"]
+            return "failed: " + errors[-1][:200]
+        with open(out) as f:
+            return json.load(f)
+
+
+def refusal(engine: str, precision: str, opt: str, in_backward: bool, args) -> str | None:
+    from bigclip.config import resolve
+    from bigclip.errors import UserError
+
+    try:
+        resolve(flags(args.model, args.batch_size, engine, precision, opt, in_backward))
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def render(rows: list[dict], model: str, batch: int) -> list[str]:
+    """The table: each measured row next to the plan's prediction for it (recomputed: the arithmetic may change)."""
+    from bigclip.engine import StateRecipe
+    from bigclip.plan import model_facts, peak_parts
+
+    facts = model_facts(model)
+    MiB = 2**20
+    lines = [
+        f"{model} ({facts.params / 1e6:.1f}M parameters), batch {batch} per rank, {WORLD} ranks, CPU + gloo",
+        "",
+        "| engine | precision | optimizer | in backward | state MiB | activations MiB | working MiB | plan peak MiB "
+        "| + runtime MiB | predicted MiB | measured MiB | measured/predicted | within 10% |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        head = f"| {r['engine']} | {r['precision']} | {r['opt']} | {'yes' if r['in_backward'] else 'no'} |"
+        if "result" in r:
+            lines.append(f"{head} {r['result']} ||||||||")
+            continue
+        recipe = StateRecipe(r["precision"], r["opt"], r["in_backward"])
+        parts = peak_parts(r["engine"], facts, WORLD, recipe, batch, False, device_type="cpu")
+        predicted = parts["peak"] + r["runtime"]
+        ratio = r["measured"] / predicted
+        lines.append(
+            f"{head} {parts['state'] / MiB:.0f} | {parts['activations'] / MiB:.0f} | {parts['working'] / MiB:.0f} | "
+            f"{parts['peak'] / MiB:.0f} | {r['runtime'] / MiB:.0f} | {predicted / MiB:.0f} | "
+            f"{r['measured'] / MiB:.0f} | {ratio:.2f} | {'yes' if abs(ratio - 1) <= 0.1 else 'NO'} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="ViT-B-32")
+    p.add_argument("--batch-size", type=int, default=16, help="per rank")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    p.add_argument("--opts", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
+    p.add_argument("--stepping", nargs="+", default=["kept", "in-backward"], choices=("kept", "in-backward"),
+                   help="gradients kept until the step, or the optimizer stepped in the backward")  # fmt: skip
+    p.add_argument("--json", metavar="FILE", help="also write the measurements to FILE")
+    p.add_argument("--from-json", metavar="FILE", help="only print the table of measurements written before")
+    p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--engine", help=argparse.SUPPRESS)
+    p.add_argument("--precision", help=argparse.SUPPRESS)
+    p.add_argument("--opt", help=argparse.SUPPRESS)
+    p.add_argument("--in-backward", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    sys.path.insert(0, REPO)
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        print("\n".join(render(saved["rows"], saved["model"], saved["batch"])))
+        return 0
+
+    rows = []
+    for engine in args.engines:
+        for precision in args.precisions:
+            for opt in args.opts:
+                for in_backward in [mode == "in-backward" for mode in args.stepping]:
+                    row = dict(engine=engine, precision=precision, opt=opt, in_backward=in_backward)
+                    refused = refusal(engine, precision, opt, in_backward, args)
+                    if refused:
+                        rows.append({**row, "result": f"refused: {refused}"})
+                        continue
+                    result = launch(engine, precision, opt, in_backward, args, args.model)
+                    # the same setup on a model of almost no state: what a training step costs besides the
+                    # model on this machine (autograd, gloo, oneDNN, the compiler behind torchao's updates)
+                    runtime = launch(engine, precision, opt, in_backward, args, "test-tiny")
+                    failed = next((r for r in (result, runtime) if isinstance(r, str)), None)
+                    if failed:
+                        rows.append({**row, "result": failed})
+                    else:
+                        measured = max(r["above_baseline"] for r in result)
+                        rows.append({**row, "measured": measured, "runtime": max(r["above_baseline"] for r in runtime)})
+                    print(render(rows[-1:], args.model, args.batch_size)[-1], flush=True)
+                    if args.json:
+                        with open(args.json, "w") as f:
+                            json.dump({"model": args.model, "batch": args.batch_size, "rows": rows}, f, indent=1)
+    print("\n".join(render(rows, args.model, args.batch_size)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
