@@ -24,7 +24,6 @@ estimated, and no batch size is suggested for them.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from bigclip.engine import ModelSize, StateRecipe, memory_notes, memory_setups, working_bytes
@@ -51,6 +50,7 @@ def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
     block_sizes = [sum(p.numel() for p in b.parameters()) for b in model.transformer_blocks()]
     params = sum(p.numel() for p in model.parameters())
     largest = max(p.numel() for p in model.parameters())
+    text_params = sum(p.numel() for p in model.text.parameters())
     vision, text = model.visual.activation_shape(), model.text.activation_shape()
     towers = tuple(shape for shape in (vision, text) if shape is not None)
     uncounted = None if vision else f"image tower ({model.visual.description})"
@@ -59,6 +59,7 @@ def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
         max(block_sizes),
         params - sum(block_sizes),
         largest_tensor=largest,
+        text_params=text_params,
         name=name,
         towers=towers,
         uncounted=uncounted,
@@ -93,14 +94,14 @@ def peak_parts(
     device_type: str = "cuda",
 ) -> dict[str, float] | None:
     """The predicted peak per GPU (bytes; the fixed reserve not included) and its parts, or None where the setup
-    cannot keep the state as `recipe` says. The peak is the larger of two moments:
+    cannot keep the state as `recipe` says. The peak is the largest of three moments:
 
     - the start of the backward: weights, optimizer state, the gradients' memory where the engine keeps it between
       steps (else one block's), all activations, and what the engine keeps from forward to backward (autocast's
-      weight copies);
-    - the optimizer step: the whole state, gradients included, and the step's temporaries.
-
-    Stepped in the backward (--optimizer-in-backward), the step's moment is the update of the largest tensor.
+      weight copies, ZeRO-3's gathered parameters);
+    - the end of the text tower's backward (below);
+    - the optimizer step: the whole state, gradients included, and the step's temporaries (stepped in the
+      backward: at the end of the text tower's backward, for its largest tensor).
     """
     psi = facts.params
     kept = state_bytes(setup, psi, n, recipe, facts)
@@ -113,15 +114,24 @@ def peak_parts(
     activations = activation_bytes(facts, batch, checkpointing, recipe.activation_bytes)
     backward = at_backward + activations + working.backward
     step = kept + working.step
-    if recipe.in_backward:  # one tensor's update at a time, the largest (the token embedding) late in the backward
-        step = at_backward + working.step
+    # When the text tower's backward ends (it runs first: its forward ran last) the image tower's activations are
+    # alive, and its largest tensor's gradient (the token embedding's) is in flight; stepped in the backward, that
+    # tensor is updated then, with the step's temporaries.
+    image_first = dataclasses.replace(facts, towers=facts.towers[:-1])
+    image_activations = (
+        activation_bytes(image_first, batch, checkpointing, recipe.activation_bytes) if image_first.towers else 0
+    )
+    text_end = at_backward + image_activations + working.backward + working.text_end
+    if recipe.in_backward:
+        text_end, step = text_end + working.step, 0.0
     return {
         "state": kept,
         "activations": activations,
         "working": working.backward + working.step,
         "backward": backward,
+        "text_end": text_end,
         "step": step,
-        "peak": max(backward, step),
+        "peak": max(backward, text_end, step),
     }
 
 
@@ -131,14 +141,22 @@ def max_batch(
     """The largest micro-batch per GPU whose predicted peak fits; None when a tower's activations are not counted
     or the setup cannot keep the state as `recipe` says."""
     recipe = StateRecipe(recipe) if isinstance(recipe, str) else recipe
-    empty = peak_parts(engine, facts, n, recipe, 0, checkpointing)
-    if facts.uncounted or empty is None:
-        return None
     room = gpu_bytes - OVERHEAD_BYTES
-    if empty["peak"] > room:
+
+    def fits(batch: int) -> bool:
+        return peak_parts(engine, facts, n, recipe, batch, checkpointing)["peak"] <= room
+
+    if facts.uncounted or peak_parts(engine, facts, n, recipe, 0, checkpointing) is None:
+        return None
+    if not fits(0):
         return 0
-    per_sample = activation_bytes(facts, 1, checkpointing, recipe.activation_bytes)
-    return max(0, math.floor((room - empty["backward"]) / per_sample))
+    low, high = 0, 1  # the peak grows with the batch: double until it does not fit, then bisect
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 # The recipes `bigclip plan --gpu-mem` weighs against each other: every precision's weights, AdamW or 8-bit

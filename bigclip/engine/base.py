@@ -78,6 +78,9 @@ class WorkingBytes:
     backward: float = 0.0
     step: float = 0.0
     gradients_persist: bool = True
+    # held when the text tower's backward ends, beyond the state at the backward's start: its largest tensor's (the
+    # token embedding's) gradient in flight, and the text tower's kept gradients where they were freed at the step
+    text_end: float = 0.0
 
 
 class Engine(abc.ABC):

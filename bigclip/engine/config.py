@@ -129,6 +129,7 @@ class ModelSize:
     block_params: int  # the largest transformer block
     root_params: int  # parameters outside the blocks (embeddings, projections, norms, logit scale)
     largest_tensor: int = 0  # the largest single parameter (the token embedding in CLIP's text towers)
+    text_params: int = 0  # the text tower's parameters (its backward runs first: its forward runs last)
 
 
 # Optimizer state bytes per parameter of --opt adamw8bit: two 8-bit moments, each with a float32 scale per block of

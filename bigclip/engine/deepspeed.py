@@ -61,6 +61,9 @@ from bigclip.optim import optimizer_kind
 
 logger = logging.getLogger("bigclip")
 
+# DeepSpeed's default for zero_optimization.stage3_max_live_parameters (parameters kept gathered at once)
+STAGE3_MAX_LIVE_PARAMETERS = 10**9
+
 
 def _prepare_environment(world: World) -> None:
     # DeepSpeed picks its accelerator at first use; on a CPU run say so up front (silences its probe warning).
@@ -241,12 +244,17 @@ class DeepSpeedEngine(Engine):
     def working_bytes(
         cls, setup: str, psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str
     ) -> WorkingBytes:
+        # ZeRO-3 keeps the parameters it gathered in the forward for the backward, up to stage3_max_live_parameters
+        # (DeepSpeed's default, 1e9; bigclip's configs leave it), in the working dtype
+        gathered = 0.0
+        if setup.startswith("zero3"):
+            gathered = (4 if recipe.precision == "fp32" else 2) * min(psi, STAGE3_MAX_LIVE_PARAMETERS)
         if "offload" in setup or "nvme" in setup:
-            return WorkingBytes()  # the step runs in host memory (DeepSpeed's CPU Adam)
+            return WorkingBytes(backward=gathered)  # the step runs in host memory (DeepSpeed's CPU Adam)
         # ZeRO's step flattens the rank's gradient partition into a new float32 tensor (the .grad of its fp32
         # master partition, whatever --precision), then the client optimizer (torch's AdamW) steps that one tensor
         masters = dataclasses.replace(recipe, precision="fp32")
-        return WorkingBytes(step=4 * psi / n + masters.step_scratch_bytes(psi / n, psi / n, device_type))
+        return WorkingBytes(gathered, 4 * psi / n + masters.step_scratch_bytes(psi / n, psi / n, device_type))
 
     @classmethod
     def memory_notes(cls) -> list[str]:

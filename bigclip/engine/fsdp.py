@@ -108,7 +108,10 @@ class FSDPEngine(TorchOptimizerEngine):
     ) -> WorkingBytes:
         # the 16-bit all-gathers are in the state (above); each rank steps its own shards
         step = recipe.step_scratch_bytes(psi / n, size.largest_tensor / n, device_type)
-        return WorkingBytes(step=step, gradients_persist=False)
+        # the largest tensor's unsharded gradient and its reduce-scattered shard; the text tower's gradient shards
+        text_end = recipe.weight_bytes * size.largest_tensor * (1 + 1 / n)
+        text_end += recipe.grad_bytes * size.text_params / n
+        return WorkingBytes(step=step, gradients_persist=False, text_end=text_end)
 
     @classmethod
     def describe_plan(cls, cfg: EngineConfig, world: World, num_params: int) -> tuple[str, str]:
