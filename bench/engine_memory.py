@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
+
+import ranks
+from ranks import write_from_rank0
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINES = {
@@ -80,62 +79,18 @@ def worker(args) -> None:
         if step >= 2:  # the first steps build optimizer state and warm caches
             times.append((mid - start) + (time.perf_counter() - resume))
     out = {"rank": world.rank, "state": state, "peak_rss": peak_rss_bytes(), "step_s": sorted(times)[len(times) // 2]}
-    import torch.distributed as dist
 
-    gathered = [None] * world.world_size
-    dist.all_gather_object(gathered, out)
-    if world.rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(gathered, f)
-    dist.barrier()
+    write_from_rank0(out, args.out, world.world_size, world.rank)
     shutdown()  # frees the DDP wrapper while the group exists
 
 
 # ------------------------------------------------------------------------------------------- driver side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(engine: str, world_size: int, args) -> list[dict] | str:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={world_size}",
-            f"--master_port={_free_port()}",
-            os.path.abspath(__file__),
-            "--worker",
-            "--engine",
-            engine,
-            "--model",
-            args.model,
-            "--batch-size",
-            str(args.batch_size),
-            "--steps",
-            str(args.steps),
-            "--precision",
-            args.precision,
-            "--out",
-            out,
-        ] + (["--grad-checkpointing"] if args.grad_checkpointing else [])
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "DS_ACCELERATOR": "cpu",
-            "PYTHONPATH": REPO,
-            # tensors of 4 MB+ are mmap'ed: freed memory leaves the process, RSS means live bytes
-            "MALLOC_MMAP_THRESHOLD_": str(4 << 20),
-        }
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-        if proc.returncode != 0:
-            errors = [line for line in proc.stderr.splitlines() if "Error" in line] or ["?"]
-            return "failed: " + errors[-1][:200]
-        with open(out) as f:
-            return json.load(f)
+    worker_args = ["--engine", engine, "--model", args.model, "--batch-size", str(args.batch_size), "--steps",
+                   str(args.steps), "--precision", args.precision]  # fmt: skip
+    worker_args += ["--grad-checkpointing"] if args.grad_checkpointing else []
+    # tensors of 4 MB+ are mmap'ed: freed memory leaves the process, RSS means live bytes
+    return ranks.launch(__file__, world_size, worker_args, args.timeout, mmap_threshold=4 << 20)
 
 
 def main(argv: list[str] | None = None) -> int:

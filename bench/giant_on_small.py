@@ -28,12 +28,13 @@ import argparse
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+from ranks import free_port, write_from_rank0
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9
@@ -49,7 +50,6 @@ FIT_SHARE = 0.85
 # ------------------------------------------------------------------------------------------- worker side
 def worker(args) -> None:
     import torch
-    import torch.distributed as dist
 
     from bigclip.build import build_engine, build_loss_fn, build_model
     from bigclip.config import resolve
@@ -109,12 +109,7 @@ def worker(args) -> None:
         "s_per_step": sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0],
         "weights_changed": _checksum(engine) != before,
     }
-    gathered = [None] * world.world_size
-    dist.all_gather_object(gathered, out)
-    if world.rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(gathered, f)
-    dist.barrier()
+    write_from_rank0(out, args.out, world.world_size, world.rank)
     shutdown()
 
 
@@ -126,12 +121,6 @@ def _checksum(engine) -> float:
 
 
 # ------------------------------------------------------------------------------------------- driver side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _meminfo() -> dict[str, int]:
     with open("/proc/meminfo") as f:
         return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
@@ -168,7 +157,7 @@ class MachinePeak:
 def launch(model: str, setup: str, args) -> tuple[list[dict] | str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                os.path.abspath(__file__), "--worker", "--model", model, "--setup", setup, "--steps", str(args.steps),
                "--batch-size", str(args.batch_size), "--out", out]  # fmt: skip
         env = {

@@ -22,10 +22,10 @@ import argparse
 import functools
 import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
+
+import ranks
+from ranks import write_from_rank0
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINES = {
@@ -98,42 +98,16 @@ def worker(args) -> None:
         forward_backward(engine, loss_fn, [(images, texts)], world)
         optimizer_step(engine)
     out = {"rank": world.rank, "above_baseline": peak_rss_bytes() - baseline, "baseline": baseline}
-    gathered = [None] * world.world_size
-    dist.all_gather_object(gathered, out)
-    if world.rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(gathered, f)
-    dist.barrier()
+    write_from_rank0(out, args.out, world.world_size, world.rank)
     shutdown()
 
 
 # ------------------------------------------------------------------------------------------- driver side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(engine: str, precision: str, opt: str, in_backward: bool, args, model: str) -> list[dict] | str:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
-               f"--master_port={_free_port()}", os.path.abspath(__file__), "--worker", "--engine", engine,
-               "--precision", precision, "--opt", opt, "--model", model, "--batch-size", str(args.batch_size),
-               "--steps", str(args.steps), "--out", out] + (["--in-backward"] if in_backward else [])  # fmt: skip
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "DS_ACCELERATOR": "cpu",
-            "PYTHONPATH": REPO,
-            "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
-        }
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-        if proc.returncode != 0:
-            errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line] or ["?"]
-            return "failed: " + errors[-1][:200]
-        with open(out) as f:
-            return json.load(f)
+    worker_args = ["--engine", engine, "--precision", precision, "--opt", opt, "--model", model, "--batch-size",
+                   str(args.batch_size), "--steps", str(args.steps)]  # fmt: skip
+    worker_args += ["--in-backward"] if in_backward else []
+    return ranks.launch(__file__, WORLD, worker_args, args.timeout)
 
 
 def refusal(engine: str, precision: str, opt: str, in_backward: bool, args) -> str | None:

@@ -1,0 +1,56 @@
+"""What the multi-rank benchmarks share: a torchrun launch on CPU that returns each rank's results, gathered into
+one JSON file by rank 0 (write_from_rank0), and a free port for the rendezvous."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_from_rank0(result: dict, path: str, world_size: int, rank: int) -> None:
+    """Every rank's `result`, in rank order, into `path` (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+
+
+def launch(
+    script: str, nproc: int, worker_args: list[str], timeout: float, mmap_threshold: int = 1 << 20
+) -> list | str:
+    """`torchrun --nproc_per_node nproc script --worker ... --out FILE` on CPU (gloo, one thread per rank), and
+    what write_from_rank0 put in FILE; or 'failed: <the last error line>'. Glibc returns freed allocations of
+    `mmap_threshold` bytes and more to the system, so a rank's resident memory follows its live tensors."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        rendezvous = [f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, os.path.abspath(script), "--worker"]
+        cmd += [*worker_args, "--out", out]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "DS_ACCELERATOR": "cpu",
+            "PYTHONPATH": repo,
+            "MALLOC_MMAP_THRESHOLD_": str(mmap_threshold),
+        }
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        if proc.returncode != 0:
+            errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line] or ["?"]
+            return "failed: " + errors[-1][:200]
+        with open(out) as f:
+            return json.load(f)
