@@ -6,8 +6,8 @@ SPEC is a list of runs: {"name", "steps", "config": {TrainConfig values}, "arch"
 registered under config["model"], "clamp_check": bool, "seed_per_rank": bool (each rank's own random stream after
 the build, as train.py), "ranks_emulated": N (one process whose batch_size is the global batch of N ranks: rank r's
 samples in rank order, as gathered features see them), "live_grads": bool (the most gradient bytes alive at once,
-the largest block's, and how many storages hold the gradients)}. Every run sees the same synthetic batches (seeded by step
-and rank) and goes through bigclip's own pieces: engine.build_model, build_engine, the loop's forward_backward
+the largest block's, and how many storages hold the gradients)}. Every run sees the same synthetic batches (seeded
+by step and rank) and goes through bigclip's own pieces: engine.build_model, build_engine, the loop's forward_backward
 (OpenCLIP accumulation), engine.step, and an eval forward through engine.module. One launch for many engines keeps
 the cost of process start-up and DeepSpeed initialisation to once per test file."""
 

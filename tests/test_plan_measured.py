@@ -37,13 +37,19 @@ def test_the_peak_is_the_backward_or_the_step_whichever_is_larger():
     assert cuda["step"] == state_bytes("fsdp", psi, 1, amp, facts) + 4 * psi and cuda["peak"] == cuda["step"]
     cpu = peak_parts("fsdp", facts, 1, amp, 1, True, "cpu")
     assert cpu["step"] == state_bytes("fsdp", psi, 1, amp, facts) + 2 * 4 * facts.largest_tensor
-    # torchao's fused 8-bit update allocates nothing; stepped in the backward there is no step of its own: the
-    # token embedding's gradient (unsharded, and its shard) is the last thing in flight, when the text tower ends
-    lean = peak_parts("fsdp", facts, 1, StateRecipe("pure_bf16", "adamw8bit", True), 1, True, "cuda")
-    assert lean["working"] == 0 and lean["step"] == 0 and lean["peak"] == max(lean["backward"], lean["text_end"])
-    in_flight = lean["text_end"] - state_bytes("fsdp", psi, 1, StateRecipe("pure_bf16", "adamw8bit", True), facts)
-    assert in_flight == activation_bytes(dataclasses.replace(facts, towers=facts.towers[:1]), 1, True, 2) + 2 * 2 * (
-        facts.largest_tensor
+    # torchao's fused 8-bit update allocates only the stochastic rounding's random integers (4 bytes per value of one
+    # tensor); stepped in the backward there is no step of its own: the token embedding is updated at the end of
+    # the text tower, its unsharded gradient and its shard in flight, the image tower's activations alive
+    lean_recipe = StateRecipe("pure_bf16", "adamw8bit", True)
+    lean = peak_parts("fsdp", facts, 1, lean_recipe, 1, True, "cuda")
+    assert lean["working"] == 4 * facts.largest_tensor and lean["step"] == 0
+    assert lean["peak"] == max(lean["backward"], lean["text_end"])
+    image_tower = dataclasses.replace(facts, towers=facts.towers[:1])
+    assert (
+        lean["text_end"]
+        == state_bytes("fsdp", psi, 1, lean_recipe, facts)
+        + activation_bytes(image_tower, 1, True, 2)
+        + (2 * 2 + 4) * facts.largest_tensor
     )
     # DeepSpeed cannot run 8-bit moments: no prediction rather than a wrong one
     assert peak_parts("zero3", facts, 8, StateRecipe("amp", "adamw8bit"), batch, False) is None

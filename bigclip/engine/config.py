@@ -177,8 +177,11 @@ class StateRecipe:
         tensor holds `largest_local`. torch's AdamW (fp32 weights and amp's masters) on CUDA takes its multi-tensor
         path, which builds sqrt(v) for every parameter at once: one float32 moment's bytes per parameter; stepped
         tensor by tensor (on CPU, or in the backward) it builds two float32 temporaries of one tensor. torchao's
-        compiled updates (8-bit AdamW; bf16 AdamW with stochastic rounding) fuse each tensor's update: none."""
-        if self.opt not in ("adamw", "stableadamw") or self.weight_bytes != 4:
+        compiled updates (8-bit AdamW; bf16 AdamW) fuse each tensor's update, but rounding into 16-bit weights
+        stochastically draws a 32-bit random integer per value of the tensor being updated."""
+        if self.weight_bytes != 4:
+            return 4 * largest_local
+        if self.opt not in ("adamw", "stableadamw"):
             return 0.0
         if self.in_backward or device_type != "cuda":
             return 2 * 4 * largest_local
