@@ -46,13 +46,23 @@ def log_says(log: str, text: str):
     return lambda: os.path.exists(log) and text in open(log).read()
 
 
+# The first save after step_50's, whatever it is named: step_100 on time, or step_N when step_100 fell due while
+# step_50 was still uploading (a slow or busy machine) and was deferred to the first step after it committed.
+AFTER_STEP_50 = re.compile(rb"/checkpoints/((?!step_50/)(?:step|epoch)_\d+)/")
+
+
+def frozen_tag(proxy) -> str:
+    """The checkpoint whose first request froze the store."""
+    return AFTER_STEP_50.search(proxy.frozen_by).group(1).decode()
+
+
 @contextlib.contextmanager
-def store_hangs_from_step_100(flags, env, proxy):
-    """One process of launch/train.py; the store hangs from the first request that names step_100 (its save's
+def store_hangs_after_step_50(flags, env, proxy):
+    """One process of launch/train.py; the store hangs from the first request of the save after step_50 (its
     first contact with the bucket) until the block ends, then answers again, and a run still alive is killed.
-    The job is held at that point of its own progress (step_50 has committed, step_100 never can) however fast
-    or slow the machine is."""
-    proxy.freeze_on(b"/checkpoints/step_100/")
+    The job is held at that point of its own progress (step_50 has committed, the next save never can) however
+    fast or slow the machine is."""
+    proxy.freeze_on(AFTER_STEP_50)
     proc = subprocess.Popen([sys.executable, TRAIN_SCRIPT, *flags], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
@@ -110,10 +120,11 @@ def test_training_goes_on_while_the_store_hangs(s3, s3_bucket, proxy, tmp_path):
 
 
 def test_the_final_save_waits_a_bounded_time_then_the_last_committed_checkpoint_resumes(s3, s3_bucket, proxy, tmp_path):
-    """The store hangs from step_100's first request on: step_100's save hangs, the saves due after it are
-    deferred, and at the end of the run (step 200) it is waited for at most --checkpoint-upload-timeout, given up
-    with a warning, and the process ends while the store still hangs; the final save is not attempted.
-    --resume latest then starts from step_50 and reproduces the first run's losses."""
+    """The store hangs from the first request of the save after step_50 (step_100, or a later step when step_100
+    was deferred): that save hangs, the saves due after it are deferred, and at the end of the run (step 200) it
+    is waited for at most --checkpoint-upload-timeout, given up with a warning, and the process ends while the
+    store still hangs; the final save is not attempted. --resume latest then starts from step_50 and reproduces
+    the first run's losses."""
     logs, remote = str(tmp_path / "logs"), f"s3://{s3_bucket}/runs"
     flags = [*TINY_SYNTHETIC, "--train-num-samples", "1600", "--epochs", "1", "--lr-scheduler", "const",
              "--logs", logs, "--name", "r", "--remote-sync", remote, "--save-every-n-steps", "50",
@@ -121,15 +132,15 @@ def test_the_final_save_waits_a_bounded_time_then_the_last_committed_checkpoint_
     env = subprocess_env(**s3.env(AWS_ENDPOINT_URL=proxy.endpoint))
     run_dir = os.path.join(logs, "r")
     log = os.path.join(run_dir, "out.log")
-    with store_hangs_from_step_100(flags, env, proxy) as proc:
+    with store_hangs_after_step_50(flags, env, proxy) as proc:
         out, err = proc.communicate(timeout=600)  # a guard against a hang, not a measurement
         # The process ended while the store still hung: its wait was bounded by the flag, not by the store
         # (the client alone would retry for minutes).
         assert proxy.frozen, "the store answered before the run ended"
     assert proc.returncode == 0, err[-3000:]
-    said = open(log).read()
-    waiting = said.index("waiting for checkpoint step_100 to be written and committed (at most 4 s)")
-    given_up = said.index("checkpoint step_100 was NOT committed: the store did not finish it within 4 s")
+    said, tag = open(log).read(), frozen_tag(proxy)
+    waiting = said.index(f"waiting for checkpoint {tag} to be written and committed (at most 4 s)")
+    given_up = said.index(f"checkpoint {tag} was NOT committed: the store did not finish it within 4 s")
     assert waiting < given_up < said.index("checkpoint epoch_1 not attempted")
     first = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
     assert max(first) == 200
@@ -147,16 +158,17 @@ def test_the_final_save_waits_a_bounded_time_then_the_last_committed_checkpoint_
 
 
 def test_a_notice_after_the_last_step_ends_the_wait_for_the_final_checkpoint(s3, s3_bucket, proxy, tmp_path):
-    """The store hangs from step_100's first request on; the run's end waits for step_100's save (for up to the
-    default 600 s): a SIGTERM then ends the process while the store still hangs, with one line and exit code
-    143; nothing more is committed."""
+    """The store hangs from the first request of the save after step_50; the run's end waits for that save (for up
+    to the default 600 s): a SIGTERM then ends the process while the store still hangs, with one line and exit
+    code 143; nothing more is committed."""
     logs, remote = str(tmp_path / "logs"), f"s3://{s3_bucket}/runs"
     flags = [*TINY_SYNTHETIC, "--train-num-samples", "1600", "--epochs", "1", "--lr-scheduler", "const",
              "--logs", logs, "--name", "r", "--remote-sync", remote, "--save-every-n-steps", "50"]  # fmt: skip
     env = subprocess_env(**s3.env(AWS_ENDPOINT_URL=proxy.endpoint))
     log = os.path.join(logs, "r", "out.log")
-    with store_hangs_from_step_100(flags, env, proxy) as proc:
-        wait_for(log_says(log, "waiting for checkpoint step_100"), proc, 600, "the final wait")
+    with store_hangs_after_step_50(flags, env, proxy) as proc:
+        waits = lambda: proxy.frozen and log_says(log, f"waiting for checkpoint {frozen_tag(proxy)}")()  # noqa: E731
+        wait_for(waits, proc, 600, "the final wait")
         proc.send_signal(signal.SIGTERM)
         # The wait would last --checkpoint-upload-timeout (600 s); the notice ends it while the store still hangs.
         out, err = proc.communicate(timeout=900)
