@@ -13,12 +13,14 @@ help live in the registry that owns them, and --help shows them from there.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import field
 from typing import Any
 
+from bigclip.errors import UserError
 from bigclip.registry import Registry
 
 # The --help groups, in the order --help shows them.
@@ -122,3 +124,31 @@ def flag_name(field_name: str) -> str:
 
 def default_of(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def parse_value(text: str) -> Any:
+    """A key=value flag's value: a::b pairs and [a, b] lists become tuples, true/false booleans, Python
+    literals their value, anything else stays text."""
+    text = text.strip()
+    if "::" in text:
+        return tuple(parse_value(part) for part in text.split("::"))
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+    return tuple(value) if isinstance(value, list) else value
+
+
+def parse_key_values(flag_shown: str, items: list[str] | dict[str, Any] | None, example: str) -> dict[str, Any]:
+    """key=value strings as typed (`--aug-cfg scale=0.9::1.0`), or a mapping as a YAML file gives it -> dict."""
+    if isinstance(items, dict):
+        return dict(items)
+    parsed = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"{flag_shown} {item}: expected key=value, e.g. {example}")
+        parsed[key.strip()] = parse_value(text)
+    return parsed

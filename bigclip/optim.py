@@ -1,19 +1,26 @@
 """Parameter groups and optimizers.
 
-Weight decay follows OpenCLIP: parameters with fewer than two dimensions (gains, biases, the logit scale
-and bias), and anything named like a norm or bias, are not decayed. The rule works on names and shapes, so
-it gives the same groups before and after an engine wraps or shards the model.
+Weight decay follows OpenCLIP 3.3: parameters with fewer than two dimensions (gains, biases, the logit scale
+and bias), anything named like a norm or bias, and what the model declares (`no_weight_decay()`: the ViT's
+class token, a vector in OpenCLIP) are not decayed; --wd-exclude adds name patterns (OpenCLIP main's flag).
+Layer-wise learning-rate decay (--image-layer-decay, --text-layer-decay; OpenCLIP main's flags and groups)
+gives each parameter of a tower the learning-rate scale decay**depth of its layer group (model/layer_groups.py)
+as the group's "lr_scale"; engines set each group's lr to the schedule's lr times it (set_lr). The rules work
+on names and shapes, so they give the same groups before and after an engine wraps or shards the model.
 
-`--opt` picks a name registered in OPTIMIZERS: torch's AdamW, bigclip's StableAdamW (AdamW with per-tensor
-update clipping), AdamW with 8-bit moments (torchao_optim.py) or any timm optimizer (timm/<name>).
+`--opt` picks a name registered in OPTIMIZERS: torch's AdamW, torch's NAdam with decoupled weight decay
+(nadamw), bigclip's StableAdamW (AdamW with per-tensor update clipping), AdamW with 8-bit moments
+(torchao_optim.py) or any timm optimizer (timm/<name>); --opt-kwargs key=value pairs go to its constructor.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,11 +30,16 @@ from torch.distributed.tensor import DTensor
 
 from bigclip import bf16_rounding
 from bigclip.errors import UserError
-from bigclip.flag_fields import TRAIN, flag, non_negative_number, optional, unit_interval
+from bigclip.flag_fields import TRAIN, flag, non_negative_number, optional, parse_key_values, unit_interval
 from bigclip.registry import Registry
 
 ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.98, "eps": 1e-6}
 DEFAULT_LR = 5e-4  # OpenCLIP's --lr default
+
+
+def decay_factor(v: Any) -> str | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1
+    return None if ok else "must be in (0, 1] (1: no decay)"
 
 
 def _unknown_optimizer(names: list[str]) -> str:
@@ -45,7 +57,8 @@ class OptimizerConfig:
     lr: float | None = flag(None, "Learning rate (default 5e-4).", TRAIN, check=optional(non_negative_number))
     opt: str = flag(
         "adamw",
-        "adamw; stableadamw (AdamW with per-tensor update clipping, Wortsman et al. 2023; new in bigclip); "
+        "adamw; nadamw (torch's NAdam with decoupled weight decay); "
+        "stableadamw (AdamW with per-tensor update clipping, Wortsman et al. 2023; new in bigclip); "
         "adamw8bit (AdamW with 8-bit moments, torchao; new in bigclip); or timm/<name> for any timm optimizer.",
         TRAIN,
         choices=OPTIMIZERS,
@@ -58,6 +71,42 @@ class OptimizerConfig:
     )
     momentum: float | None = flag(
         None, "Momentum for timm optimizers that take it.", TRAIN, check=optional(non_negative_number)
+    )
+    wd_exclude: list[str] = flag(
+        [],
+        "Name patterns (fnmatch globs, '*' spans dots) of further parameters never decayed, e.g. '*.bias' "
+        "'*positional_embedding*'; matched against bigclip's and OpenCLIP's name of each parameter (OpenCLIP "
+        "main's flag).",
+        TRAIN,
+        nargs="*",
+        metavar="PATTERN",
+    )
+    opt_kwargs: list[str] | dict[str, Any] = flag(
+        [],
+        "Further keyword arguments of the optimizer's constructor as key=value pairs, e.g. amsgrad=true "
+        "(OpenCLIP main's flag).",
+        TRAIN,
+        nargs="*",
+    )
+    image_layer_decay: float | None = flag(
+        None,
+        "Layer-wise lr decay of the image tower: a layer group at depth d below the projection trains at "
+        "lr * decay**d (OpenCLIP main's groups; off when unset or 1).",
+        TRAIN,
+        check=optional(decay_factor),
+        aliases=["--visual-layer-decay"],
+    )
+    text_layer_decay: float | None = flag(
+        None,
+        "Layer-wise lr decay of the text tower, as --image-layer-decay (off when unset or 1).",
+        TRAIN,
+        check=optional(decay_factor),
+    )
+    text_pooler_own_group: bool = flag(
+        False,
+        "OpenCLIP main: a Hugging Face text tower's pooler as a layer group of its own. bigclip's text towers "
+        "have no pooler, so it changes nothing (as in OpenCLIP for its own text tower).",
+        TRAIN,
     )
     bf16_round_to_nearest: bool = flag(
         False,
@@ -87,19 +136,71 @@ class OptimizerKind:
 
 
 def _no_decay(name: str, p: torch.Tensor) -> bool:
-    return p.ndim < 2 or "bn" in name or "ln" in name or "norm" in name or "bias" in name or "logit_scale" in name
+    return p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+def _lr_scales(model: nn.Module, cfg: OptimizerConfig) -> dict[int, float]:
+    """id(parameter) -> its learning-rate scale under layer-wise decay (parameters not listed: 1)."""
+    scales: dict[int, float] = {}
+    for tower, decay in (("image", cfg.image_layer_decay), ("text", cfg.text_layer_decay)):
+        if decay is None or decay == 1:
+            continue
+        groups = getattr(model, "layer_groups", dict)().get(tower)
+        if groups is None:
+            raise UserError(f"--{tower}-layer-decay: this model's {tower} tower has no layer groups")
+        last = len(groups) - 1
+        for index, (_, members) in enumerate(groups):
+            for member in members:
+                for p in [member] if isinstance(member, nn.Parameter) else member.parameters():
+                    scales[id(p)] = decay ** (last - index)
+    return scales
+
+
+def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
+    """The optimizer's parameter groups: decayed or not (weight_decay), and under layer-wise lr decay by
+    learning-rate scale (lr_scale; largest first). Without layer decay always [not decayed, decayed]."""
+    spared = set(getattr(model, "no_weight_decay", set)())
+    openclip_names = getattr(model, "openclip_names", dict)()
+    scales = _lr_scales(model, cfg)
+
+    def excluded(name: str, p: torch.Tensor) -> bool:
+        if _no_decay(name, p) or name in spared:
+            return True
+        names = (name, openclip_names.get(name, name))
+        return any(fnmatch.fnmatchcase(n, pattern) for n in names for pattern in cfg.wd_exclude)
+
+    buckets: dict[tuple[float, bool], dict] = {}
+    if not scales:
+        for no_wd in (True, False):
+            buckets[(1.0, no_wd)] = {"params": [], "weight_decay": 0.0 if no_wd else cfg.wd}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if _no_decay(name, p) else decay).append(p)
-    return [
-        {"params": no_decay, "weight_decay": 0.0},
-        {"params": decay, "weight_decay": weight_decay},
-    ]
+        scale = scales.get(id(p), 1.0)
+        no_wd = excluded(name, p)
+        key = (round(scale, 12), no_wd)
+        if key not in buckets:
+            buckets[key] = {"params": [], "weight_decay": 0.0 if no_wd else cfg.wd, "lr_scale": scale}
+        buckets[key]["params"].append(p)
+    if not scales:
+        return list(buckets.values())
+    return [buckets[key] for key in sorted(buckets, key=lambda k: (-k[0], not k[1]))]
+
+
+def set_lr(groups: list[dict], lr: float) -> None:
+    """Every group's lr: the schedule's lr times the group's layer-decay scale."""
+    for group in groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+def base_lr(groups: list[dict]) -> float:
+    """The schedule's lr, as set_lr last set it."""
+    group = groups[0]
+    return group["lr"] / group.get("lr_scale", 1.0)
+
+
+def opt_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
+    return parse_key_values("--opt-kwargs", cfg.opt_kwargs, "amsgrad=true")
 
 
 def hyperparameters(cfg: OptimizerConfig) -> dict:
@@ -117,12 +218,21 @@ def optimizer_kind(cfg: OptimizerConfig) -> OptimizerKind:
 
 
 def check_optimizer(cfg: OptimizerConfig) -> None:
-    """The optimizer flags' rules, before any work: a registered --opt, and that optimizer's own rules."""
+    """The optimizer flags' rules, before any work: a registered --opt, that optimizer's own rules, and
+    --opt-kwargs its constructor takes (tried on one small tensor)."""
     optimizer_kind(cfg).check(cfg)
+    if opt_kwargs(cfg):
+        create_optimizer(cfg, [{"params": [nn.Parameter(torch.zeros(1))]}])
 
 
 def create_optimizer(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
-    return optimizer_kind(cfg).build(cfg, groups)
+    try:
+        return optimizer_kind(cfg).build(cfg, groups)
+    except (TypeError, ValueError) as e:
+        if not opt_kwargs(cfg):
+            raise
+        shown = " ".join(f"{k}={v}" for k, v in opt_kwargs(cfg).items())
+        raise UserError(f"--opt-kwargs {shown}: --opt {cfg.opt} refused them ({e})") from None
 
 
 def rounds_stochastically(cfg: OptimizerConfig, groups: list[dict]) -> bool:
@@ -136,8 +246,18 @@ def _adamw(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
     if rounds_stochastically(cfg, groups):
         from bigclip.torchao_optim import AdamWStochasticBF16  # torchao: imported only when asked for
 
-        return AdamWStochasticBF16(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
-    return torch.optim.AdamW(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
+        return AdamWStochasticBF16(
+            groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"], **opt_kwargs(cfg)
+        )
+    return torch.optim.AdamW(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"], **opt_kwargs(cfg))
+
+
+def _nadamw(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    """torch's NAdam with AdamW's decoupled weight decay (OpenCLIP main's nadamw); bf16 weights round to
+    nearest."""
+    hp = hyperparameters(cfg)
+    kwargs = {"decoupled_weight_decay": True, **opt_kwargs(cfg)}
+    return torch.optim.NAdam(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"], **kwargs)
 
 
 def _stableadamw(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
@@ -148,6 +268,7 @@ def _stableadamw(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimi
         betas=(hp["beta1"], hp["beta2"]),
         eps=hp["eps"],
         stochastic_rounding=rounds_stochastically(cfg, groups),
+        **opt_kwargs(cfg),
     )
 
 
@@ -156,7 +277,8 @@ def _adamw8bit(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimize
 
     hp = hyperparameters(cfg)
     sr = rounds_stochastically(cfg, groups)
-    return AdamW8bit(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"], bf16_stochastic_round=sr)
+    betas = (hp["beta1"], hp["beta2"])
+    return AdamW8bit(groups, lr=hp["lr"], betas=betas, eps=hp["eps"], bf16_stochastic_round=sr, **opt_kwargs(cfg))
 
 
 def _check_stableadamw(cfg: OptimizerConfig) -> None:
@@ -176,6 +298,7 @@ def _timm(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
         kwargs["betas"] = (hp["beta1"], hp["beta2"])
     if cfg.eps is not None:
         kwargs["eps"] = hp["eps"]
+    kwargs.update(opt_kwargs(cfg))
     try:
         # Groups carry their own weight decay; timm must not regroup them.
         return create_optimizer_v2(groups, opt=name, lr=hp["lr"], weight_decay=cfg.wd, **kwargs)
@@ -335,6 +458,11 @@ class StableAdamW(torch.optim.Optimizer):
 
 
 OPTIMIZERS.register("adamw", OptimizerKind(_adamw, steps_per_parameter=True), help="torch's AdamW")
+OPTIMIZERS.register(
+    "nadamw",
+    OptimizerKind(_nadamw, steps_per_parameter=True),
+    help="torch's NAdam with decoupled weight decay (OpenCLIP main's nadamw)",
+)
 OPTIMIZERS.register(
     "stableadamw",
     OptimizerKind(_stableadamw, per_tensor=True, steps_per_parameter=True, check=_check_stableadamw),

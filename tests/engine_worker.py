@@ -6,10 +6,12 @@ SPEC is a list of runs: {"name", "steps", "config": {TrainConfig values}, "arch"
 registered under config["model"], "clamp_check": bool, "seed_per_rank": bool (each rank's own random stream after
 the build, as train.py), "ranks_emulated": N (one process whose batch_size is the global batch of N ranks: rank r's
 samples in rank order, as gathered features see them), "live_grads": bool (the most gradient bytes alive at once,
-the largest block's, and how many storages hold the gradients)}. Every run sees the same synthetic batches (seeded
-by step and rank) and goes through bigclip's own pieces: engine.build_model, build_engine, the loop's forward_backward
-(OpenCLIP accumulation), engine.step, and an eval forward through engine.module. One launch for many engines keeps
-the cost of process start-up and DeepSpeed initialisation to once per test file."""
+the largest block's, and how many storages hold the gradients), "step_sizes": bool (each parameter's largest
+change in the first step, over the lr set: with AdamW's first step, wd 0 and a tiny eps, its lr scale)}.
+Every run sees the same synthetic batches (seeded by step and rank) and goes through bigclip's own pieces:
+engine.build_model, build_engine, the loop's forward_backward (OpenCLIP accumulation), engine.step, and an eval
+forward through engine.module. One launch for many engines keeps the cost of process start-up and DeepSpeed
+initialisation to once per test file."""
 
 from __future__ import annotations
 
@@ -131,6 +133,7 @@ def run_one(spec: dict, world) -> dict:
     if spec.get("clamp_check"):
         out["logit_scale_after"] = []
     frozen_before = _frozen(engine) if spec.get("frozen_check") else None
+    before_first_step = _all_whole(engine) if spec.get("step_sizes") else None
     live_grads = _LiveGradients(engine) if spec.get("live_grads") else None
     if spec.get("seed_per_rank"):
         torch.manual_seed(cfg.seed + world.rank)  # as train.py: each rank's own random stream from here on
@@ -156,6 +159,10 @@ def run_one(spec: dict, world) -> dict:
             live_grads.count_storages()
         out["norms"].append(optimizer_step(engine))
         out["losses"].append(loss)
+        if before_first_step is not None and step == 0:
+            lr = engine.get_lr()
+            after = _all_whole(engine)
+            out["step_sizes"] = {n: float((after[n] - w).abs().max()) / lr for n, w in before_first_step.items()}
         if spec.get("clamp_check"):
             with torch.no_grad(), engine.autocast():
                 seen = float(engine.module(texts=micro[0][1][:1])["logit_scale"].float().log().mean())
@@ -260,6 +267,10 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
         with deepspeed.zero.GatheredParameters([p]):
             return p.data.clone()
     return p.detach().clone()
+
+
+def _all_whole(engine) -> dict[str, torch.Tensor]:
+    return {n: _whole(p) for n, p in engine.model.named_parameters()}
 
 
 def _frozen(engine) -> dict[str, torch.Tensor]:

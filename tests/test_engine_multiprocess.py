@@ -20,6 +20,9 @@ import torch
 from helpers import REPO, free_port, read_metrics, step_losses, subprocess_env, torchrun, torchrun_cmd
 from safetensors.torch import save_file
 
+from bigclip import optim
+from bigclip.model import create_model
+
 pytestmark = pytest.mark.slow
 
 WORKER = os.path.join(REPO, "tests", "engine_worker.py")
@@ -50,6 +53,14 @@ def engines(**flags):
         "zero3": {"ds_config": DS[3]},
         **flags,
     }
+
+
+def layer_decay_scales(model_name: str, **flags) -> dict[str, float]:
+    """Each parameter's lr scale as bigclip's optimizer groups give it."""
+    model = create_model(model_name)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = optim.param_groups(model, optim.OptimizerConfig(**flags))
+    return {names[id(p)]: g.get("lr_scale", 1.0) for g in groups for p in g["params"]}
 
 
 def assert_same_run(run, reference, rtol, steps=None, norms=True):
@@ -129,6 +140,11 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
         add(f"{name}_int8_ckpt_accum", 3, **flags, **int8, grad_checkpointing=True, accum_freq=2, batch_size=4)
     for name, flags in (("ddp", {}), ("fsdp", {"engine": "fsdp"})):
         add(f"{name}_int8_bf16", 5, **flags, **int8, precision="amp_bf16")
+    # layer-wise lr decay (--image-layer-decay / --text-layer-decay): every engine steps each group at its scale
+    decay = {"image_layer_decay": 0.5, "text_layer_decay": 0.7, "wd": 0.0, "eps": 1e-12}
+    for name, flags in [*engines().items(), ("ddp_in_backward", {"optimizer_in_backward": True})]:
+        runs.append({"name": f"{name}_layer_decay", "steps": 1, "step_sizes": True,
+                     "config": {**tiny, **flags, **decay}})  # fmt: skip
     r = run_worker(tmp_path, runs)
 
     ddp, ddp_accum = r["ddp"], r["ddp_accum"]
@@ -138,6 +154,15 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
         assert_same_run(r[f"{name}_accum"], ddp_accum, FP32_RTOL)
     # accumulation is a different computation (4 x 2 micro-batches) of the same global batch size
     assert ddp_accum["losses"] != ddp["losses"]
+    # AdamW's first step moves every element with a gradient by lr * lr_scale (wd 0, eps 1e-12): the largest
+    # change of each parameter is its group's scale, the one bigclip's groups give it in this process
+    expected = layer_decay_scales("test-tiny", image_layer_decay=0.5, text_layer_decay=0.7)
+    assert min(expected.values()) < 0.2 and max(expected.values()) == 1.0
+    for name in [*engines(), "ddp_in_backward"]:
+        sizes = r[f"{name}_layer_decay"]["step_sizes"]
+        assert sizes.keys() == expected.keys(), name
+        for param, scale in expected.items():
+            assert sizes[param] == pytest.approx(scale, rel=1e-3), (name, param)
     for name in (
         "fsdp_ckpt",
         "zero3_ckpt",

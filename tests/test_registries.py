@@ -56,7 +56,7 @@ def train(tmp_path, name, *flags) -> str:
         (["--loss", "triplet"], "--loss 'triplet': choose one of clip, siglip"),
         (["--precision", "fp8"], "--precision 'fp8': choose one of amp, amp_bf16, amp_bfloat16, bf16, pure_bf16"),
         (["--lr-scheduler", "linear"], "--lr-scheduler 'linear': choose one of cosine, const, const-cooldown"),
-        (["--opt", "sgd"], "--opt 'sgd': choose adamw or timm/<optimizer name>, or stableadamw"),
+        (["--opt", "sgd"], "--opt 'sgd': choose adamw or timm/<optimizer name>, or nadamw, stableadamw"),
         (["--report-to", "mlflow"], "--report-to 'mlflow': use tensorboard, wandb or tensorboard,wandb"),
         (["--use-bnb-linear", "Int4"], "--use-bnb-linear 'Int4': choose one of SwitchBackLinearGlobal, "),
         (["--dataset-type", "parquet"], "--dataset-type 'parquet': choose one of auto, csv, synthetic, webdataset"),
@@ -203,7 +203,7 @@ class PlainEngine(TorchOptimizerEngine):
     def __init__(self, cfg, model, world):
         super().__init__(cfg, model, world)
         self.model = self.module = model.to(world.device)
-        self.optimizer = optim.create_optimizer(cfg.optimizer, optim.param_groups(model, cfg.optimizer.wd))
+        self.optimizer = optim.create_optimizer(cfg.optimizer, optim.param_groups(model, cfg.optimizer))
         self.scaler = None
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
 

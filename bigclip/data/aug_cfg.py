@@ -9,10 +9,10 @@ Pairs (a::b, (a,b) or [a,b]) become tuples; true/false become booleans. `scale_r
 
 from __future__ import annotations
 
-import ast
 from typing import Any
 
 from bigclip.errors import UserError
+from bigclip.flag_fields import parse_key_values
 
 DEFAULTS: dict[str, Any] = {
     "scale": (0.9, 1.0),  # RandomResizedCrop area range
@@ -31,28 +31,9 @@ def _error(key: str, value: Any, what: str) -> UserError:
     return UserError(f"--aug-cfg {key}={value}: {what}")
 
 
-def parse_value(text: str) -> Any:
-    text = text.strip()
-    if "::" in text:
-        return tuple(parse_value(part) for part in text.split("::"))
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-    return tuple(value) if isinstance(value, list) else value
-
-
 def parse_aug_cfg(items: list[str] | None) -> dict[str, Any]:
     """key=value strings from the command line -> validated dict (unknown keys are an error)."""
-    parsed = {}
-    for item in items or []:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"--aug-cfg {item}: expected key=value, e.g. scale=0.9::1.0")
-        parsed[key.strip()] = parse_value(text)
-    return validate_aug_cfg(parsed)
+    return validate_aug_cfg(parse_key_values("--aug-cfg", items, "scale=0.9::1.0"))
 
 
 def _is_number(x: Any) -> bool:

@@ -198,7 +198,7 @@ class TorchOptimizerEngine(Engine):
     def _build_optimizer(self, model: nn.Module, **step_in_backward) -> None:
         """The optimizer over the model's parameter groups: one, or with --optimizer-in-backward one per parameter,
         stepped by hooks (`step_in_backward`: how gradients are made final, see StepInBackward)."""
-        groups = optim.param_groups(model, self.cfg.optimizer.wd)
+        groups = optim.param_groups(model, self.cfg.optimizer)
         if self.cfg.optimizer_in_backward:
             self.optimizer = PerParameterOptimizers(self.cfg.optimizer, groups)
             self._in_backward = StepInBackward(self.optimizer, self.world.device, **step_in_backward)
@@ -240,11 +240,10 @@ class TorchOptimizerEngine(Engine):
         self.optimizer.zero_grad(set_to_none=True)
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        optim.set_lr(self.optimizer.param_groups, lr)
 
     def get_lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return optim.base_lr(self.optimizer.param_groups)
 
     @torch.no_grad()
     def update_parameter_(self, param: nn.Parameter, fix: ParameterFix) -> None:

@@ -101,10 +101,14 @@ def _param_dtype(ds: dict[str, Any]) -> torch.dtype:
     return torch.float32
 
 
-def _named_groups(model: nn.Module, weight_decay: float) -> list[tuple[list[str], float]]:
-    """bigclip's decay / no-decay split as parameter names (shapes are only right before partitioning)."""
+def _named_groups(model: nn.Module, cfg: optim.OptimizerConfig) -> list[tuple[list[str], dict[str, Any]]]:
+    """bigclip's parameter groups (decay / no decay, layer-decay scales) as parameter names and the groups'
+    settings (shapes and layer groups are only right before partitioning)."""
     ids = {id(p): n for n, p in model.named_parameters()}
-    return [([ids[id(p)] for p in g["params"]], g["weight_decay"]) for g in optim.param_groups(model, weight_decay)]
+    return [
+        ([ids[id(p)] for p in g["params"]], {k: v for k, v in g.items() if k != "params"})
+        for g in optim.param_groups(model, cfg)
+    ]
 
 
 def partition_meta_model(model: nn.Module, ds: dict[str, Any], world: World, seed: int) -> None:
@@ -283,7 +287,7 @@ class DeepSpeedEngine(Engine):
 
         self.ds_config = dsc.for_run(self._flag_values(cfg), cfg, world.world_size, widest_tower(model))
         self.stage = dsc.stage(self.ds_config)
-        groups_by_name = _named_groups(model, cfg.optimizer.wd)
+        groups_by_name = _named_groups(model, cfg.optimizer)
         if is_meta(model):
             partition_meta_model(model, self.ds_config, world, cfg.seed)
         else:
@@ -291,7 +295,7 @@ class DeepSpeedEngine(Engine):
         if self.stage == 3:
             mark_blocks_as_leaves(model)
         params = dict(model.named_parameters())
-        groups = [{"params": [params[n] for n in names], "weight_decay": wd} for names, wd in groups_by_name]
+        groups = [{"params": [params[n] for n in names], **settings} for names, settings in groups_by_name]
 
         client_optimizer = None
         if "optimizer" not in self.ds_config:
@@ -388,11 +392,10 @@ class DeepSpeedEngine(Engine):
             self.ds.optimizer.zero_grad()
 
     def set_lr(self, lr: float) -> None:
-        for group in self.ds.optimizer.param_groups:
-            group["lr"] = lr
+        optim.set_lr(self.ds.optimizer.param_groups, lr)
 
     def get_lr(self) -> float:
-        return self.ds.optimizer.param_groups[0]["lr"]
+        return optim.base_lr(self.ds.optimizer.param_groups)
 
     # -- checkpoints and memory
     def checkpoint_layout(self, group, mode: str) -> CheckpointLayout:

@@ -28,7 +28,7 @@ import torch
 
 from bigclip.engine.config import EngineConfig
 from bigclip.errors import UserError
-from bigclip.optim import hyperparameters
+from bigclip.optim import hyperparameters, opt_kwargs
 from bigclip.precision import resolve_precision
 
 AUTO = "auto"
@@ -271,6 +271,11 @@ def _fill_optimizer(section: dict, cfg: EngineConfig, path: str) -> None:
         raise UserError(
             f"{path}: optimizer.type {section.get('type')!r} contradicts --opt {cfg.optimizer.opt}; "
             f"drop the optimizer section or use --opt adamw"
+        )
+    if opt_kwargs(cfg.optimizer):
+        raise UserError(
+            f"{path}: the optimizer section's params are DeepSpeed's optimizer arguments; put what --opt-kwargs "
+            f"says there, or drop the section (bigclip then builds --opt with --opt-kwargs)"
         )
     hp = hyperparameters(cfg.optimizer)
     params = section.setdefault("params", {})

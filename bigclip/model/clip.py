@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bigclip.model.convert import plan_bigclip_to_openclip
+from bigclip.model.layer_groups import LayerGroups
 from bigclip.model.text import TextTransformer
 from bigclip.model.towers import vision_tower
 from bigclip.model.weights import WeightsFile, load_pretrained, plan_for
@@ -114,6 +116,26 @@ class CLIP(nn.Module):
     def transformer_blocks(self) -> list[nn.Module]:
         """Every transformer block of both towers: the units engines shard and checkpoint."""
         return [*self.visual.blocks, *self.text.blocks]
+
+    def layer_groups(self) -> dict[str, LayerGroups]:
+        """Each tower's layer groups, input to output (model/layer_groups.py), by the tower its flags name."""
+        return {"image": self.visual.layer_groups(), "text": self.text.layer_groups()}
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameters never decayed although their shape would be (timm's convention), as state-dict names."""
+        spared = getattr(self.visual, "no_weight_decay", set)()
+        return {f"visual.{name}" for name in spared}
+
+    def openclip_names(self) -> dict[str, str]:
+        """Each parameter's name in OpenCLIP's layout of this architecture (what OpenCLIP users' name patterns
+        match), where it differs from bigclip's; none for a tower kind OpenCLIP does not have."""
+        names = [name for name, _ in self.named_parameters()]
+        try:
+            plan = plan_bigclip_to_openclip(names)
+        except KeyError:  # a vision tower without an OpenCLIP layout
+            return {}
+        ours = set(names)
+        return {source: target for target, (sources, _) in plan.items() for source in sources if source in ours}
 
     def lock_image_tower(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False) -> None:
         self.visual.lock(unlocked_groups, freeze_bn_stats)

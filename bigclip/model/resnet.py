@@ -25,6 +25,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from bigclip.errors import UserError
+from bigclip.model.layer_groups import LayerGroups
 from bigclip.model.layers import is_checkpointed
 
 # The stem, downsampling, anti-aliasing and attention-pool head of OpenAI's modified ResNet (RN50 depths).
@@ -138,6 +139,18 @@ class ResNetTower(nn.Module):
             nn.init.normal_(linear.weight, std=std)
         for block in self.blocks:
             nn.init.zeros_(block.conv3_1x1.bn.weight)
+
+    def layer_groups(self) -> LayerGroups:
+        """OpenCLIP's groups of its ModifiedResNet (model/layer_groups.py): the stem, the four stages, the
+        attention pool. Locking stays whole-tower (OpenCLIP's ModifiedResNet.lock); layer-wise decay uses them."""
+        resnet = self.resnet
+        stages = [[stage] for stage in resnet.stages]
+        stages[-1].append(resnet.final_conv)
+        return [
+            ("embeddings", [resnet.stem]),
+            *[(f"layer.{i}", members) for i, members in enumerate(stages)],
+            ("proj", [resnet.head]),
+        ]
 
     def lock(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False) -> None:
         """Freeze the whole tower (OpenCLIP's ModifiedResNet.lock: partial locking is not supported).

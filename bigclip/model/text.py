@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from timm.layers import LayerScale
 from torch import nn
 
+from bigclip.model.layer_groups import LayerGroups, lock_bottom
 from bigclip.model.layers import QuickGELU, run_blocks
 
 
@@ -162,28 +163,21 @@ class TextTransformer(nn.Module):
                 nn.init.constant_(block.ls_2.gamma, self.ls_init_value)
         nn.init.normal_(self.text_projection, std=self.width**-0.5)
 
-    def lock(self, unlocked_layers: int = 0, freeze_layer_norm: bool = True) -> None:
-        """Freeze the tower except its top `unlocked_layers` groups.
+    def layer_groups(self) -> LayerGroups:
+        """OpenCLIP's groups of its text tower (model/layer_groups.py): embeddings, each block (the last with
+        ln_final), proj."""
+        groups: LayerGroups = [("embeddings", [self.token_embedding, self.positional_embedding])]
+        groups += [(f"layer.{i}", [block]) for i, block in enumerate(self.blocks)]
+        groups[-1][1].append(self.ln_final)
+        groups.append(("proj", [self.text_projection]))
+        return groups
 
-        Groups, bottom to top: [token + positional embedding], each block, [ln_final +
-        text_projection]. With freeze_layer_norm=False, LayerNorms in frozen groups keep training.
-        """
-        groups: list[list[nn.Module | nn.Parameter]] = [
-            [self.token_embedding, self.positional_embedding],
-            *[[block] for block in self.blocks],
-            [self.ln_final, self.text_projection],
-        ]
-        unlocked_layers = max(0, min(unlocked_layers, len(groups)))
-        frozen = groups[: len(groups) - unlocked_layers]
-        for group in frozen:
-            for item in group:
-                if isinstance(item, nn.Parameter):
-                    item.requires_grad_(False)
-                    continue
-                for module in item.modules():
-                    keep = isinstance(module, nn.LayerNorm) and not freeze_layer_norm
-                    for param in module.parameters(recurse=False):
-                        param.requires_grad_(keep)
+    def lock(self, unlocked_layers: int = 0, freeze_layer_norm: bool = True) -> None:
+        """Freeze the tower except its top `unlocked_layers` layer groups. With freeze_layer_norm=False,
+        LayerNorms in frozen groups keep training."""
+        lock_bottom(
+            self.layer_groups(), unlocked_layers, lambda m: isinstance(m, nn.LayerNorm) and not freeze_layer_norm
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]

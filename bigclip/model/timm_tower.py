@@ -34,6 +34,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torchvision.ops.misc import FrozenBatchNorm2d
 
 from bigclip.errors import UserError
+from bigclip.model.layer_groups import LayerGroups
 from bigclip.model.rename import Plan, TowerNames, renamed
 
 PROJECTIONS = ("linear", "mlp", "none", "")
@@ -190,6 +191,19 @@ class TimmVisionTower(nn.Module):
             source = {**dict(fresh.named_parameters()), **dict(fresh.named_buffers())}
             for name, target in [*mine.named_parameters(), *mine.named_buffers()]:
                 _copy_into(target, source[name])
+
+    def layer_groups(self) -> LayerGroups:
+        """OpenCLIP's groups of its TimmModel (model/layer_groups.py): the trunk's groups by timm's own
+        group_matcher (the partition timm's layer decay uses), then the adapter head when it has weights (else
+        the trunk's top group is the head)."""
+        by_layer = group_parameters(self.trunk, self.trunk.group_matcher())
+        groups: LayerGroups = [
+            (f"layer.{layer}", [self.trunk.get_parameter(name) for name in by_layer[layer]])
+            for layer in sorted(by_layer)
+        ]
+        if next(self.head.parameters(), None) is not None:
+            groups.append(("proj", [self.head]))
+        return groups
 
     def lock(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False) -> None:
         """OpenCLIP's TimmModel.lock: freeze the trunk (the head stays trainable) except its last

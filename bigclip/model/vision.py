@@ -14,6 +14,7 @@ from timm.layers import LayerScale
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from bigclip.model.layer_groups import LayerGroups, lock_bottom
 from bigclip.model.layers import BlockSequence, QuickGELU
 
 
@@ -102,25 +103,25 @@ class VisionTower(nn.Module):
                 nn.init.constant_(block.ls2.gamma, self.ls_init_value)
         nn.init.normal_(self.proj, std=self.width**-0.5)
 
-    def lock(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False) -> None:
-        """Freeze the tower except its top `unlocked_groups` groups.
-
-        Groups, bottom to top: [patch embed + class token + positional embedding + ln_pre],
-        each block, [ln_post + proj]. A ViT holds no BatchNorm, so `freeze_bn_stats` has
-        nothing to freeze; it is accepted for OpenCLIP flag compatibility.
-        """
+    def layer_groups(self) -> LayerGroups:
+        """OpenCLIP's groups of a ViT (model/layer_groups.py): embeddings, each block (the last with ln_post),
+        proj."""
         trunk = self.trunk
-        groups: list[list[nn.Module | nn.Parameter]] = [
-            [trunk.patch_embed, trunk.cls_token, trunk.pos_embed, trunk.norm_pre],
-            *[[block] for block in trunk.blocks],
-            [trunk.norm, self.proj],
-        ]
-        unlocked_groups = max(0, min(unlocked_groups, len(groups)))
-        for group in groups[: len(groups) - unlocked_groups]:
-            for item in group:
-                params = [item] if isinstance(item, nn.Parameter) else item.parameters()
-                for param in params:
-                    param.requires_grad_(False)
+        groups: LayerGroups = [("embeddings", [trunk.patch_embed, trunk.cls_token, trunk.pos_embed, trunk.norm_pre])]
+        groups += [(f"layer.{i}", [block]) for i, block in enumerate(trunk.blocks)]
+        groups[-1][1].append(trunk.norm)
+        groups.append(("proj", [self.proj]))
+        return groups
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameters never decayed although their shape would be: OpenCLIP's class embedding is a vector (its
+        rule spares every vector), timm's class token the same values shaped (1, 1, width)."""
+        return {"trunk.cls_token"}
+
+    def lock(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False) -> None:
+        """Freeze the tower except its top `unlocked_groups` layer groups. A ViT holds no BatchNorm, so
+        `freeze_bn_stats` has nothing to freeze; it is accepted for OpenCLIP flag compatibility."""
+        lock_bottom(self.layer_groups(), unlocked_groups)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         # The trunk returns the class token after ln_post (global_pool="token", no head).

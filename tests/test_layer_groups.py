@@ -1,0 +1,178 @@
+"""Layer groups, weight-decay groups and layer-wise lr decay, against the installed OpenCLIP.
+
+OpenCLIP's main branch scales a tower's learning rate by decay**depth over the same layer groups its --lock
+flags freeze (3.3's lock groups, main's `layer_groups()`; main's docstring: "offset by one from layer-wise LR
+decay, which keeps the head at lr_scale 1.0"). The oracle is therefore the installed OpenCLIP 3.3: a parameter
+that its lock leaves trainable first at `unlocked_groups = k` sits at depth k - 1, and must get lr * decay**(k-1)
+from bigclip. Names are compared in OpenCLIP's layout (bigclip's model maps its own names to OpenCLIP's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import REPO, subprocess_env
+from open_clip.model import CLIP as OpenCLIPModel
+from test_model_sources import TIMM_CFG, VIT_CFG
+
+from bigclip import optim
+from bigclip.errors import UserError
+from bigclip.model import CLIP
+
+RN_CFG = {**VIT_CFG, "vision_cfg": {"image_size": 64, "layers": [1, 1, 1, 1], "width": 64, "head_width": 64}}
+CFGS = {"vit": VIT_CFG, "resnet": RN_CFG, "timm": TIMM_CFG}
+
+
+def ours_and_theirs(which: str) -> tuple[CLIP, OpenCLIPModel]:
+    cfg = CFGS[which]
+    return CLIP(**cfg), OpenCLIPModel(**cfg)
+
+
+def openclip_name(model: CLIP):
+    mapping = model.openclip_names()
+    return lambda name: mapping.get(name, name)
+
+
+def trainable(model) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def openclip_33_rule(name: str, p: torch.Tensor) -> bool:
+    """open_clip_train.main's no-weight-decay rule (3.3)."""
+    return p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+
+
+def no_decay_names(model: CLIP, cfg: optim.OptimizerConfig) -> set[str]:
+    rename, names = openclip_name(model), {id(p): n for n, p in model.named_parameters()}
+    return {rename(names[id(p)]) for g in optim.param_groups(model, cfg) if g["weight_decay"] == 0 for p in g["params"]}
+
+
+def scales_of(model: CLIP, cfg: optim.OptimizerConfig) -> dict[str, float]:
+    rename, names = openclip_name(model), {id(p): n for n, p in model.named_parameters()}
+    return {rename(names[id(p)]): g.get("lr_scale", 1.0) for g in optim.param_groups(model, cfg) for p in g["params"]}
+
+
+@pytest.mark.parametrize("which", CFGS)
+def test_weight_decay_groups_match_openclip(which):
+    ours, theirs = ours_and_theirs(which)
+    cfg = optim.OptimizerConfig(wd=0.1)
+    assert no_decay_names(ours, cfg) == {n for n, p in theirs.named_parameters() if openclip_33_rule(n, p)}
+    # --wd-exclude: a pattern in OpenCLIP's names (what OpenCLIP users type) and one in bigclip's
+    patterns = ["*positional_embedding*", "visual.trunk.blocks.0.*"]
+    cfg = dataclasses.replace(cfg, wd_exclude=patterns)
+    matches = lambda name: any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)  # noqa: E731
+    spared = {n for n, p in theirs.named_parameters() if openclip_33_rule(n, p) or matches(n)}
+    rename = openclip_name(ours)
+    by_bigclip_name = {rename(n) for n, _ in ours.named_parameters() if matches(n)}
+    assert no_decay_names(ours, cfg) == spared | by_bigclip_name
+    assert "positional_embedding" in spared
+    assert (which == "vit") == bool(by_bigclip_name - spared)
+
+
+def depth_by_locking(theirs: OpenCLIPModel, tower: str) -> dict[str, int]:
+    """Each parameter of the tower -> its depth below the head, by OpenCLIP 3.3's lock: first left trainable at
+    unlocked k -> depth k - 1 (a timm tower's adapter head is never locked: its trunk's top group, unlocked at
+    k = 1, sits one below it)."""
+    lock = {"image": theirs.lock_image_tower, "text": theirs.lock_text_tower}[tower]
+    timm = tower == "image" and hasattr(theirs.visual, "trunk")
+    names = [n for n, _ in theirs.named_parameters() if n.startswith("visual.") == (tower == "image")]
+    names = [n for n in names if n not in ("logit_scale", "logit_bias")]
+    depth: dict[str, int] = {}
+    for k in range(100):
+        for p in theirs.parameters():
+            p.requires_grad_(True)
+        lock(k)
+        for name in names:
+            if name not in depth and theirs.get_parameter(name).requires_grad:
+                depth[name] = k if timm else k - 1
+        if len(depth) == len(names):
+            return depth
+    raise AssertionError("some parameters never unlocked")
+
+
+@pytest.mark.parametrize(("which", "tower"), [("vit", "image"), ("vit", "text"), ("timm", "image")])
+def test_layer_decay_scales_follow_openclips_lock_groups(which, tower):
+    ours, theirs = ours_and_theirs(which)
+    depth = depth_by_locking(theirs, tower)
+    decay = 0.6
+    flags = {"image_layer_decay": decay} if tower == "image" else {"text_layer_decay": decay}
+    scales = scales_of(ours, optim.OptimizerConfig(**flags))
+    assert len(set(depth.values())) >= 3  # several groups: embeddings, blocks, head
+    for name, d in depth.items():
+        assert scales[name] == pytest.approx(decay**d), name
+    # everything else (the other tower, the logit scale) trains at the full lr
+    assert all(scale == 1.0 for name, scale in scales.items() if name not in depth)
+
+
+def test_resnet_layer_decay_follows_openclip_mains_groups():
+    """OpenCLIP 3.3 locks a ModifiedResNet whole, so its groups come from main's ModifiedResNet.layer_groups:
+    the stem, layer1..layer4, the attention pool."""
+    ours, _ = ours_and_theirs("resnet")
+    scales = scales_of(ours, optim.OptimizerConfig(image_layer_decay=0.5))
+    depth_of_prefix = {"visual.attnpool.": 0, "visual.layer4.": 1, "visual.layer3.": 2, "visual.layer2.": 3}
+    depth_of_prefix |= {"visual.layer1.": 4, "visual.conv": 5, "visual.bn": 5}
+    visual = [n for n in scales if n.startswith("visual.")]
+    for name in visual:
+        (depth,) = [d for prefix, d in depth_of_prefix.items() if name.startswith(prefix)]
+        assert scales[name] == pytest.approx(0.5**depth), name
+
+
+@pytest.mark.parametrize("which", ["vit", "timm"])
+def test_lock_leaves_openclips_groups_trainable(which):
+    """--lock-image-unlocked-groups k / --lock-text-unlocked-layers k free the same parameters as OpenCLIP's
+    lock for every k (bigclip's ViT and text towers once kept ln_post / ln_final with the projection)."""
+    for k in range(0, 6):
+        ours, theirs = ours_and_theirs(which)
+        rename = openclip_name(ours)
+        ours.lock_image_tower(k)
+        theirs.lock_image_tower(k)
+        ours.lock_text_tower(k)
+        theirs.lock_text_tower(k)
+        assert {rename(n) for n in trainable(ours)} == trainable(theirs), k
+
+
+def test_groups_and_lr_under_an_engine_and_the_flags():
+    """The flags reach the optimizer: NAdam with decoupled decay, --opt-kwargs, and every group's lr is the
+    schedule's lr times its scale (set_lr / get_lr)."""
+    model = CLIP(**VIT_CFG)
+    cfg = optim.OptimizerConfig(opt="nadamw", opt_kwargs=["momentum_decay=0.005"], image_layer_decay=0.5)
+    optim.check_optimizer(cfg)
+    groups = optim.param_groups(model, cfg)
+    optimizer = optim.create_optimizer(cfg, groups)
+    assert isinstance(optimizer, torch.optim.NAdam)
+    assert all(g["decoupled_weight_decay"] and g["momentum_decay"] == 0.005 for g in optimizer.param_groups)
+    optim.set_lr(optimizer.param_groups, 0.01)
+    assert optim.base_lr(optimizer.param_groups) == pytest.approx(0.01)
+    assert sorted({round(g["lr"], 12) for g in optimizer.param_groups}) == sorted(
+        {round(0.01 * 0.5**d, 12) for d in range(len(model.visual.layer_groups()))}
+    )
+
+
+def test_bad_optimizer_flags_are_one_line():
+    with pytest.raises(UserError, match=r"--opt-kwargs nonsense=1: --opt adamw refused them"):
+        optim.check_optimizer(optim.OptimizerConfig(opt_kwargs=["nonsense=1"]))
+    with pytest.raises(UserError, match=r"--opt-kwargs oops: expected key=value"):
+        optim.check_optimizer(optim.OptimizerConfig(opt_kwargs=["oops"]))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--image-layer-decay", "1.5"], "--image-layer-decay 1.5: must be in (0, 1]"),
+        (["--visual-layer-decay", "0"], "--image-layer-decay 0.0: must be in (0, 1]"),
+        (["--opt-kwargs", "betas=1"], "--opt-kwargs betas=1: --opt adamw refused them"),
+    ],
+)
+def test_bad_flags_stop_the_run_in_one_line(tmp_path, flags, message):
+    cmd = [sys.executable, "-m", "bigclip", "--dataset-type", "synthetic", "--model", "test-tiny"]
+    cmd += ["--logs", str(tmp_path), *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=subprocess_env(), timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not list(tmp_path.iterdir())
