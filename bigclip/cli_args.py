@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 from bigclip import config as config_mod
-from bigclip.errors import OneLineErrorParser
+from bigclip.errors import OneLineErrorParser, UserError
 from bigclip.flag_fields import default_of
 
 SUBCOMMANDS_HELP = """subcommands:
@@ -70,6 +70,10 @@ def build_train_parser(prog: str = "bigclip") -> argparse.ArgumentParser:
 
 def parse_train_args(argv: list[str]) -> tuple[config_mod.TrainConfig, dict[str, Any]]:
     """Return the resolved config and the launcher-only values (e.g. local_rank)."""
+    for arg in argv:
+        refused = arg.startswith("--") and config_mod.refused_family(arg)
+        if refused:
+            raise UserError(refused)
     values = vars(build_train_parser().parse_args(argv))
     launcher = {k: values.pop(k) for k in ("local_rank",) if k in values}
     return config_mod.resolve(values), launcher

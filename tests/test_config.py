@@ -87,6 +87,16 @@ def test_precedence_defaults_yaml_flags(tmp_path):
         (["--force-patch-dropout", "1.5"], "--force-patch-dropout 1.5: must be in [0, 1)"),
         (["--loss-impl", "magic"], "--loss-impl 'magic': choose one of"),
         (["--aug-cfg", "scale=0.5::1.0", "sharpness=2"], "--aug-cfg"),
+        # OpenCLIP main's families of models bigclip does not train: refused by name, not "unrecognized"
+        (["--use-naflex"], "--use-naflex: NaFlex (variable image resolution and text length) is not supported"),
+        (["--naflex-seq-lens", "256", "576"], "--naflex-seq-lens: NaFlex"),
+        (["--bucket-pool=4"], "--bucket-pool: NaFlex"),
+        (["--audio-fusion"], "--audio-fusion: audio towers (CLAP) are not supported"),
+        (["--pretrained-audio", "x"], "--pretrained-audio: audio towers"),
+        (["--fsdp-checkpoint", "full"], "--fsdp-checkpoint full: bigclip writes sharded checkpoints"),
+        (["--fsdp", "--ds_config", "ds_configs/zero2.json"], "--fsdp selects the fsdp engine but --ds_config"),
+        (["--fsdp", "--engine", "ddp"], "--fsdp selects the fsdp engine but --engine is ddp"),
+        (["--text-layer-decay", "1.2"], "--text-layer-decay 1.2: must be in (0, 1]"),
     ],
 )
 def test_bad_values_fail_with_one_line(argv, expected, capsys):
@@ -161,3 +171,15 @@ def test_every_openclip_flag_of_the_reference_exists():
     known = {opt for action in parser._actions for opt in action.option_strings}
     missing = [n for n in names if f"--{n}" not in known]
     assert not missing
+
+
+def test_openclip_mains_engine_flags_are_bigclips(tmp_path):
+    """An OpenCLIP-main launch line's FSDP flags run unchanged: --fsdp is --engine fsdp."""
+    cfg = parse("--fsdp", "--fsdp-offload-cpu", "--fsdp-no-reshard-after-forward", "--fsdp-checkpoint", "sharded")
+    assert cfg.sections.engine.engine == "fsdp" and cfg.sections.engine.fsdp_offload_cpu
+    assert parse("--fsdp", "--engine", "fsdp").sections.engine.engine == "fsdp"
+    assert parse("--visual-layer-decay", "0.5").sections.optimizer.image_layer_decay == 0.5
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("naflex-max-text-tokens: 64\n")
+    with pytest.raises(UserError, match="naflex-max-text-tokens: NaFlex"):
+        resolve({"config": str(yaml)})

@@ -62,6 +62,31 @@ class RunFlags:
     demo: bool = internal(False)
 
 
+# OpenCLIP main's flag families for models bigclip does not train, refused by name in one line (argparse alone
+# would only say "unrecognized arguments"). A name ending in "-" is a prefix.
+REFUSED_FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (
+        ("--use-naflex", "--force-naflex-vision", "--naflex-", "--length-bucketing", "--bucket-")
+        + ("--text-pad-multiple",),
+        "NaFlex (variable image resolution and text length) is not supported: bigclip trains fixed-size towers "
+        "(--force-image-size sets the image size); drop the flag",
+    ),
+    (
+        ("--audio-", "--pretrained-audio"),
+        "audio towers (CLAP) are not supported: bigclip trains image-text models; drop the flag",
+    ),
+)
+
+
+def refused_family(flag: str) -> str | None:
+    """Why `flag` (--name, as typed) is refused, if it belongs to a family bigclip does not train."""
+    name = flag.split("=", 1)[0]
+    for names, why in REFUSED_FAMILIES:
+        if any(name == n or (n.endswith("-") and name.startswith(n)) for n in names):
+            return f"{name}: {why}"
+    return None
+
+
 # Every slice that owns flags. Each flag has exactly one owner (tests/test_contracts.py).
 OWNERS = (
     DataConfig,

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from bigclip.config.flags import DEMO_PRESET, TrainConfig, config_fields
+from bigclip.config.flags import DEMO_PRESET, TrainConfig, config_fields, refused_family
 from bigclip.data import reads_without_path
 from bigclip.engine import ENGINES
 from bigclip.errors import UserError
@@ -60,6 +60,7 @@ def _shown(name: str) -> str:
 
 def _apply_selectors(values: dict[str, Any], explicit: dict[str, Any]) -> None:
     for option, selectors in _selectors().items():
+        chosen_by: str | None = None
         for flag, name in selectors.items():
             if not values.get(flag):
                 continue
@@ -68,7 +69,12 @@ def _apply_selectors(values: dict[str, Any], explicit: dict[str, Any]) -> None:
                     f"{_shown(flag)} selects the {name} {option} but {flag_name(option)} is {explicit[option]}; "
                     f"drop one of them"
                 )
-            values[option] = name
+            if chosen_by is not None and values[option] != name:
+                raise UserError(
+                    f"{_shown(chosen_by)} selects the {values[option]} {option} but {_shown(flag)} selects "
+                    f"{name}; drop one of them"
+                )
+            values[option], chosen_by = name, flag
 
 
 def reject_unsupported(explicit: dict[str, Any]) -> None:
@@ -108,6 +114,9 @@ def load_yaml(path: str) -> dict[str, Any]:
     out = {}
     for key, value in data.items():
         name = str(key).lstrip("-").replace("-", "_")
+        refused = refused_family(flag_name(name))
+        if refused:
+            raise UserError(f"--config {path}: {refused}")
         if name not in fields or name == "config":
             raise UserError(f"--config {path}: unknown option '{key}'; see `bigclip --help` for names")
         expected = _yaml_type_problem(fields[name], value)

@@ -65,6 +65,7 @@ class FSDPEngine(TorchOptimizerEngine):
     name = "fsdp"
     help = "FSDP2: parameters, gradients and optimizer state sharded across ranks, one unit per block"
     replicated_state = False  # each rank holds and saves its own shards
+    selected_by = ("fsdp",)  # OpenCLIP main's launch lines say --fsdp
 
     # Flags only this engine honours; under another engine they would silently do nothing.
     OWN_FLAGS = ("fsdp_offload_cpu", "fsdp_no_reshard_after_forward", "fsdp_hybrid")
@@ -73,6 +74,12 @@ class FSDPEngine(TorchOptimizerEngine):
     def check_config(cls, cfg: EngineConfig) -> None:
         if not isinstance(cfg.fsdp_replicate_degree, int) or cfg.fsdp_replicate_degree < 1:
             raise UserError(f"--fsdp-replicate-degree {cfg.fsdp_replicate_degree!r}: must be a positive integer")
+        if cfg.fsdp_checkpoint == "full":
+            raise UserError(
+                "--fsdp-checkpoint full: bigclip writes sharded checkpoints under every engine (they resume at any "
+                "world size); `bigclip export CKPT OUT.pt` writes one consolidated OpenCLIP state dict from any "
+                "of them; drop the flag or say sharded"
+            )
         if cfg.engine == cls.name:
             return
         for name in cls.OWN_FLAGS:
