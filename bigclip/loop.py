@@ -15,7 +15,7 @@ import torch
 
 from bigclip.dist import World, all_reduce_min
 from bigclip.errors import UserError
-from bigclip.flag_fields import LOG, TRAIN, flag, non_negative_int, positive_int
+from bigclip.flag_fields import LOG, TRAIN, flag, non_negative_int, optional, positive_int
 from bigclip.progress import EpochProgress
 from bigclip.train_state import TrainState
 
@@ -35,6 +35,21 @@ class LoopConfig:
     )
     seed: int = flag(0, "Random seed.", TRAIN, check=non_negative_int)
     log_every_n_steps: int = flag(100, "Print and record metrics every N steps.", LOG, check=positive_int)
+    log_metric_every_n_steps: int | None = flag(
+        None,
+        "Also record the step's scalars (loss averaged over ranks, lr, logit scale, grad norm) to metrics.jsonl "
+        "and the trackers every N steps (OpenCLIP main's flag; its default 10, bigclip's: with the log lines "
+        "only, as OpenCLIP 3.3). With it every record's loss is the mean over ranks.",
+        LOG,
+        check=optional(positive_int),
+    )
+    train_loss_ema_samples: int = flag(
+        0,
+        "The loss in the log line's parentheses: an exponential average over about this many samples (OpenCLIP "
+        "main's flag; its default 50000); 0: the epoch's running average (OpenCLIP 3.3).",
+        LOG,
+        check=non_negative_int,
+    )
     # read here, owned by another slice (its flag is declared there)
     precision: str = "amp"  # named in the start line only
 

@@ -35,12 +35,16 @@ class EpochProgress:
         state: TrainState,
         train_data,
         more_metrics: Callable[[], dict[str, float]] = dict,
+        metric_every: int | None = None,
+        loss_ema_samples: int = 0,
     ):
         """log_every: --log-every-n-steps; batch_size: per rank and micro-batch (the loss average's weight);
         samples_per_step: over all ranks and micro-batches; steps:
         optimizer steps in the epoch; samples: samples in the epoch over all ranks; train_data: the
         DataInfo whose skipped samples are reported (summed over ranks) at every log step; more_metrics: other
-        parts' counters for every record (the checkpointer's ckpt/skipped)."""
+        parts' counters for every record (the checkpointer's ckpt/skipped); metric_every:
+        --log-metric-every-n-steps (a scalars-only record every N steps, every record's loss the mean over ranks);
+        loss_ema_samples: --train-loss-ema-samples (the log line's smoothed loss; 0: the epoch's average)."""
         self.more_metrics = more_metrics
         self.log_every, self.batch_size = log_every, batch_size
         self.engine, self.sinks, self.world = engine, sinks, world
@@ -49,6 +53,10 @@ class EpochProgress:
         self.samples_per_step = samples_per_step
         self.epoch = state.epoch
         self.batch_time, self.data_time, self.loss = AverageMeter(), AverageMeter(), AverageMeter()
+        self.metric_every = metric_every
+        # the smoothed loss's weight on the past per step: about loss_ema_samples samples of memory
+        self.ema_decay = math.exp(-samples_per_step / loss_ema_samples) if loss_ema_samples else None
+        self.loss_ema: float | None = None
         self.bar = None
         if world.is_main and sys.stdout.isatty():
             self.bar = tqdm(total=steps, desc=f"epoch {state.epoch}", leave=False, dynamic_ncols=True)
@@ -69,22 +77,44 @@ class EpochProgress:
         self._end = time.perf_counter()
         if math.isfinite(loss):
             self.loss.update(loss, self.batch_size)
+            if self.ema_decay is not None:
+                previous = loss if self.loss_ema is None else self.loss_ema
+                self.loss_ema = self.ema_decay * previous + (1 - self.ema_decay) * loss
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{self.engine.get_lr():.2e}")
         due = step_in_epoch % self.log_every == 0 or step_in_epoch == self.steps
-        if due and math.isfinite(loss):
+        scalars_due = self.metric_every is not None and step_in_epoch % self.metric_every == 0
+        if not math.isfinite(loss):
+            return
+        if due:
             self._log(state, step_in_epoch, loss, grad_norm)
+        elif scalars_due:
+            self.sinks.write({**self._scalars(state, loss, grad_norm), "epoch": self.epoch})
+
+    def _scalars(self, state: TrainState, loss: float, grad_norm: float) -> dict[str, float]:
+        """The step's scalars for a record; with --log-metric-every-n-steps the loss is the mean over ranks
+        (collective: every rank records at the same steps)."""
+        if self.metric_every is not None:
+            loss = float(all_reduce_sum(torch.tensor([loss], dtype=torch.float64), self.world)) / self.world.world_size
+        return {
+            "step": state.step,
+            "samples_seen": state.samples_seen,
+            "loss": loss,
+            "lr": self.engine.get_lr(),
+            "logit_scale": float(self.engine.model.logit_scale.detach().float().exp().mean()),
+            "grad_norm": grad_norm,
+        }
 
     def _log(self, state: TrainState, step_in_epoch: int, loss: float, grad_norm: float) -> None:
         per_s = self.samples_per_step / max(self.batch_time.avg, 1e-9)
         per_gpu = per_s / self.world.world_size
-        logit_scale = float(self.engine.model.logit_scale.detach().float().exp().mean())
-        lr = self.engine.get_lr()
+        scalars = self._scalars(state, loss, grad_norm)
         seen = min(step_in_epoch * self.samples_per_step, self.samples)
+        smoothed = self.loss_ema if self.loss_ema is not None else self.loss.avg
         line = train_line(
-            self.epoch, seen, self.samples, self.data_time.avg, self.batch_time.avg, per_s, per_gpu, lr,
-            logit_scale, loss, self.loss.avg,
+            self.epoch, seen, self.samples, self.data_time.avg, self.batch_time.avg, per_s, per_gpu,
+            scalars["lr"], scalars["logit_scale"], loss, smoothed,
         )  # fmt: skip
         skipped = self._skipped()  # collective: every rank logs at the same steps
         if skipped:
@@ -94,13 +124,8 @@ class EpochProgress:
             {
                 **{f"data/skipped_{k}": v for k, v in skipped.items()},
                 **self.more_metrics(),
-                "step": state.step,
+                **scalars,
                 "epoch": self.epoch,
-                "samples_seen": state.samples_seen,
-                "loss": loss,
-                "lr": lr,
-                "logit_scale": logit_scale,
-                "grad_norm": grad_norm,
                 "samples_per_s": per_s,
                 "samples_per_s_per_gpu": per_gpu,
                 "batch_time": self.batch_time.avg,

@@ -34,6 +34,9 @@ class ScheduleConfig:
         0.0, "Learning rate at the end of the cooldown.", TRAIN, check=optional(non_negative_number)
     )
     lr_cooldown_power: float = flag(1.0, "Power of the polynomial cooldown (1 = linear).", TRAIN)
+    skip_scheduler: bool = flag(
+        False, "Train at --lr throughout: no warmup, no schedule (OpenCLIP main's flag).", TRAIN
+    )
     # read here, owned by another slice (its flag is declared there)
     lr: float | None = None
     epochs: int = 32
@@ -107,4 +110,7 @@ def check_schedule(cfg: ScheduleConfig) -> None:
 
 def build_schedule(cfg: ScheduleConfig, steps_per_epoch: int) -> Schedule:
     """steps_per_epoch counts optimizer steps (batches // accum_freq), as OpenCLIP does."""
+    if cfg.skip_scheduler:
+        lr = base_lr(cfg)
+        return lambda step: lr
     return SCHEDULES.get(cfg.lr_scheduler)(cfg, steps_per_epoch)

@@ -145,6 +145,8 @@ def _train(run: Sections, world, engine, loss_fn, data, tokenizer, state, checkp
             state,
             train_data,
             checkpointer.metrics,
+            metric_every=loop.log_metric_every_n_steps,
+            loss_ema_samples=loop.train_loss_ema_samples,
         )
         stop = train_one_epoch(loop, engine, loss_fn, train_data, state, schedule, checkpointer, progress, world)
         progress.close(state)

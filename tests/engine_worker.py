@@ -54,33 +54,7 @@ def batch(step: int, rank: int, micro: int, n: int, image_size: int, context: in
     return images, texts
 
 
-def _use_compile_backend(backend: str) -> None:
-    """Per-block compile with a cheap backend: tests that compile composes with checkpointing and sharding
-    (dynamo tracing, FSDP/ZeRO hooks) without paying minutes of inductor C++ builds on a CPU."""
-    plain = torch.compile
-    if getattr(plain, "_bigclip_test_backend", None) != backend:
-
-        def compile_fn(*args, **kwargs):
-            kwargs.setdefault("backend", backend)
-            return plain(*args, **kwargs)
-
-        compile_fn._bigclip_test_backend = backend
-        torch.compile = compile_fn
-    original = torch.nn.Module.compile
-    if getattr(original, "_bigclip_test_backend", None) == backend:
-        return
-
-    def compile_with(self, *args, **kwargs):
-        kwargs.setdefault("backend", backend)
-        return original(self, *args, **kwargs)
-
-    compile_with._bigclip_test_backend = backend
-    torch.nn.Module.compile = compile_with
-
-
 def run_one(spec: dict, world) -> dict:
-    if spec.get("compile_backend"):
-        _use_compile_backend(spec["compile_backend"])
     if "arch" in spec:  # a test-only architecture (e.g. ViT-bigG-14 widths, 2 blocks per tower)
         from bigclip.model.factory import _load_configs
 

@@ -1,5 +1,6 @@
 """The user-facing entry points as subprocesses: help, one-line errors, a CSV run with a bad row."""
 
+import math
 import os
 import signal
 import subprocess
@@ -46,7 +47,7 @@ def test_corrupt_shards_read_by_loader_workers_stop_the_run_in_one_line(tmp_path
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.strip().splitlines()[-1] == (
         f"bigclip: error: --train-data {shards}: this loader found no usable sample in its shards; check that the "
-        "shards hold .jpg/.png/.webp images with .txt captions"
+        "shards hold .jpg/.png/.jpeg/.webp images with .txt captions (--image-key, --text-key, --json-text-key)"
     )
     assert "Traceback" not in out.stderr and "Caught UserError" not in out.stderr
 
@@ -233,3 +234,26 @@ def test_an_unanswering_store_stops_every_rank_within_storage_timeout(tmp_path):
     assert export.stderr.count("\n") == 1
     assert "bigclip/" not in train.stderr.replace("bigclip: error", "")  # torchrun's own report, no bigclip frame
     # The lines name --storage-timeout: the bound stopped them (botocore alone retries 5 x 60 s, past the guards).
+
+
+def test_openclip_mains_logging_and_schedule_flags(tmp_path):
+    """--log-metric-every-n-steps: a scalars record every N steps between the log lines; --skip-scheduler: --lr
+    from the first step (no warmup); --train-loss-ema-samples: the log line's parenthesised loss is the
+    exponential average of the step losses over about that many samples."""
+    out = python_train(
+        [*TINY_SYNTHETIC, "--epochs", "1", "--logs", str(tmp_path), "--name", "main-flags"]
+        + ["--log-every-n-steps", "4", "--log-metric-every-n-steps", "1", "--skip-scheduler"]
+        + ["--train-loss-ema-samples", "16"]
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [r for r in read_metrics(str(tmp_path / "main-flags")) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["step"] for r in records if "samples_per_s" in r] == [4, 8]  # the log lines' full records
+    assert all(r["lr"] == pytest.approx(1e-3) for r in records)  # warmup 2 would start at 5e-4
+    decay = math.exp(-8 / 16)  # 8 samples per step
+    ema = records[0]["loss"]
+    for r in records[1:4]:
+        ema = decay * ema + (1 - decay) * r["loss"]
+    logged = (tmp_path / "main-flags" / "out.log").read_text()
+    line = next(x for x in logged.splitlines() if "Train Epoch: 0 [32/64" in x)
+    assert float(line.rsplit("(", 1)[1].rstrip(")")) == pytest.approx(ema, rel=1e-4)

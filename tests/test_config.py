@@ -97,6 +97,11 @@ def test_precedence_defaults_yaml_flags(tmp_path):
         (["--fsdp", "--ds_config", "ds_configs/zero2.json"], "--fsdp selects the fsdp engine but --ds_config"),
         (["--fsdp", "--engine", "ddp"], "--fsdp selects the fsdp engine but --engine is ddp"),
         (["--text-layer-decay", "1.2"], "--text-layer-decay 1.2: must be in (0, 1]"),
+        (["--torchcompile", "--torchcompile-backend", "nope"], "--torchcompile-backend nope: torch.compile has no"),
+        (["--torchcompile-mode", "max-autotune"], "--torchcompile-mode: only applies with --torchcompile"),
+        (["--torchcompile", "--torchcompile-mode", "bogus"], "--torchcompile-mode bogus: Unrecognized mode"),
+        (["--torchcompile-strategy", "task"], "--torchcompile-strategy: not supported yet"),
+        (["--log-metric-every-n-steps", "0"], "--log-metric-every-n-steps 0: must be a positive integer"),
     ],
 )
 def test_bad_values_fail_with_one_line(argv, expected, capsys):

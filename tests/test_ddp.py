@@ -15,7 +15,10 @@ def test_two_process_ddp_matches_one_process_on_the_global_batch(tmp_path):
     average then equals the single-process gradient, so the runs stay together step after step.
     """
     common = [*TINY_SYNTHETIC, "--epochs", "1", "--logs", str(tmp_path)]
-    ddp = torchrun(2, [*common, "--name", "ddp", "--gather-with-grad", "--batch-size", "8"])
+    # --log-metric-every-n-steps: every record's loss is the mean over ranks (here every rank's is the global one)
+    ddp = torchrun(
+        2, [*common, "--name", "ddp", "--gather-with-grad", "--batch-size", "8", "--log-metric-every-n-steps", "1"]
+    )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     single = python_train([*common, "--name", "single", "--batch-size", "16"])
     assert single.returncode == 0, single.stderr[-3000:]

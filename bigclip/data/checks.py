@@ -25,6 +25,7 @@ def check_data(cfg: DataConfig) -> None:
         if value is not None and len(value) not in (1, 3):
             raise UserError(f"--{name.replace('_', '-')} {value!r}: give one value or three (R G B)")
     validate_aug_cfg(cfg.aug_cfg)
+    cfg.sample_keys()  # --image-key, --text-key, --json-text-key(-probs) well formed
     if cfg.train_data_upsampling_factors is not None:  # OpenCLIP's rules, before any shard is listed
         parse_upsampling_factors(
             cfg.train_data_upsampling_factors, sources(cfg.train_data or ""), cfg.dataset_resampled

@@ -13,6 +13,7 @@ from typing import Any
 
 import webdataset as wds
 
+from bigclip.data.sample_keys import DEFAULT_IMAGE_KEY, DEFAULT_TEXT_KEY, SampleKeys
 from bigclip.data.transforms import INTERPOLATIONS, RESIZE_MODES
 from bigclip.flag_fields import DATA, EVAL, flag, non_negative_int, optional, positive_int
 from bigclip.registry import Registry
@@ -71,6 +72,32 @@ class DataConfig:
     csv_separator: str = flag("\t", "Column separator of CSV data.", DATA)
     csv_img_key: str = flag("filepath", "CSV column holding image paths.", DATA)
     csv_caption_key: str = flag("title", "CSV column holding captions.", DATA)
+    image_key: str = flag(
+        DEFAULT_IMAGE_KEY,
+        "WebDataset: the member suffix holding the image; ';' separates alternatives, the first present wins "
+        "(OpenCLIP main's flag).",
+        DATA,
+    )
+    text_key: str = flag(
+        DEFAULT_TEXT_KEY,
+        "WebDataset: the member suffix holding the caption, ';' for alternatives, e.g. txt;caption (OpenCLIP "
+        "main's flag).",
+        DATA,
+    )
+    json_text_key: str | None = flag(
+        None,
+        "WebDataset: read the caption from these ';'-separated fields of the sample's .json member instead, the "
+        "first non-empty one (OpenCLIP main's flag).",
+        DATA,
+    )
+    json_text_key_probs: list[float] | None = flag(
+        None,
+        "With --json-text-key: weights by which each sample draws the order of the fields tried (missing or 0: "
+        "fallbacks); seeded per sample, so a resumed run draws alike (OpenCLIP main's flag).",
+        DATA,
+        nargs="+",
+        type=float,
+    )
     train_data_upsampling_factors: str | None = flag(
         None, "Per-source sampling weights a::b for the '::' sources of --train-data (with --dataset-resampled).", DATA
     )
@@ -105,3 +132,9 @@ class DataConfig:
     def options(self) -> dict[str, Any]:
         """fsspec options for data URLs (--storage-options)."""
         return parse_storage_options(self.storage_options)
+
+    def sample_keys(self) -> SampleKeys:
+        """Where a WebDataset sample's image and caption are (--image-key, --text-key, --json-text-key...)."""
+        return SampleKeys.from_flags(
+            self.image_key, self.text_key, self.json_text_key, self.json_text_key_probs, self.seed
+        )

@@ -51,6 +51,7 @@ def build_webdataset(cfg: DataConfig, split: Split, ctx: LoaderContext) -> DataI
         batches_per_worker=per_worker,
         num_batches=None if train else num_batches,
         source=f"{flag} {path}",
+        keys=cfg.sample_keys(),
     )
     loader = worker_loader(stream, cfg.workers, batch_size=None, stateful=train)
     return DataInfo(

@@ -29,14 +29,13 @@ import torch
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
+from bigclip.data.sample_keys import SampleKeys
 from bigclip.data.skips import SkipCounter
 from bigclip.data.wds_plan import ShardPlan, slot_of
 from bigclip.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-IMAGE_KEYS = ("jpg", "png", "jpeg", "webp")
-CAPTION_KEY = "txt"
 UNUSABLE_BEFORE_GIVING_UP = 10_000
 # Sample shuffle buffer per worker (OpenCLIP's sizes): large enough to mix neighbouring samples of a shard,
 # small enough to hold in memory as raw bytes.
@@ -189,9 +188,10 @@ class ShardStream(IterableDataset):
         batches_per_worker: int | None = None,
         num_batches: int | None = None,
         source: str = "--train-data",
+        keys: SampleKeys = SampleKeys(),
     ):
         """`batches_per_worker`: training's quota per worker and epoch; `num_batches`: evaluation's estimate of
-        its batches per rank (from --val-num-samples), or None."""
+        its batches per rank (from --val-num-samples), or None; `keys`: the members holding image and caption."""
         self.plan = plan
         self.read_shard = read_shard
         self.transform = transform
@@ -204,6 +204,7 @@ class ShardStream(IterableDataset):
         self.batches_per_worker = batches_per_worker
         self.num_batches = num_batches
         self.source = source
+        self.keys = keys
         self.shuffle_buffer, self.shuffle_initial = SHUFFLE_BUFFER, SHUFFLE_INITIAL
         # Resampling never runs out of shards: this many unusable samples before the first usable one means
         # the data holds none (rather than drawing bad shards for ever).
@@ -289,7 +290,7 @@ class ShardStream(IterableDataset):
     def _no_data(self) -> UserError:
         return UserError(
             f"{self.source}: this loader found no usable sample in its shards; check that the shards hold "
-            f".jpg/.png/.webp images with .txt captions"
+            f"{self.keys.describe()} (--image-key, --text-key, --json-text-key)"
         )
 
     # ---------------------------------------------------------------------------- samples
@@ -300,12 +301,11 @@ class ShardStream(IterableDataset):
     def _decode(self, sample: dict):
         """(image tensor, tokens), or None (counted by reason) for a sample that cannot be used."""
         where = self._where(sample)
-        image_bytes = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
+        image_bytes = self.keys.image_bytes(sample)
         if image_bytes is None:
             self.skips.count("missing_image", where)
             return None
-        caption = sample.get(CAPTION_KEY)
-        caption = caption.decode("utf-8", errors="replace") if caption is not None else ""
+        caption = self.keys.caption(sample, self.epoch)
         if not caption.strip():
             self.skips.count("missing_caption", where)
             return None

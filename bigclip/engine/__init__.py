@@ -57,6 +57,19 @@ def check_config(cfg: EngineConfig) -> EngineConfig:
         result = cls.check_config(cfg)
         resolved = result if cls is chosen else resolved
     in_backward.check_config(cfg)
+    if not cfg.torchcompile and (cfg.torchcompile_backend or cfg.torchcompile_mode):
+        shown = "--torchcompile-backend" if cfg.torchcompile_backend else "--torchcompile-mode"
+        raise UserError(f"{shown}: only applies with --torchcompile; add it or drop the flag")
+    if cfg.torchcompile_backend and cfg.torchcompile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise UserError(
+            f"--torchcompile-backend {cfg.torchcompile_backend}: torch.compile has no such backend; choose one of "
+            f"{', '.join(torch._dynamo.list_backends())}"
+        )
+    if cfg.torchcompile_mode:
+        try:  # torch checks the mode when the wrapper is made; nothing is compiled before the first call
+            torch.compile(lambda x: x, backend=cfg.torchcompile_backend or "inductor", mode=cfg.torchcompile_mode)
+        except RuntimeError as e:
+            raise UserError(f"--torchcompile-mode {cfg.torchcompile_mode}: {e}") from None
     return dataclasses.replace(cfg, resolved=resolved)
 
 
@@ -118,8 +131,9 @@ def apply_compile(model: nn.Module, cfg: EngineConfig) -> None:
     # ZeRO-3's parameter fetch) stay outside the graph, so their changing state fails no guard (under ZeRO-3
     # compiling __call__ recompiled every block on every call).
     if cfg.torchcompile:
+        options = {"backend": cfg.torchcompile_backend or "inductor", "mode": cfg.torchcompile_mode}
         for block in model.transformer_blocks():
-            block.forward = torch.compile(block.forward)
+            block.forward = torch.compile(block.forward, **options)
 
 
 def build_engine(cfg: EngineConfig, model: nn.Module, world: World) -> Engine:

@@ -23,6 +23,7 @@ from bigclip.flag_fields import (
     non_negative_number,
     optional,
     positive_int,
+    unsupported,
 )
 from bigclip.optim import OptimizerConfig
 from bigclip.precision import PRECISIONS
@@ -57,6 +58,20 @@ class EngineConfig:
         TRAIN,
     )
     torchcompile: bool = flag(False, "torch.compile each transformer block.", TRAIN)
+    torchcompile_backend: str | None = flag(
+        None, "With --torchcompile: torch.compile's backend (e.g. inductor, aot_eager; default inductor).", TRAIN
+    )
+    torchcompile_mode: str | None = flag(
+        None,
+        "With --torchcompile: torch.compile's mode (default, reduce-overhead, max-autotune, ...).",
+        TRAIN,
+    )
+    torchcompile_strategy: str | None = unsupported(
+        None,
+        "OpenCLIP main: compile the model, the task or the step.",
+        TRAIN,
+        "bigclip compiles each transformer block (--torchcompile)",
+    )
     precision: str = flag("amp", "Numeric precision.", PREC, choices=PRECISIONS)
     grad_checkpointing: bool = flag(False, "Recompute every transformer block in backward.", PREC)
     grad_checkpointing_every: int = flag(

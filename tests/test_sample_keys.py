@@ -1,0 +1,107 @@
+"""OpenCLIP main's --image-key, --text-key, --json-text-key and --json-text-key-probs on real shards read by
+ShardStream: which member is the image and which the caption, with fallbacks, and a weighted caption draw that a
+resumed run repeats exactly."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import webdataset as wds
+from test_wds_stream import WORKERS, _png, loader, number_tokenizer, numbers, to_tensor
+
+from bigclip.config import resolve
+from bigclip.data.sample_keys import SampleKeys
+from bigclip.data.shards import iter_shard_samples
+from bigclip.data.skips import SkipCounter
+from bigclip.data.wds_plan import ShardPlan
+from bigclip.data.wds_stream import ShardStream
+from bigclip.errors import UserError
+
+
+def write(directory, samples: list[dict], shards: int = 4) -> list[str]:
+    paths = []
+    for s in range(shards):
+        path = str(directory / f"k-{s:03d}.tar")
+        with wds.TarWriter(path) as sink:
+            for i, sample in enumerate(samples[s::shards]):
+                sink.write({"__key__": f"{s:03d}{i:05d}", **sample})
+        paths.append(path)
+    return paths
+
+
+def read_all(paths, keys: SampleKeys, quota=None, resampled=False):
+    plan = ShardPlan.build([paths], None, resampled=resampled, seed=1)
+    s = ShardStream(plan, iter_shard_samples, to_tensor, number_tokenizer, SkipCounter("test"), batch_size=4,
+                    workers=WORKERS, train=quota is not None, batches_per_worker=quota, keys=keys)  # fmt: skip
+    s.shuffle_buffer, s.shuffle_initial = 20, 5
+    return s
+
+
+def test_image_and_text_keys_with_alternatives(tmp_path):
+    png = _png()
+    samples = [{"image": png, "caption": str(n)} for n in range(20)]
+    samples += [{"png": png, "txt": str(n)} for n in range(20, 40)]
+    samples += [{"image": png, "other": b"40"}]  # no caption under any given key: skipped, counted
+    paths = write(tmp_path, samples)
+    keys = SampleKeys.from_flags("image;png", "caption;txt", None, None, seed=0)
+    s = read_all(paths, keys)
+    got = sorted(n for batch in loader(s) for n in numbers(batch))
+    assert got == list(range(40))
+    assert s.skips.snapshot()["missing_caption"] == 1
+    # OpenCLIP's defaults read none of the "image"/"caption" samples
+    s = read_all(paths, SampleKeys())
+    assert sorted(n for batch in loader(s) for n in numbers(batch)) == list(range(20, 40))
+
+
+def json_samples(n: int) -> list[dict]:
+    png = _png()
+    out = []
+    for i in range(n):
+        fields = {"short": str(i), "long": str(1000 + i) if i % 5 else "  "}  # every 5th: an empty long caption
+        out.append({"png": png, "json": json.dumps(fields).encode()})
+    return out
+
+
+def test_json_text_key_takes_the_first_non_empty_field(tmp_path):
+    paths = write(tmp_path, json_samples(40))
+    keys = SampleKeys.from_flags("png", "txt", "long;short", None, seed=0)
+    got = sorted(n for batch in loader(read_all(paths, keys)) for n in numbers(batch))
+    assert got == sorted([1000 + i if i % 5 else i for i in range(40)])
+
+
+def test_json_text_key_probs_draw_by_weight_and_resume_exactly(tmp_path):
+    paths = write(tmp_path, json_samples(400))
+    keys = SampleKeys.from_flags("png", "txt", "short;long", [1.0, 3.0], seed=5)
+    quota = 30  # batches per worker, resampled: an endless stream cut at the same point
+    whole = [numbers(b) for b in loader(read_all(paths, keys, quota, resampled=True))]
+    drawn = [n for batch in whole for n in batch]
+    long_share = sum(n >= 1000 for n in drawn) / len(drawn)
+    # long drawn first with P 3/4, except where it is empty (every 5th sample: short as the fallback)
+    assert 0.5 < long_share < 0.72, long_share
+    again = loader(read_all(paths, keys, quota, resampled=True))
+    it = iter(again)
+    head = [numbers(next(it)) for _ in range(7)]
+    saved = pickle.loads(pickle.dumps(again.state_dict()))
+    del it, again
+    resumed = loader(read_all(paths, keys, quota, resampled=True))
+    resumed.load_state_dict(saved)
+    assert head + [numbers(b) for b in resumed] == whole
+    # another seed draws other captions for the same samples
+    other = SampleKeys.from_flags("png", "txt", "short;long", [1.0, 3.0], seed=6)
+    assert [numbers(b) for b in loader(read_all(paths, other, quota, resampled=True))] != whole
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"json_text_key_probs": [1.0]}, "--json-text-key-probs: only applies with --json-text-key"),
+        ({"json_text_key": "a;b", "json_text_key_probs": [1.0, 2.0, 3.0]}, "at most one non-negative weight"),
+        ({"json_text_key": "a", "json_text_key_probs": [-1.0]}, "at most one non-negative weight"),
+        ({"image_key": ";"}, "--image-key ';': name at least one member suffix"),
+    ],
+)
+def test_bad_key_flags_are_one_line(values, message):
+    with pytest.raises(UserError, match=message):
+        resolve({"dataset_type": "synthetic", "model": "test-tiny", **values})
