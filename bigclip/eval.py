@@ -11,14 +11,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from bigclip.data.imagenet import ZEROSHOT_SETS, imagenet_prompts
 from bigclip.dist import World, all_reduce_sum
-from bigclip.flag_fields import EVAL, flag, positive_int
+from bigclip.flag_fields import EVAL, flag, non_negative_int, positive_int
 from bigclip.log import logger
+
+RETRIEVAL_PRECISIONS = ("fp32", "model")
 
 
 def _gather_rows(x: torch.Tensor, world: World) -> torch.Tensor:
@@ -36,21 +39,48 @@ def _gather_rows(x: torch.Tensor, world: World) -> torch.Tensor:
     return torch.cat([o[: int(s.item())] for o, s in zip(out, sizes)]).cpu()
 
 
+def retrieval_ranks(
+    image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: float, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pair's rank (0: first) among all texts for its image, and among all images for its text, exactly,
+    without the N x N score matrix: scores are computed `chunk` x `chunk` at a time (memory O(chunk^2) for the
+    scores, O(N) for the ranks; chunk 0: one block). A candidate ranks above the true partner when its score is
+    higher, or equal with a smaller index (OpenCLIP main's --val-retrieval-chunk-size rule; argsort's order of
+    ties in 3.3 is unspecified). The true pair's score is taken from the same block product the candidates'
+    scores come from, so it is compared with itself bit for bit."""
+    n = image_features.shape[0]
+    chunk = n if chunk <= 0 else min(chunk, n)
+    starts = range(0, n, chunk)
+
+    def block(i: int, j: int) -> torch.Tensor:
+        return logit_scale * image_features[i : i + chunk] @ text_features[j : j + chunk].t()
+
+    targets = torch.cat([block(i, i).diagonal() for i in starts])
+    image_ranks = torch.zeros(n, dtype=torch.long)
+    text_ranks = torch.zeros(n, dtype=torch.long)
+    for i in starts:
+        rows = torch.arange(i, min(i + chunk, n))[:, None]
+        for j in starts:
+            scores = block(i, j)
+            cols = torch.arange(j, min(j + chunk, n))[None, :]
+            row_target, col_target = targets[rows], targets[cols]
+            image_ranks[rows[:, 0]] += ((scores > row_target) | ((scores == row_target) & (cols < rows))).sum(1)
+            text_ranks[cols[0]] += ((scores > col_target) | ((scores == col_target) & (rows < cols))).sum(0)
+    return image_ranks, text_ranks
+
+
 def retrieval_metrics(
-    image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: float
+    image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: float, chunk: int = 0
 ) -> dict[str, float]:
     """OpenCLIP's retrieval metrics: mean/median rank and R@1/5/10, both directions. Pair i is (i, i)."""
     metrics = {}
-    logits = {"image_to_text": logit_scale * image_features @ text_features.t()}
-    logits["text_to_image"] = logits["image_to_text"].t()
-    truth = torch.arange(image_features.shape[0]).view(-1, 1)
-    for name, logit in logits.items():
-        ranking = torch.argsort(logit, descending=True)
-        preds = torch.where(ranking == truth)[1].float()
-        metrics[f"{name}_mean_rank"] = preds.mean().item() + 1
-        metrics[f"{name}_median_rank"] = preds.median().floor().item() + 1
+    image_ranks, text_ranks = retrieval_ranks(image_features, text_features, logit_scale, chunk)
+    for name, ranks in (("image_to_text", image_ranks), ("text_to_image", text_ranks)):
+        ranks = ranks.numpy()
+        metrics[f"{name}_mean_rank"] = float(ranks.mean()) + 1
+        metrics[f"{name}_median_rank"] = float(np.floor(np.median(ranks))) + 1  # numpy's median, as OpenCLIP's
         for k in (1, 5, 10):
-            metrics[f"{name}_R@{k}"] = (preds < k).float().mean().item()
+            metrics[f"{name}_R@{k}"] = float((ranks < k).mean())
     return metrics
 
 
@@ -93,7 +123,9 @@ def _zeros_like_anyones(batch, world: World):
 
 
 @torch.no_grad()
-def validate(engine, loader, world: World) -> dict[str, float]:
+def validate(engine, loader, world: World, chunk: int = 4096, precision: str = "fp32") -> dict[str, float]:
+    """Validation loss (per batch, as OpenCLIP) and exact retrieval metrics over every rank's samples (chunk,
+    precision: --val-retrieval-chunk-size, --val-retrieval-precision)."""
     device = world.device
     image_chunks, text_chunks = [], []
     loss_sum = torch.zeros(2, dtype=torch.float64)  # (sum of per-sample loss, samples)
@@ -104,10 +136,12 @@ def validate(engine, loader, world: World) -> dict[str, float]:
         with engine.autocast():
             out = engine.module(images=images, texts=texts)
         img, txt = out["image_features"].float(), out["text_features"].float()
+        # kept for retrieval in float32, or with --val-retrieval-precision model in the features' own dtype
+        kept_img, kept_txt = (out["image_features"], out["text_features"]) if precision == "model" else (img, txt)
         logit_scale = float(out["logit_scale"].float().mean())
         if not real:  # a stand-in (lockstep): only its feature width is kept, for an empty share
-            image_chunks.append(img[:0].cpu())
-            text_chunks.append(txt[:0].cpu())
+            image_chunks.append(kept_img[:0].cpu())
+            text_chunks.append(kept_txt[:0].cpu())
             continue
         logits = logit_scale * img @ txt.t()
         if "logit_bias" in out:
@@ -116,14 +150,14 @@ def validate(engine, loader, world: World) -> dict[str, float]:
         # Per batch, as OpenCLIP reports it: the contrastive loss within each validation batch.
         batch_loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
         loss_sum += torch.tensor([batch_loss.item() * img.shape[0], img.shape[0]], dtype=torch.float64)
-        image_chunks.append(img.cpu())
-        text_chunks.append(txt.cpu())
+        image_chunks.append(kept_img.cpu())
+        text_chunks.append(kept_txt.cpu())
     loss_sum = all_reduce_sum(loss_sum, world)
     if loss_sum[1] == 0:
         return {}
     image_features = _gather_rows(torch.cat(image_chunks), world)
     text_features = _gather_rows(torch.cat(text_chunks), world)
-    metrics = retrieval_metrics(image_features, text_features, logit_scale)
+    metrics = retrieval_metrics(image_features, text_features, logit_scale, chunk)
     metrics["val_loss"] = float(loss_sum[0] / loss_sum[1])
     metrics["num_samples"] = int(loss_sum[1])
     return metrics
@@ -223,6 +257,19 @@ class EvalConfig:
 
     val_frequency: int = flag(1, "Validate every N epochs.", EVAL, check=positive_int)
     zeroshot_frequency: int = flag(2, "Zero-shot evaluation every N epochs.", EVAL, check=positive_int)
+    val_retrieval_chunk_size: int = flag(
+        4096,
+        "Validation retrieval ranks are exact and computed this many rows and columns at a time, never the whole "
+        "N x N score matrix; 0: one block (OpenCLIP main's flag).",
+        EVAL,
+        check=non_negative_int,
+    )
+    val_retrieval_precision: str = flag(
+        "fp32",
+        "fp32: retrieval scores in float32; model: in the features' own dtype (OpenCLIP main's flag).",
+        EVAL,
+        choices=RETRIEVAL_PRECISIONS,
+    )
     # read here, owned by another slice (its flag is declared there)
     epochs: int = 32  # the last epoch always evaluates
     val_num_samples: int | None = None
@@ -240,7 +287,8 @@ def evaluate(engine, data: dict, tokenizer, cfg: EvalConfig, completed_epoch: in
             )
         metrics.update(imagenet_zero_shot(engine, data, tokenizer, world))
     if "val" in data and (completed_epoch % cfg.val_frequency == 0 or last):
-        metrics.update(validate(engine, data["val"].dataloader, world))
+        chunk, precision = cfg.val_retrieval_chunk_size, cfg.val_retrieval_precision
+        metrics.update(validate(engine, data["val"].dataloader, world, chunk, precision))
         _check_val_count(metrics.get("num_samples", 0), data["val"], cfg.val_num_samples, world)
     engine.train()
     return metrics
