@@ -88,6 +88,14 @@ class OptimizerConfig:
         TRAIN,
         nargs="*",
     )
+    opt_fallback_list: list[str] | None = flag(
+        None,
+        "Name patterns (fnmatch) of parameters a Muon-family timm optimizer (timm/muon, timm/nadamuon, ...) "
+        "steps with its AdamW fallback instead (OpenCLIP main's flag; matched as --wd-exclude is).",
+        TRAIN,
+        nargs="*",
+        metavar="PATTERN",
+    )
     image_layer_decay: float | None = flag(
         None,
         "Layer-wise lr decay of the image tower: a layer group at depth d below the projection trains at "
@@ -163,28 +171,36 @@ def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     openclip_names = getattr(model, "openclip_names", dict)()
     scales = _lr_scales(model, cfg)
 
-    def excluded(name: str, p: torch.Tensor) -> bool:
-        if _no_decay(name, p) or name in spared:
-            return True
+    def matches(name: str, patterns: list[str]) -> bool:
         names = (name, openclip_names.get(name, name))
-        return any(fnmatch.fnmatchcase(n, pattern) for n in names for pattern in cfg.wd_exclude)
+        return any(fnmatch.fnmatchcase(n, pattern) for n in names for pattern in patterns)
 
-    buckets: dict[tuple[float, bool], dict] = {}
+    fallback = fallback_patterns(cfg)
+    buckets: dict[tuple[float, bool, bool], dict] = {}
     if not scales:
         for no_wd in (True, False):
-            buckets[(1.0, no_wd)] = {"params": [], "weight_decay": 0.0 if no_wd else cfg.wd}
+            buckets[(1.0, no_wd, False)] = {"params": [], "weight_decay": 0.0 if no_wd else cfg.wd}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         scale = scales.get(id(p), 1.0)
-        no_wd = excluded(name, p)
-        key = (round(scale, 12), no_wd)
+        no_wd = _no_decay(name, p) or name in spared or matches(name, cfg.wd_exclude)
+        key = (round(scale, 12), no_wd, matches(name, fallback))
         if key not in buckets:
-            buckets[key] = {"params": [], "weight_decay": 0.0 if no_wd else cfg.wd, "lr_scale": scale}
+            buckets[key] = {"params": [], "weight_decay": 0.0 if no_wd else cfg.wd}
+            if scales:
+                buckets[key]["lr_scale"] = scale
+            if key[2]:
+                buckets[key]["use_fallback"] = True  # timm's Muon family steps these with AdamW
         buckets[key]["params"].append(p)
-    if not scales:
-        return list(buckets.values())
-    return [buckets[key] for key in sorted(buckets, key=lambda k: (-k[0], not k[1]))]
+    return [buckets[key] for key in sorted(buckets, key=lambda k: (-k[0], not k[1], k[2]))]
+
+
+def fallback_patterns(cfg: OptimizerConfig) -> list[str]:
+    """--opt-fallback-list, or OpenCLIP main's older spelling inside --opt-kwargs (fallback_list=...)."""
+    given = parse_key_values("--opt-kwargs", cfg.opt_kwargs, "amsgrad=true").get("fallback_list")
+    patterns = cfg.opt_fallback_list or given or []
+    return [patterns] if isinstance(patterns, str) else list(patterns)
 
 
 def set_lr(groups: list[dict], lr: float) -> None:
@@ -200,7 +216,10 @@ def base_lr(groups: list[dict]) -> float:
 
 
 def opt_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
-    return parse_key_values("--opt-kwargs", cfg.opt_kwargs, "amsgrad=true")
+    """--opt-kwargs for the optimizer's constructor (fallback_list, a parameter-group setting, taken out)."""
+    kwargs = parse_key_values("--opt-kwargs", cfg.opt_kwargs, "amsgrad=true")
+    kwargs.pop("fallback_list", None)
+    return kwargs
 
 
 def hyperparameters(cfg: OptimizerConfig) -> dict:
@@ -221,6 +240,11 @@ def check_optimizer(cfg: OptimizerConfig) -> None:
     """The optimizer flags' rules, before any work: a registered --opt, that optimizer's own rules, and
     --opt-kwargs its constructor takes (tried on one small tensor)."""
     optimizer_kind(cfg).check(cfg)
+    if fallback_patterns(cfg) and not cfg.opt.startswith("timm/"):
+        raise UserError(
+            f"--opt-fallback-list: only Muon-family timm optimizers (e.g. --opt timm/muon) have a fallback; "
+            f"--opt {cfg.opt} has none"
+        )
     if opt_kwargs(cfg):
         create_optimizer(cfg, [{"params": [nn.Parameter(torch.zeros(1))]}])
 

@@ -176,3 +176,27 @@ def test_bad_flags_stop_the_run_in_one_line(tmp_path, flags, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_opt_fallback_list_routes_parameters_to_muons_adamw():
+    """--opt-fallback-list: the matched parameters' groups carry use_fallback, which timm's Muon reads; Muon then
+    steps them with its AdamW fallback, orthogonalising the others; refused for optimizers without a fallback."""
+    model = CLIP(**VIT_CFG)
+    cfg = optim.OptimizerConfig(opt="timm/muon", opt_fallback_list=["*token_embedding*", "visual.proj"])
+    optim.check_optimizer(cfg)
+    groups = optim.param_groups(model, cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    fallback = {names[id(p)] for g in groups if g.get("use_fallback") for p in g["params"]}
+    assert fallback == {"text.token_embedding.weight", "visual.proj"}
+    optimizer = optim.create_optimizer(cfg, groups)
+    images, texts = torch.randn(2, 3, 32, 32), torch.randint(0, 100, (2, 16))
+    out = model(images, texts)
+    (out["image_features"] * out["text_features"]).sum().backward()
+    optimizer.step()
+    assert "exp_avg_sq" in optimizer.state[model.visual.proj]  # AdamW's moments
+    assert "exp_avg_sq" not in optimizer.state[model.visual.trunk.blocks[0].mlp.fc1.weight]  # Muon's momentum
+    # OpenCLIP main's older spelling inside --opt-kwargs
+    old = optim.OptimizerConfig(opt="timm/muon", opt_kwargs=["fallback_list=['visual.proj']"])
+    assert any(g.get("use_fallback") for g in optim.param_groups(model, old))
+    with pytest.raises(UserError, match="--opt-fallback-list: only Muon-family timm optimizers"):
+        optim.check_optimizer(optim.OptimizerConfig(opt_fallback_list=["*"]))
