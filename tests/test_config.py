@@ -188,3 +188,39 @@ def test_openclip_mains_engine_flags_are_bigclips(tmp_path):
     yaml.write_text("naflex-max-text-tokens: 64\n")
     with pytest.raises(UserError, match="naflex-max-text-tokens: NaFlex"):
         resolve({"config": str(yaml)})
+
+
+# Every flag of OpenCLIP main's open_clip_train/params.py (4.2.0.dev, commit 89fb801).
+OPENCLIP_MAIN_FLAGS = """
+accum-freq audio-ext audio-fill audio-fusion audio-int16-normalize audio-layer-decay audio-multiprocessing-context
+audio-trunc audio-zeroshot-audio-key audio-zeroshot-class-key audio-zeroshot-dataset
+audio-zeroshot-multiprocessing-context audio-zeroshot-split audio-zeroshot-target-key audio-zeroshot-template
+audio-zeroshot-workers aug-cfg batch-size beta1 beta2 bucket-chunk bucket-pool bucket-prefetch-pools cache-dir
+coca-caption-loss-weight coca-contrastive-loss-weight copy-codebase csv-caption-key csv-img-key csv-separator
+dataset-resampled dataset-type ddp-static-graph debug delete-previous-checkpoint device dist-backend dist-url
+distill-model distill-pretrained epochs epochs-cooldown eps force-context-length force-custom-text force-image-size
+force-naflex-vision force-patch-dropout force-quick-gelu fsdp fsdp-checkpoint fsdp-no-reshard-after-forward
+fsdp-offload-cpu gather-with-grad grad-checkpointing grad-clip-norm image-interpolation image-key image-layer-decay
+image-mean image-resize-mode image-std imagenet-v2 imagenet-val json-text-key json-text-key-probs length-bucketing
+local-loss lock-image lock-image-freeze-bn-stats lock-image-unlocked-groups lock-text lock-text-freeze-layer-norm
+lock-text-unlocked-layers log-every-n-steps log-local log-metric-every-n-steps logs loss-dist-impl lr lr-cooldown-end
+lr-cooldown-power lr-scheduler max-image-pixels model momentum naflex-batch-divisor naflex-loss-scale
+naflex-max-text-tokens naflex-max-tokens-per-batch naflex-num-train-image-tokens naflex-pad-multiple
+naflex-patch-size-probs naflex-patch-sizes naflex-seq-len-probs naflex-seq-lens name no-set-device-rank opt
+opt-fallback-list opt-kwargs precision pretrained pretrained-audio pretrained-image remote-sync remote-sync-frequency
+remote-sync-protocol report-to resume save-frequency save-most-recent seed siglip skip-scheduler text-key
+text-layer-decay text-pad-multiple text-pooler-own-group torchcompile torchcompile-backend torchcompile-mode
+torchcompile-strategy train-data train-data-upsampling-factors train-loss-ema-samples train-num-samples use-bn-sync
+use-bnb-linear use-naflex val-data val-frequency val-num-samples val-retrieval-chunk-size val-retrieval-precision
+visual-layer-decay wandb-notes wandb-project-name warmup wd wd-exclude workers zeroshot-frequency
+""".split()
+
+
+def test_every_flag_of_openclip_main_exists_or_is_refused_by_name():
+    """An OpenCLIP-main launch line either runs or stops with a line naming the flag and why (never argparse's
+    bare "unrecognized arguments")."""
+    from bigclip.config import refused_family
+
+    parser = cli.build_train_parser()
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    assert [f for f in OPENCLIP_MAIN_FLAGS if f"--{f}" not in known and not refused_family(f"--{f}")] == []

@@ -105,3 +105,39 @@ def test_json_text_key_probs_draw_by_weight_and_resume_exactly(tmp_path):
 def test_bad_key_flags_are_one_line(values, message):
     with pytest.raises(UserError, match=message):
         resolve({"dataset_type": "synthetic", "model": "test-tiny", **values})
+
+
+def test_max_image_pixels_skips_by_the_header_before_decoding(tmp_path):
+    """--max-image-pixels: a 300x200 image over a 50 000-pixel limit is skipped and counted as too_large. Its body
+    is cut short, so decoding it would have failed (bad_image): the header alone decided. CSV rows alike."""
+    import io
+
+    from PIL import Image
+
+    from bigclip.data.csv_dataset import CsvDataset
+    from bigclip.data.map_style import SampleSkipped
+
+    buf = io.BytesIO()
+    Image.new("RGB", (300, 200), (200, 10, 10)).save(buf, format="JPEG")
+    whole = buf.getvalue()
+    big_truncated = whole[: whole.index(b"\xff\xda") + 40]  # headers up to the scan's start, pixels cut short
+    png = _png()
+    paths = write(tmp_path, [{"jpg": big_truncated, "txt": b"99"}] + [{"png": png, "txt": str(n)} for n in range(7)])
+    plan = ShardPlan.build([paths], None, resampled=False, seed=1)
+    s = ShardStream(plan, iter_shard_samples, to_tensor, number_tokenizer, SkipCounter("test"), batch_size=4,
+                    workers=WORKERS, train=False, max_pixels=50_000)  # fmt: skip
+    assert sorted(n for batch in loader(s) for n in numbers(batch)) == list(range(7))
+    counts = s.skips.snapshot()
+    assert counts["too_large"] == 1 and counts["bad_image"] == 0
+    # without the limit the same sample is decoded, and fails as a bad image
+    s = ShardStream(plan, iter_shard_samples, to_tensor, number_tokenizer, SkipCounter("test"), batch_size=4,
+                    workers=WORKERS, train=False)  # fmt: skip
+    list(loader(s))
+    assert s.skips.snapshot()["bad_image"] == 1
+
+    (tmp_path / "big.jpg").write_bytes(big_truncated)
+    (tmp_path / "rows.csv").write_text(f"filepath\ttitle\n{tmp_path / 'big.jpg'}\ta caption\n")
+    rows = CsvDataset(str(tmp_path / "rows.csv"), to_tensor, number_tokenizer, SkipCounter("t"), max_pixels=50_000)
+    with pytest.raises(SampleSkipped) as skipped:
+        rows.load(0)
+    assert skipped.value.reason == "too_large"

@@ -72,6 +72,13 @@ class DataConfig:
     csv_separator: str = flag("\t", "Column separator of CSV data.", DATA)
     csv_img_key: str = flag("filepath", "CSV column holding image paths.", DATA)
     csv_caption_key: str = flag("title", "CSV column holding captions.", DATA)
+    max_image_pixels: int | None = flag(
+        None,
+        "Skip (and count as data/skipped_too_large) images whose header says more pixels than this, before "
+        "decoding them; 0 or unset: no limit (OpenCLIP main's flag).",
+        DATA,
+        check=optional(non_negative_int),
+    )
     image_key: str = flag(
         DEFAULT_IMAGE_KEY,
         "WebDataset: the member suffix holding the image; ';' separates alternatives, the first present wins "

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import csv
 import os
-import warnings
-
-from PIL import Image
 
 from bigclip.data.config import DataConfig
+from bigclip.data.decode import ImageTooLarge, decode_rgb
 from bigclip.data.info import DataInfo
 from bigclip.data.map_style import ReplacingDataset, SampleSkipped
 from bigclip.data.skips import SkipCounter
@@ -75,6 +73,7 @@ class CsvDataset(ReplacingDataset):
         separator: str = "\t",
         img_key: str = "filepath",
         caption_key: str = "title",
+        max_pixels: int | None = None,
     ):
         super().__init__(skips)
         self.source = f"{flag} {path}"
@@ -82,6 +81,7 @@ class CsvDataset(ReplacingDataset):
         self.images, self.captions = read_pairs(path, flag, separator, img_key, caption_key)
         self.transform = transform
         self.tokenizer = tokenizer
+        self.max_pixels = max_pixels  # --max-image-pixels
 
     def __len__(self) -> int:
         return len(self.images)
@@ -102,10 +102,9 @@ class CsvDataset(ReplacingDataset):
         if not path or not os.path.isfile(path):
             raise SampleSkipped("missing_image", f"{path!r} (row {index + 1} of {self.source})")
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # PIL's per-file warnings (EXIF, palettes) would flood logs
-                with Image.open(path) as img:
-                    image = self.transform(img.convert("RGB"))
+            image = decode_rgb(path, self.transform, self.max_pixels)
+        except ImageTooLarge as e:
+            raise SampleSkipped("too_large", f"{path}: {e}") from None
         except Exception as e:  # any decoder or transform failure: this sample is unusable, not the run
             raise SampleSkipped("bad_image", f"{path}: {e}") from None
         return image, self.tokenizer([caption])[0]
@@ -124,6 +123,7 @@ def build_csv(cfg: DataConfig, split: Split, ctx: LoaderContext) -> DataInfo:
         separator=cfg.csv_separator,
         img_key=cfg.csv_img_key,
         caption_key=cfg.csv_caption_key,
+        max_pixels=cfg.max_image_pixels,
     )
     sampler = batch_sampler(cfg, len(dataset), split.train, ctx)
     return map_style_loader(dataset, sampler, cfg.workers, skips, f"{split.flag} {split.path}", cfg, ctx)

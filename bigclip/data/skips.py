@@ -20,6 +20,7 @@ SKIP_REASONS = (
     "missing_caption",  # empty or absent caption
     "read_error",  # unreadable shard or tar member
     "dropped",  # read, but not trained on: a last partial batch, or left over so that ranks take equal steps
+    "too_large",  # an image whose header says more pixels than --max-image-pixels: never decoded
 )
 
 # Each process warns about the first few skips of a loader with details, then only counts.

@@ -52,6 +52,7 @@ def build_webdataset(cfg: DataConfig, split: Split, ctx: LoaderContext) -> DataI
         num_batches=None if train else num_batches,
         source=f"{flag} {path}",
         keys=cfg.sample_keys(),
+        max_pixels=cfg.max_image_pixels,
     )
     loader = worker_loader(stream, cfg.workers, batch_size=None, stateful=train)
     return DataInfo(

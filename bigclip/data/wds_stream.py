@@ -21,14 +21,13 @@ import itertools
 import logging
 import multiprocessing
 import random
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
+from bigclip.data.decode import ImageTooLarge, decode_rgb
 from bigclip.data.sample_keys import SampleKeys
 from bigclip.data.skips import SkipCounter
 from bigclip.data.wds_plan import ShardPlan, slot_of
@@ -189,6 +188,7 @@ class ShardStream(IterableDataset):
         num_batches: int | None = None,
         source: str = "--train-data",
         keys: SampleKeys = SampleKeys(),
+        max_pixels: int | None = None,
     ):
         """`batches_per_worker`: training's quota per worker and epoch; `num_batches`: evaluation's estimate of
         its batches per rank (from --val-num-samples), or None; `keys`: the members holding image and caption."""
@@ -205,6 +205,7 @@ class ShardStream(IterableDataset):
         self.num_batches = num_batches
         self.source = source
         self.keys = keys
+        self.max_pixels = max_pixels  # --max-image-pixels
         self.shuffle_buffer, self.shuffle_initial = SHUFFLE_BUFFER, SHUFFLE_INITIAL
         # Resampling never runs out of shards: this many unusable samples before the first usable one means
         # the data holds none (rather than drawing bad shards for ever).
@@ -310,10 +311,10 @@ class ShardStream(IterableDataset):
             self.skips.count("missing_caption", where)
             return None
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                with Image.open(io.BytesIO(image_bytes)) as img:
-                    image = self.transform(img.convert("RGB"))
+            image = decode_rgb(io.BytesIO(image_bytes), self.transform, self.max_pixels)
+        except ImageTooLarge as e:
+            self.skips.count("too_large", f"{where}: {e}")
+            return None
         except Exception as e:  # any decoder or transform failure: this sample is unusable, not the run
             self.skips.count("bad_image", f"{where}: {e}")
             return None

@@ -1,0 +1,27 @@
+"""Image decoding shared by the sample readers: RGB through PIL, with --max-image-pixels checked on the header.
+
+PIL reads a file's size from its header when it opens it and decodes the pixels only when asked, so an image
+larger than --max-image-pixels (OpenCLIP main's flag) is refused before any pixel is decompressed, and counted
+as skipped (`data/skipped_too_large`) rather than decoded only to be shrunk to the training size.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from PIL import Image
+
+
+class ImageTooLarge(Exception):
+    """The header's width x height exceeds --max-image-pixels."""
+
+
+def decode_rgb(source, transform, max_pixels: int | None = None) -> torch.Tensor:
+    """`transform` of the RGB image at `source` (a path or a binary file object)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PIL's per-file warnings (EXIF, palettes) would flood logs
+        with Image.open(source) as img:
+            if max_pixels and img.width * img.height > max_pixels:
+                raise ImageTooLarge(f"{img.width}x{img.height} exceeds --max-image-pixels {max_pixels}")
+            return transform(img.convert("RGB"))
