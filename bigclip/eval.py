@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from bigclip.data.imagenet import ZEROSHOT_SETS, imagenet_prompts
 from bigclip.dist import World, all_reduce_sum
+from bigclip.errors import UserError
 from bigclip.flag_fields import EVAL, flag, non_negative_int, positive_int
 from bigclip.log import logger
 
@@ -270,16 +271,34 @@ class EvalConfig:
         EVAL,
         choices=RETRIEVAL_PRECISIONS,
     )
+    eval_ema: bool = flag(
+        False,
+        "With --ema-decay: also evaluate the moving average of the weights; its metrics are named ema_<metric> "
+        "(new in bigclip).",
+        EVAL,
+    )
     # read here, owned by another slice (its flag is declared there)
     epochs: int = 32  # the last epoch always evaluates
     val_num_samples: int | None = None
+    ema_decay: float | None = None
 
 
 def evaluate(engine, data: dict, tokenizer, cfg: EvalConfig, completed_epoch: int, world: World) -> dict[str, float]:
-    """Run what is due after `completed_epoch` epochs (OpenCLIP's frequencies; the last epoch always)."""
+    """Run what is due after `completed_epoch` epochs (OpenCLIP's frequencies; the last epoch always); with
+    --eval-ema the same again with the moving average of the weights swapped in (metrics named ema_<metric>)."""
+    engine.eval()
+    metrics = _evaluate_weights(engine, data, tokenizer, cfg, completed_epoch, world)
+    if cfg.eval_ema and engine.ema is not None and metrics:
+        with engine.ema.swapped_in():
+            averaged = _evaluate_weights(engine, data, tokenizer, cfg, completed_epoch, world)
+        metrics.update({f"ema_{k}": v for k, v in averaged.items()})
+    engine.train()
+    return metrics
+
+
+def _evaluate_weights(engine, data: dict, tokenizer, cfg: EvalConfig, completed_epoch: int, world: World) -> dict:
     metrics: dict[str, float] = {}
     last = completed_epoch == cfg.epochs
-    engine.eval()
     if completed_epoch % cfg.zeroshot_frequency == 0 or last:
         if "zeroshot" in data:
             metrics.update(
@@ -290,5 +309,9 @@ def evaluate(engine, data: dict, tokenizer, cfg: EvalConfig, completed_epoch: in
         chunk, precision = cfg.val_retrieval_chunk_size, cfg.val_retrieval_precision
         metrics.update(validate(engine, data["val"].dataloader, world, chunk, precision))
         _check_val_count(metrics.get("num_samples", 0), data["val"], cfg.val_num_samples, world)
-    engine.train()
     return metrics
+
+
+def check_eval(cfg: EvalConfig) -> None:
+    if cfg.eval_ema and cfg.ema_decay is None:
+        raise UserError("--eval-ema: there is no moving average to evaluate without --ema-decay; add it")

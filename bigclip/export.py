@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
         default="openclip",
         help="parameter names of the output (default: openclip)",
     )
+    p.add_argument(
+        "--ema", action="store_true", help="export the moving average of the weights (runs with --ema-decay)"
+    )
     p.add_argument("--storage-options", default=None, help="JSON of fsspec options for a URL checkpoint")
     p.add_argument(
         "--storage-timeout",
@@ -50,6 +53,7 @@ def export(
     names: str = "openclip",
     storage_options: dict | None = None,
     storage_timeout: float = 60.0,
+    ema: bool = False,
 ) -> int:
     if not output.endswith((".pt", ".pth", ".bin", ".safetensors")):
         raise UserError(f"bigclip export: output {output}: name it .pt or .safetensors")
@@ -62,7 +66,7 @@ def export(
         else:
             manifest = verify_local(checkpoint)
             directory = checkpoint
-        state = read_model_state(manifest.layout, directory)
+        state = read_model_state(manifest.layout, directory, ema=ema)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -78,7 +82,8 @@ def export(
         torch.save(state, output)
     params = sum(v.numel() for v in state.values())
     print(
-        f"exported {len(state)} tensors ({params / 1e6:.1f}M parameters, step {manifest.step}, "
+        f"exported {len(state)} tensors ({params / 1e6:.1f}M parameters{', moving average' if ema else ''}, "
+        f"step {manifest.step}, "
         f"{names} names) from {redact_url(checkpoint)} to {output}"
     )
     return 0
@@ -89,4 +94,4 @@ def main(argv: list[str]) -> int:
     if not args.storage_timeout > 0:
         raise UserError(f"bigclip export: --storage-timeout {args.storage_timeout}: give a positive number of seconds")
     options = parse_storage_options(args.storage_options)
-    return export(args.checkpoint, args.output, args.names, options, args.storage_timeout)
+    return export(args.checkpoint, args.output, args.names, options, args.storage_timeout, args.ema)

@@ -117,10 +117,13 @@ def _finite_on_all_ranks(loss: torch.Tensor, world: World) -> bool:
 
 def optimizer_step(engine) -> float:
     """The update, then the model's constraints on its parameters (CLIP's temperature clamp), applied by the
-    engine to every copy it keeps. Returns the grad norm before clipping."""
+    engine to every copy it keeps, then the moving average of the weights (--ema-decay). Returns the grad norm
+    before clipping."""
     grad_norm = engine.step()
     for param, fix in engine.model.parameter_constraints():
         engine.update_parameter_(param, fix)
+    if engine.ema is not None:
+        engine.ema.update()
     return grad_norm
 
 

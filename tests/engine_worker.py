@@ -7,7 +7,8 @@ registered under config["model"], "clamp_check": bool, "seed_per_rank": bool (ea
 the build, as train.py), "ranks_emulated": N (one process whose batch_size is the global batch of N ranks: rank r's
 samples in rank order, as gathered features see them), "live_grads": bool (the most gradient bytes alive at once,
 the largest block's, and how many storages hold the gradients), "step_sizes": bool (each parameter's largest
-change in the first step, over the lr set: with AdamW's first step, wd 0 and a tiny eps, its lr scale)}.
+change in the first step, over the lr set: with AdamW's first step, wd 0 and a tiny eps, its lr scale),
+"ema_check": bool (the moving average of --ema-decay against a float64 one of the whole weights after each step)}.
 Every run sees the same synthetic batches (seeded by step and rank) and goes through bigclip's own pieces:
 engine.build_model, build_engine, the loop's forward_backward (OpenCLIP accumulation), engine.step, and an eval
 forward through engine.module. One launch for many engines keeps the cost of process start-up and DeepSpeed
@@ -108,6 +109,7 @@ def run_one(spec: dict, world) -> dict:
         out["logit_scale_after"] = []
     frozen_before = _frozen(engine) if spec.get("frozen_check") else None
     before_first_step = _all_whole(engine) if spec.get("step_sizes") else None
+    ema_reference = _EMAReference(engine) if spec.get("ema_check") else None
     live_grads = _LiveGradients(engine) if spec.get("live_grads") else None
     if spec.get("seed_per_rank"):
         torch.manual_seed(cfg.seed + world.rank)  # as train.py: each rank's own random stream from here on
@@ -133,6 +135,8 @@ def run_one(spec: dict, world) -> dict:
             live_grads.count_storages()
         out["norms"].append(optimizer_step(engine))
         out["losses"].append(loss)
+        if ema_reference is not None:
+            ema_reference.update()
         if before_first_step is not None and step == 0:
             lr = engine.get_lr()
             after = _all_whole(engine)
@@ -142,6 +146,8 @@ def run_one(spec: dict, world) -> dict:
                 seen = float(engine.module(texts=micro[0][1][:1])["logit_scale"].float().log().mean())
             out["logit_scale_after"].append([seen, _logit_scale_master(engine)])
     out["step_s"] = (time.perf_counter() - t0) / max(1, spec["steps"])
+    if ema_reference is not None:
+        out["ema_max_error"], out["ema_max_change"] = ema_reference.compare()
     if frozen_before is not None:  # --lock-image/--lock-text: frozen weights must come out bit-identical
         after = _frozen(engine)
         changed = [n for n in after if not torch.equal(frozen_before[n], after[n])]
@@ -241,6 +247,36 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
         with deepspeed.zero.GatheredParameters([p]):
             return p.data.clone()
     return p.detach().clone()
+
+
+class _EMAReference:
+    """The moving average computed another way: in float64, from the whole weights gathered after every step, with
+    the decays of engine/ema.py's formula (timm's warm-up when asked)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.average = {n: w.double() for n, w in _all_whole(engine).items()}
+        self.start = {n: w.clone() for n, w in self.average.items()}
+        self.updates = 0
+
+    def update(self) -> None:
+        self.updates += 1
+        cfg = self.engine.cfg
+        decay = cfg.ema_decay
+        if cfg.ema_warmup:
+            decay = min(decay, 1 - (1 + self.updates) ** (-2 / 3))
+        for name, weights in _all_whole(self.engine).items():
+            self.average[name] = decay * self.average[name] + (1 - decay) * weights.double()
+
+    def compare(self) -> tuple[float, float]:
+        """(largest |engine's average - reference|, largest |reference - start|: that the average moved)."""
+        ema = self.engine.ema
+        error = change = 0.0
+        for name, reference in self.average.items():
+            mine = _whole(ema.params[name]).double()
+            error = max(error, float((mine - reference).abs().max()))
+            change = max(change, float((reference - self.start[name]).abs().max()))
+        return error, change
 
 
 def _all_whole(engine) -> dict[str, torch.Tensor]:

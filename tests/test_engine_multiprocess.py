@@ -152,6 +152,13 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
     for name, flags in [*engines().items(), ("ddp_in_backward", {"optimizer_in_backward": True})]:
         runs.append({"name": f"{name}_layer_decay", "steps": 1, "step_sizes": True,
                      "config": {**tiny, **flags, **decay}})  # fmt: skip
+    # --ema-decay: the average of each rank's weights (FSDP2: of its shards) against a float64 reference
+    in_backward = {"optimizer_in_backward": True}
+    for name, flags in (("ddp", {}), ("fsdp", {"engine": "fsdp"}), ("ddp_in_backward", in_backward)):
+        config = {**tiny, **flags, "ema_decay": 0.7}
+        runs.append({"name": f"{name}_ema", "steps": 6, "ema_check": True, "config": config})
+    runs.append({"name": "fsdp_ema_warmup", "steps": 6, "ema_check": True,
+                 "config": {**tiny, "engine": "fsdp", "ema_decay": 0.99, "ema_warmup": True}})  # fmt: skip
     r = run_worker(tmp_path, runs)
 
     ddp, ddp_accum = r["ddp"], r["ddp_accum"]
@@ -165,6 +172,8 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
     # change of each parameter is its group's scale, the one bigclip's groups give it in this process
     expected = layer_decay_scales("test-tiny", image_layer_decay=0.5, text_layer_decay=0.7)
     assert min(expected.values()) < 0.2 and max(expected.values()) == 1.0
+    for name in ("ddp_ema", "fsdp_ema", "ddp_in_backward_ema", "fsdp_ema_warmup"):
+        assert r[name]["ema_max_error"] < 1e-6 and r[name]["ema_max_change"] > 1e-3, (name, r[name])
     for name in [*engines(), "ddp_in_backward"]:
         sizes = r[f"{name}_layer_decay"]["step_sizes"]
         assert sizes.keys() == expected.keys(), name

@@ -20,6 +20,7 @@ The save is split in two so the loop is blocked only by the first part:
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import warnings
@@ -42,6 +43,8 @@ from bigclip.ckpt.layout import CheckpointLayout, FileSubmitter
 from bigclip.ckpt.upload import BACKGROUND_NICE
 from bigclip.errors import UserError, first_line
 
+logger = logging.getLogger("bigclip")
+
 FILE_TARGET_BYTES = 128 * 2**20  # files per rank ~ bytes / this: small enough to pipeline uploads
 MAX_FILES_PER_RANK = 16
 METADATA = ".metadata"
@@ -55,14 +58,19 @@ def _quiet_single_process():
         yield
 
 
-def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> dict[str, Any]:
-    """FQN-keyed model and optimizer state (DTensor shards under FSDP) plus the grad scaler."""
+def training_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """FQN-keyed model and optimizer state (DTensor shards under FSDP) plus the grad scaler and the engine's
+    further participants (`extra`: name -> an object with state_dict()/load_state_dict(), e.g. the EMA)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     # Optimizers that are several (one per parameter, stepped in the backward) save as the one they stand for.
     optim_sd = getattr(optimizer, "saved_state_dict", lambda sd: sd)(optim_sd)
     state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
+    for name, participant in (extra or {}).items():
+        state[name] = participant.state_dict()
     return state
 
 
@@ -174,10 +182,14 @@ class DCPLayout(CheckpointLayout):
         group,
         mode: str = "thread",
         replicated: bool = True,
+        extra: dict[str, Any] | None = None,
     ):
         """replicated: every rank holds the whole state (DDP), so ranks split the writing; False: each rank
-        holds its own shards (FSDP2's DTensors)."""
+        holds its own shards (FSDP2's DTensors). extra: further participants saved beside the model (name ->
+        state_dict()/load_state_dict(); their tensors are the load's template, filled in place, and one a
+        checkpoint lacks is told to reset())."""
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.extra = dict(extra or {})
         self.world = world
         self.group = group
         # The process writer needs a process group to hand to its daemon; a single process uses the thread.
@@ -215,7 +227,7 @@ class DCPLayout(CheckpointLayout):
     def stage(self, directory: str) -> Future:
         """This rank's share of the state (collected here, in the loop's thread), copied into the reused host
         buffers in the background: a future of the staged dict."""
-        state = training_state(self.model, self.optimizer, self.scaler)
+        state = training_state(self.model, self.optimizer, self.scaler, self.extra)
         if self.replicated:
             state = split_replicated(state, self.world.rank, self.world.world_size)
         staged = self._usable_stager().stage(state)
@@ -267,8 +279,11 @@ class DCPLayout(CheckpointLayout):
     # describe(): nothing beyond the name; DCP state loads into DDP and FSDP alike, at any world size.
 
     def load(self, directory: str, saved_world_size: int = 0, saved_extra: dict | None = None) -> None:
-        # The structure to fill (optimizer state is initialised for it); DCP reshards into it.
-        state = training_state(self.model, self.optimizer, self.scaler)
+        # The structure to fill (optimizer state is initialised for it); DCP reshards into it. A participant the
+        # checkpoint does not hold (an EMA added on resume) starts afresh from the loaded weights.
+        saved = SafeFileSystemReader(directory).read_metadata().state_dict_metadata
+        held = {name: p for name, p in self.extra.items() if any(k.startswith(f"{name}.") for k in saved)}
+        state = training_state(self.model, self.optimizer, self.scaler, held)
         try:
             with _quiet_single_process():
                 dcp.load(
@@ -290,25 +305,34 @@ class DCPLayout(CheckpointLayout):
             ) from None
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        for name, participant in self.extra.items():
+            if name in held:
+                participant.load_state_dict(state[name])
+            else:
+                logger.info(f"checkpoint {directory} holds no {name}: it starts from the resumed weights")
+                participant.reset()
 
     def close(self) -> None:
         self._stager.close()
 
     @staticmethod
-    def read_model_state(directory: str) -> dict[str, torch.Tensor]:
-        """The full model weights of a DCP checkpoint, in one process, without the training world size."""
+    def read_model_state(directory: str, ema: bool = False) -> dict[str, torch.Tensor]:
+        """The full model weights of a DCP checkpoint (with `ema`: their moving average, parameters and
+        buffers), in one process, without the training world size."""
         reader = SafeFileSystemReader(directory)
         metadata = reader.read_metadata()
+        prefixes = ("ema.params.", "ema.buffers.") if ema else ("model.",)
         flat = {
             key: torch.empty(md.size, dtype=md.properties.dtype)
             for key, md in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+            if key.startswith(prefixes) and isinstance(md, TensorStorageMetadata)
         }
         if not flat:
-            raise UserError(f"checkpoint {directory}: holds no model tensors")
+            what = "moving average of the weights (train with --ema-decay)" if ema else "model tensors"
+            raise UserError(f"checkpoint {directory}: holds no {what}")
         try:
             with _quiet_single_process():
                 dcp.load(flat, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
         except (Exception, CheckpointException) as wrapped:
             raise UserError(f"checkpoint {directory}: {first_line(first_failure(wrapped))}") from None
-        return {key[len("model.") :]: value for key, value in flat.items()}
+        return {key[len(next(p for p in prefixes if key.startswith(p))) :]: value for key, value in flat.items()}

@@ -189,8 +189,10 @@ class DeepSpeedLayout(CheckpointLayout):
         self._copier.shutdown(wait=True)
 
     @staticmethod
-    def read_model_state(directory: str) -> dict[str, torch.Tensor]:
+    def read_model_state(directory: str, ema: bool = False) -> dict[str, torch.Tensor]:
         """Full fp32 model weights of a DeepSpeed checkpoint, in one process (DeepSpeed's zero_to_fp32)."""
+        if ema:
+            raise UserError(f"checkpoint {directory}: a DeepSpeed checkpoint holds no moving average of the weights")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         refuse_unsafe_files(directory)

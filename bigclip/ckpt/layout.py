@@ -60,6 +60,6 @@ class CheckpointLayout(abc.ABC):
 
     @staticmethod
     @abc.abstractmethod
-    def read_model_state(directory: str) -> dict[str, torch.Tensor]:
-        """The whole model's weights in a verified checkpoint of this layout, read in one process with no
-        process group and no engine (what `bigclip export` needs)."""
+    def read_model_state(directory: str, ema: bool = False) -> dict[str, torch.Tensor]:
+        """The whole model's weights (`ema`: their moving average, --ema-decay) in a verified checkpoint of this
+        layout, read in one process with no process group and no engine (what `bigclip export` needs)."""

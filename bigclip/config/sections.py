@@ -21,7 +21,7 @@ from bigclip.data import DataConfig, check_data, check_source
 from bigclip.dist import DistConfig, check_dist
 from bigclip.engine import EngineConfig
 from bigclip.engine import check_config as check_engine_config
-from bigclip.eval import EvalConfig
+from bigclip.eval import EvalConfig, check_eval
 from bigclip.log import ReportConfig, report_targets
 from bigclip.loop import LoopConfig
 from bigclip.loss import LossConfig, check_loss, loss_family
@@ -75,6 +75,8 @@ def build_sections(flags: Any) -> Sections:
     check_data(data)
     checkpoint = slice_of(flags, CheckpointConfig)
     check_checkpoint(checkpoint)
+    evaluation = slice_of(flags, EvalConfig)
+    check_eval(evaluation)
     return Sections(
         model=dataclasses.replace(model_flags, init=loss_family(loss).model_init),
         data=data,
@@ -84,7 +86,7 @@ def build_sections(flags: Any) -> Sections:
         engine=engine,
         checkpoint=checkpoint,
         report=report,
-        eval=slice_of(flags, EvalConfig),
+        eval=evaluation,
         loop=slice_of(flags, LoopConfig),
         dist=dist,
     )

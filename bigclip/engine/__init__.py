@@ -57,6 +57,8 @@ def check_config(cfg: EngineConfig) -> EngineConfig:
         result = cls.check_config(cfg)
         resolved = result if cls is chosen else resolved
     in_backward.check_config(cfg)
+    if cfg.ema_warmup and cfg.ema_decay is None:
+        raise UserError("--ema-warmup: only applies with --ema-decay; add it or drop the flag")
     if not cfg.torchcompile and (cfg.torchcompile_backend or cfg.torchcompile_mode):
         shown = "--torchcompile-backend" if cfg.torchcompile_backend else "--torchcompile-mode"
         raise UserError(f"{shown}: only applies with --torchcompile; add it or drop the flag")

@@ -34,6 +34,8 @@ gradient synchronisation and the on-disk format of its state. Callers use only:
                                            engine keeps (the one its optimizer updates and the one the forward
                                            sees); how the model's constraints (CLIP's temperature) are enforced
     engine.zero_grad(), set_lr(lr), get_lr()
+    engine.ema                             the moving average of the weights (--ema-decay; engine/ema.py) or
+                                           None: the loop updates it after each step, evaluation swaps it in
     engine.checkpoint_layout(group, mode)  the CheckpointLayout (ckpt/layout.py) that saves and loads this
                                            engine's state: DCP for DDP and FSDP2, DeepSpeed's files for ZeRO
     engine.state_bytes()                   bytes of parameters, gradients and optimizer state on this rank
@@ -57,6 +59,7 @@ from bigclip.ckpt.dcp_layout import DCPLayout
 from bigclip.ckpt.layout import CheckpointLayout
 from bigclip.dist import World
 from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
+from bigclip.engine.ema import WeightsEMA
 from bigclip.engine.in_backward import PerParameterOptimizers, StepInBackward
 from bigclip.engine.memory import tensor_bytes
 from bigclip.errors import UserError
@@ -130,6 +133,8 @@ class Engine(abc.ABC):
     @property
     def steps_in_backward(self) -> bool:
         return False
+
+    ema: WeightsEMA | None = None  # --ema-decay: set by engines that keep one
 
     # -- model access: set by each engine's __init__
     module: nn.Module  # the callable model: forward(images=None, texts=None) -> features dict (maybe wrapped)
@@ -205,6 +210,8 @@ class TorchOptimizerEngine(Engine):
         else:
             self.optimizer = optim.create_optimizer(self.cfg.optimizer, groups)
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.cfg.ema_decay is not None:  # of the parameters as the engine holds them: FSDP2's shards
+            self.ema = WeightsEMA(model, self.cfg.ema_decay, self.cfg.ema_warmup)
 
     @property
     def steps_in_backward(self) -> bool:
@@ -250,7 +257,10 @@ class TorchOptimizerEngine(Engine):
         fix(param)  # elementwise, so under FSDP2 it applies to each rank's shard as is
 
     def checkpoint_layout(self, group, mode: str) -> CheckpointLayout:
-        return DCPLayout(self.model, self.optimizer, self.scaler, self.world, group, mode, self.replicated_state)
+        extra = {"ema": self.ema} if self.ema is not None else {}
+        return DCPLayout(
+            self.model, self.optimizer, self.scaler, self.world, group, mode, self.replicated_state, extra=extra
+        )
 
     def state_bytes(self) -> dict[str, int]:
         return tensor_bytes(self.model, self.optimizer)

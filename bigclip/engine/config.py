@@ -29,6 +29,12 @@ from bigclip.optim import OptimizerConfig
 from bigclip.precision import PRECISIONS
 from bigclip.registry import Registry
 
+
+def open_unit_interval(v) -> str | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1
+    return None if ok else "must be between 0 and 1 (e.g. 0.9998)"
+
+
 DEFAULT_ENGINE = "ddp"  # OpenCLIP's own parallelism
 SHARDED_INIT_MODES = ("auto", "always", "never")
 FSDP_CHECKPOINT_KINDS = ("sharded", "full")  # OpenCLIP main's --fsdp-checkpoint; only sharded is written
@@ -108,6 +114,17 @@ class EngineConfig:
         "shard by shard (fsdp, deepspeed ZeRO-3); auto does so from 500M parameters.",
         DIST,
         choices=SHARDED_INIT_MODES,
+    )
+    ema_decay: float | None = flag(
+        None,
+        "Keep an exponential moving average of the weights with this decay (e.g. 0.9998), updated after every "
+        "step where the weights are (FSDP: each rank's shards), saved in checkpoints; --eval-ema evaluates it, "
+        "`bigclip export --ema` exports it (new in bigclip; OpenCLIP main has the API only).",
+        TRAIN,
+        check=optional(open_unit_interval),
+    )
+    ema_warmup: bool = flag(
+        False, "With --ema-decay: timm ModelEmaV3's warm-up, decay_t = min(decay, 1 - (1 + t)^(-2/3)).", TRAIN
     )
     fsdp: bool = flag(False, "Use the FSDP2 engine (OpenCLIP main's spelling of --engine fsdp).", DIST)
     fsdp_checkpoint: str = flag(

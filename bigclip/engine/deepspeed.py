@@ -156,6 +156,11 @@ class DeepSpeedEngine(Engine):
         run here, before any work. Returns the result for the engine to complete (EngineConfig.resolved)."""
         if cfg.engine != cls.name:
             return None
+        if cfg.ema_decay is not None:
+            raise UserError(
+                "--ema-decay: not with DeepSpeed yet (its checkpoints have no place for the average of its "
+                "partitions); use --engine fsdp, which keeps the average of each rank's shards, or --engine ddp"
+            )
         ds = dsc.resolve_flags(cfg, cfg.device_type())
         dsc.for_run(ds, cfg, None, None)  # nothing but world- and model-sized "auto" left
         stage = dsc.stage(ds)

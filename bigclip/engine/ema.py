@@ -1,0 +1,93 @@
+"""--ema-decay: an exponential moving average of the weights, kept where the weights are.
+
+After every optimizer step each rank updates the average of the parameters it holds, in float32, in place:
+under DDP (and one process) the whole model, under FSDP2 each rank's own shards (the average is a DTensor
+with the parameter's placements, so it is never gathered, is saved by DCP as shards and reshards on resume like
+the weights). Buffers (BatchNorm statistics) are copied, not averaged, as timm's ModelEmaV3 does.
+
+    decay_t = --ema-decay                                         (constant)
+    decay_t = min(--ema-decay, 1 - (1 + t) ** (-2/3))             (--ema-warmup: timm's ModelEmaV3 warm-up,
+                                                                  gamma 1, power 2/3; t = updates so far)
+    ema_t   = decay_t * ema_(t-1) + (1 - decay_t) * weights_t     (ema_0 = the weights at the start)
+
+The count of updates is saved with the average, so a resumed run continues the same sequence of decays.
+`swapped_in()` puts the average into the model's parameters for an evaluation and the live weights back after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+WARMUP_POWER = 2 / 3  # timm ModelEmaV3's warmup_power (its warmup_gamma: 1)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class WeightsEMA:
+    def __init__(self, model: nn.Module, decay: float, warmup: bool = False):
+        self.model, self.decay, self.warmup = model, decay, warmup
+        self.updates = 0
+        with torch.no_grad():
+            # float32 copies with the parameters' placements (a DTensor's clone is a DTensor)
+            self.params = {n: p.detach().to(torch.float32).clone() for n, p in model.named_parameters()}
+            self.buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Start the average again from the weights as they are (a resumed checkpoint that holds none)."""
+        self.updates = 0
+        for name, p in self.model.named_parameters():
+            _local(self.params[name]).copy_(_local(p))
+        for name, b in self.model.named_buffers():
+            self.buffers[name].copy_(b)
+
+    def decay_at(self, updates: int) -> float:
+        """The decay of update number `updates` (counted from 1)."""
+        if not self.warmup:
+            return self.decay
+        return min(self.decay, 1.0 - (1.0 + updates) ** -WARMUP_POWER)
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """After an optimizer step (and the parameter constraints): pull the average towards the weights."""
+        self.updates += 1
+        weight = 1.0 - self.decay_at(self.updates)
+        # the parameters as registered now (FSDP2 registers its sharded DTensors again after each backward)
+        pairs = [(_local(self.params[n]), _local(p)) for n, p in self.model.named_parameters()]
+        torch._foreach_lerp_([a for a, _ in pairs], [p.to(torch.float32) for _, p in pairs], weight)
+        for name, buffer in self.model.named_buffers():
+            self.buffers[name].copy_(buffer)
+
+    def state_dict(self) -> dict:
+        return {"params": self.params, "buffers": self.buffers, "updates": torch.tensor(self.updates)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """After DCP filled this object's own tensors in place (they are the load template): the count."""
+        self.updates = int(state["updates"])
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def swapped_in(self) -> Iterator[None]:
+        """The average in the model's parameters (and its buffers in the model's), the live ones back after."""
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        live = {n: _local(p).clone() for n, p in params.items()}
+        live_buffers = {n: b.clone() for n, b in buffers.items()}
+        for name, p in params.items():
+            _local(p).copy_(_local(self.params[name]))
+        for name, b in buffers.items():
+            b.copy_(self.buffers[name])
+        try:
+            yield
+        finally:
+            for name, p in params.items():
+                _local(p).copy_(live[name])
+            for name, b in buffers.items():
+                b.copy_(live_buffers[name])

@@ -1,0 +1,95 @@
+"""--ema-decay through real runs: the moving average is saved in checkpoints, continues exactly on resume,
+reshards from FSDP2 shards on two ranks to one process, starts from the resumed weights when a checkpoint holds
+none, is evaluated with --eval-ema and exported with `bigclip export --ema`. (That the average is the float64
+average of the weights step by step, under DDP, FSDP2 and --optimizer-in-backward, is checked in
+test_engine_multiprocess.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TINY_SYNTHETIC, python_train, read_metrics, torchrun
+
+from bigclip import cli
+
+pytestmark = pytest.mark.slow
+
+# a constant schedule: a run cut after epoch 1 has the learning rates of the longer run it is compared with
+EMA = ["--ema-decay", "0.8", "--batch-size", "8", "--gather-with-grad", "--lr-scheduler", "const"]
+
+
+def export(tmp_path, run: str, tag: str, *flags: str) -> dict[str, torch.Tensor]:
+    out = tmp_path / f"{run}-{tag}{'-'.join(flags)}.pt"
+    assert cli.main(["export", str(tmp_path / run / "checkpoints" / tag), str(out), "--names", "bigclip", *flags]) == 0
+    return torch.load(out)
+
+
+def test_the_average_resumes_exactly_reshards_and_exports(tmp_path):
+    base = [*TINY_SYNTHETIC, *EMA, "--logs", str(tmp_path), "--save-frequency", "1"]
+    common = [*base, "--ema-warmup"]
+    whole = python_train([*common, "--name", "whole", "--epochs", "2"])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = python_train([*common, "--name", "cut", "--epochs", "1"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    rest = python_train([*common, "--name", "cut", "--epochs", "2", "--resume", "latest"])
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    average = export(tmp_path, "whole", "epoch_2", "--ema")
+    resumed = export(tmp_path, "cut", "epoch_2", "--ema")
+    assert average.keys() == resumed.keys()
+    assert all(torch.equal(average[k], resumed[k]) for k in average)  # the same average, bit for bit
+    weights = export(tmp_path, "whole", "epoch_2")
+    assert weights.keys() == average.keys()
+    assert max(float((weights[k] - average[k]).abs().max()) for k in weights) > 1e-4  # not the weights
+
+    # FSDP2 on two ranks keeps the average of its shards; one process resumes it (resharded). With a decay of
+    # almost 1 from there on, the resumed run's average stays what the two ranks saved (not the weights)
+    sharded = torchrun(2, [*common, "--name", "sharded", "--epochs", "1", "--engine", "fsdp", "--batch-size", "4"])
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    one = python_train([*base, "--name", "sharded", "--epochs", "2", "--resume", "latest", "--ema-decay", "0.9999999"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    saved, continued = export(tmp_path, "sharded", "epoch_1", "--ema"), export(tmp_path, "sharded", "epoch_2", "--ema")
+    weights = export(tmp_path, "sharded", "epoch_1")
+    assert max(float((saved[k] - continued[k]).abs().max()) for k in saved) < 1e-6
+    assert max(float((saved[k] - weights[k]).abs().max()) for k in saved) > 1e-4
+    # and the two ranks' average is the one process's, up to the runs' own float differences
+    reference = export(tmp_path, "whole", "epoch_1", "--ema")
+    assert max(float((saved[k] - reference[k]).abs().max()) for k in saved) < 1e-3
+
+
+def test_an_average_added_on_resume_starts_from_the_resumed_weights(tmp_path):
+    common = [*TINY_SYNTHETIC, "--logs", str(tmp_path), "--name", "late", "--save-frequency", "1"]
+    assert python_train([*common, "--epochs", "1"]).returncode == 0
+    out = python_train([*common, *EMA, "--ema-warmup", "--epochs", "2", "--resume", "latest"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "holds no ema: it starts from the resumed weights" in (tmp_path / "late" / "out.log").read_text()
+    start = export(tmp_path, "late", "epoch_1")
+    average = export(tmp_path, "late", "epoch_2", "--ema")
+    # the warm-up's first decays are small: the average follows the weights, starting from the resumed ones
+    moved = export(tmp_path, "late", "epoch_2")
+    assert max(float((moved[k] - average[k]).abs().max()) for k in start) < max(
+        float((moved[k] - start[k]).abs().max()) for k in start
+    )
+
+
+def test_eval_ema_reports_the_averages_metrics_beside_the_live_ones(tmp_path):
+    out = python_train(["--epochs", "1", "--ema-decay", "0.5", "--eval-ema", "--logs", str(tmp_path), "--name", "d"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    final = [r for r in read_metrics(str(tmp_path / "d")) if "eval/zeroshot_top1" in r][-1]
+    assert 0 <= final["eval/ema_zeroshot_top1"] <= 1 and final["eval/ema_num_samples"] == final["eval/num_samples"]
+    assert final["eval/ema_val_loss"] != final["eval/val_loss"]  # other weights
+
+
+def test_swapped_in_puts_the_average_in_and_the_live_weights_back():
+    from bigclip.engine.ema import WeightsEMA
+    from bigclip.model import create_model
+
+    model = create_model("test-tiny")
+    ema = WeightsEMA(model, 0.5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update()  # average = start + 0.5
+    live = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with ema.swapped_in():
+        assert all(torch.allclose(p, live[n] - 0.5) for n, p in model.named_parameters())
+    assert all(torch.equal(p, live[n]) for n, p in model.named_parameters())
