@@ -15,7 +15,7 @@ from bigclip.model.config import ModelConfig
 
 
 def _memory_lines(cfg: EngineConfig, world: World, setup: str, facts: plan.ModelFacts) -> list[str]:
-    recipe = StateRecipe(cfg.precision, cfg.optimizer.opt, cfg.optimizer_in_backward)
+    recipe = StateRecipe(cfg.precision, cfg.optimizer.opt, cfg.optimizer_in_backward, cfg.ema_decay is not None)
     where = (
         f"memory per GPU ({setup}, {recipe.describe()}, {world.world_size} rank(s), micro-batch {cfg.batch_size}"
         f"{', --grad-checkpointing' if cfg.grad_checkpointing else ''})"

@@ -270,8 +270,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--precision", choices=("amp", "amp_bf16", "fp32", "pure_bf16", "bf16"), default="amp")
     parser.add_argument("--opt", choices=("adamw", "adamw8bit"), default="adamw", help="optimizer state to count")
     parser.add_argument("--optimizer-in-backward", action="store_true", help="gradients are not kept until the step")
+    parser.add_argument("--ema", action="store_true", help="a float32 moving average of the weights (--ema-decay)")
     parser.add_argument("--force-image-size", type=int, default=None)
     args = parser.parse_args(argv)
-    recipe = StateRecipe(args.precision, args.opt, args.optimizer_in_backward)
+    recipe = StateRecipe(args.precision, args.opt, args.optimizer_in_backward, args.ema)
     print(render(args.model, args.gpus, args.gpu_mem, args.batch_size, recipe, args.force_image_size))
     return 0

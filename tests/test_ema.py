@@ -93,3 +93,15 @@ def test_swapped_in_puts_the_average_in_and_the_live_weights_back():
     with ema.swapped_in():
         assert all(torch.allclose(p, live[n] - 0.5) for n, p in model.named_parameters())
     assert all(torch.equal(p, live[n]) for n, p in model.named_parameters())
+
+
+def test_the_plan_counts_the_average_where_the_engine_keeps_it():
+    """4 bytes per parameter: whole under DDP, a shard under FSDP2; DeepSpeed cannot keep one (refused)."""
+    from bigclip.engine import StateRecipe, state_bytes
+
+    psi, n = 1_000_000, 8
+    for setup, per_rank in (("ddp", psi), ("fsdp", psi / n)):
+        plain = state_bytes(setup, psi, n, StateRecipe("amp"))
+        averaged = state_bytes(setup, psi, n, StateRecipe("amp", ema=True))
+        assert averaged - plain == pytest.approx(4 * per_rank)
+    assert state_bytes("zero2", psi, n, StateRecipe("amp", ema=True)) is None

@@ -183,11 +183,13 @@ LOW_PRECISION_WEIGHTS = ("bf16", "pure_bf16", "fp16", "pure_fp16")
 @dataclass(frozen=True)
 class StateRecipe:
     """What decides the training state's bytes per parameter besides the engine: the weights' dtype (--precision),
-    the optimizer's state (--opt) and whether gradients are kept until the step (--optimizer-in-backward)."""
+    the optimizer's state (--opt), whether gradients are kept until the step (--optimizer-in-backward) and a
+    float32 moving average of the weights (--ema-decay)."""
 
     precision: str = "amp"
     opt: str = "adamw"
     in_backward: bool = False
+    ema: bool = False
 
     @property
     def weight_bytes(self) -> int:
@@ -230,8 +232,16 @@ class StateRecipe:
         return 4 * local_params
 
     @property
+    def ema_bytes(self) -> int:
+        return 4 if self.ema else 0
+
+    @property
     def per_param(self) -> float:
-        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.ema_bytes
 
     def describe(self) -> str:
-        return f"{self.precision}, {self.opt}" + (", optimizer in backward" if self.in_backward else "")
+        return (
+            f"{self.precision}, {self.opt}"
+            + (", optimizer in backward" if self.in_backward else "")
+            + (", EMA" if self.ema else "")
+        )

@@ -235,7 +235,7 @@ class DeepSpeedEngine(Engine):
 
         def setup(stage_bytes):  # stage_bytes(Ψ, N, working-copy bytes per parameter) -> bytes
             def state(psi: int, n: int, recipe: StateRecipe, size: ModelSize | None) -> float | None:
-                if recipe.opt == "adamw8bit" or recipe.in_backward:
+                if recipe.opt == "adamw8bit" or recipe.in_backward or recipe.ema:
                     return None  # refused by check_config: DeepSpeed keeps its own fp32 Adam state and steps
                 return stage_bytes(psi, n, 4 if recipe.precision == "fp32" else 2)
 
