@@ -134,7 +134,14 @@ def test_csv_bad_samples_are_replaced_and_counted(tmp_path, workers):
     assert [len(b[0]) for b in batches] == [4, 4]  # sizes never shrink
     # Each bad sample is replaced by the next readable one: 2->3, 5->7 (6 is bad too), 6->7.
     assert captions_of(batches) == [f"caption {i}" for i in (0, 1, 3, 3, 4, 7, 7, 7)]
-    assert info.skipped() == {"missing_image": 1, "bad_image": 1, "missing_caption": 1, "read_error": 0, "dropped": 0}
+    assert info.skipped() == {
+        "missing_image": 1,
+        "bad_image": 1,
+        "missing_caption": 1,
+        "read_error": 0,
+        "dropped": 0,
+        "too_large": 0,
+    }
     list(info.dataloader)
     assert info.skipped()["missing_image"] == 2  # cumulative across epochs
 
@@ -202,7 +209,14 @@ GOOD = sorted(f"sample {n}" for n in range(10) if n not in (1, 6, 8))
 def test_webdataset_eval_reads_every_good_sample_once(shards):
     info = load(make_cfg(val_data=shards, batch_size=3))["val"]
     assert sorted(captions_of(info.dataloader)) == GOOD
-    assert info.skipped() == {"missing_image": 0, "bad_image": 2, "missing_caption": 1, "read_error": 0, "dropped": 0}
+    assert info.skipped() == {
+        "missing_image": 0,
+        "bad_image": 2,
+        "missing_caption": 1,
+        "read_error": 0,
+        "dropped": 0,
+        "too_large": 0,
+    }
 
 
 @pytest.mark.parametrize("workers", [0, 2])

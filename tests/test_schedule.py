@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bigclip.schedule import build_schedule, constant, constant_cooldown, cosine
+from bigclip.schedule import ScheduleConfig, build_schedule, constant, constant_cooldown, cosine
 
 
 def test_cosine_warmup_peak_and_end():
@@ -38,8 +38,15 @@ def test_build_schedule_counts_optimizer_steps():
         epochs_cooldown=1,
         lr_cooldown_power=1.0,
         lr_cooldown_end=0.0,
+        skip_scheduler=False,
     )
     lr = build_schedule(cfg, steps_per_epoch=10)
     assert lr(29) == pytest.approx(5e-4)  # default lr, cooldown starts at epoch 3
     assert lr(35) == pytest.approx(5e-4 * 0.5)
     assert math.isclose(lr(40), 0.0, abs_tol=1e-12)
+
+
+def test_skip_scheduler_is_the_base_lr_from_the_first_step():
+    cfg = ScheduleConfig(lr=0.01, warmup=100, skip_scheduler=True, epochs=3)
+    lr = build_schedule(cfg, steps_per_epoch=10)
+    assert [lr(s) for s in (0, 1, 29)] == [0.01, 0.01, 0.01]
