@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from slurm_cluster import slurm  # noqa: F401  (pytest fixture)
 
-pytestmark = pytest.mark.slurm
+# one cluster per test session: under pytest-xdist every Slurm test runs in the same worker (--dist loadgroup)
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 
 JOB = """\
 #!/bin/bash

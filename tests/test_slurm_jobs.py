@@ -21,7 +21,8 @@ from slurm_cluster import slurm  # noqa: F401  (pytest fixture)
 
 from bigclip.ckpt import verify
 
-pytestmark = pytest.mark.slurm
+# one cluster per test session: under pytest-xdist every Slurm test runs in the same worker (--dist loadgroup)
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 
 # 500 steps: 15-40 s of training on 2 CPUs, depending on the machine.
 RUN = [*TINY_SYNTHETIC, "--epochs", "1", "--train-num-samples", "8000", "--log-every-n-steps", "10"]
