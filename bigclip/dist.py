@@ -26,6 +26,7 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from bigclip.errors import UserError, first_line
 from bigclip.flag_fields import DIST, flag, positive_seconds
@@ -311,3 +312,9 @@ def raise_together(world: World, check: Callable[[], T], runs_here: bool | None 
     if problem is not None:
         raise problem
     return result
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard (in-place updates of it are updates of the DTensor,
+    no redistribution needed), any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

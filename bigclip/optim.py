@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from bigclip import bf16_rounding
+from bigclip.dist import local_shard
 from bigclip.errors import UserError
 from bigclip.flag_fields import TRAIN, flag, non_negative_number, optional, parse_key_values, unit_interval
 from bigclip.registry import Registry
@@ -153,14 +154,10 @@ def _lr_scales(model: nn.Module, cfg: OptimizerConfig) -> dict[int, float]:
     for tower, decay in (("image", cfg.image_layer_decay), ("text", cfg.text_layer_decay)):
         if decay is None or decay == 1:
             continue
-        groups = getattr(model, "layer_groups", dict)().get(tower)
-        if groups is None:
+        depth_of = getattr(model, "layer_depths", dict)().get(tower)
+        if depth_of is None:
             raise UserError(f"--{tower}-layer-decay: this model's {tower} tower has no layer groups")
-        last = len(groups) - 1
-        for index, (_, members) in enumerate(groups):
-            for member in members:
-                for p in [member] if isinstance(member, nn.Parameter) else member.parameters():
-                    scales[id(p)] = decay ** (last - index)
+        scales.update({param_id: decay**depth for param_id, depth in depth_of.items()})
     return scales
 
 
@@ -336,11 +333,6 @@ def _debiased(beta: float, step: float) -> float:
     return beta * (1.0 - beta ** (step - 1)) / (1.0 - beta**step)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    # In-place updates of a DTensor's local shard are updates of the DTensor: no redistribution needed.
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _sharded_dims(tensor: torch.Tensor) -> tuple | None:
     """(mesh, the mesh dimensions `tensor` is split over): where its per-shard sums must be added up."""
     if not isinstance(tensor, DTensor):
@@ -439,8 +431,8 @@ class StableAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 t = float(state["step"])
-                param, grad = _local(p), _local(p.grad)
-                exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                param, grad = local_shard(p), local_shard(p.grad)
+                exp_avg, exp_avg_sq = local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
                 beta1_hat, beta2_hat = _debiased(beta1, t), _debiased(beta2, t)
                 exp_avg.mul_(beta1_hat).add_(grad, alpha=1.0 - beta1_hat)
                 exp_avg_sq.mul_(beta2_hat).addcmul_(grad, grad, value=1.0 - beta2_hat)

@@ -37,6 +37,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from bigclip import bf16_rounding
+from bigclip.dist import local_shard
 
 # torchao's import registers an Enum with torch's pytree, which logs a deprecation line on every run; and AOT
 # autograd's cache warns on every compile that torchao's state class has no stable hash. Neither is the user's.
@@ -57,16 +58,12 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 SIGNED = {"exp_avg": True, "exp_avg_sq": False}  # the first moment has a sign, the second does not
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def is_quantized(t: torch.Tensor) -> bool:
-    return isinstance(_local(t), OptimState8bit)
+    return isinstance(local_shard(t), OptimState8bit)
 
 
 def _dequantized(t: torch.Tensor) -> torch.Tensor:
-    local = _local(t)
+    local = local_shard(t)
     if not isinstance(local, OptimState8bit):
         return t
     plain = local.dequantize(torch.float32)  # float32 whatever the weights are: the codes come back exactly
@@ -162,11 +159,11 @@ class _LocalUpdate:
                     if stochastic:
                         bf16_rounding.seed_update(int(state["step"]), index, p)
                     update(
-                        _local(p.detach()),
-                        _local(p.grad),
+                        local_shard(p.detach()),
+                        local_shard(p.grad),
                         state["step"],
-                        _local(state["exp_avg"]),
-                        _local(state["exp_avg_sq"]),
+                        local_shard(state["exp_avg"]),
+                        local_shard(state["exp_avg_sq"]),
                         None,  # no AMSGrad
                         lr,
                         beta1,
@@ -225,5 +222,5 @@ class AdamW8bit(_LocalUpdate, _TorchaoAdamW8bit):
                 if state and key in saved and not is_quantized(state[key]):
                     fresh = self._new_buffer(p, SIGNED[key])
                     if is_quantized(fresh):  # a tensor the optimizer quantizes: quantize the loaded values
-                        quantize_exactly_(_local(fresh), _local(saved[key]))
+                        quantize_exactly_(local_shard(fresh), local_shard(saved[key]))
                         state[key] = fresh

@@ -281,7 +281,7 @@ class DCPLayout(CheckpointLayout):
     def load(self, directory: str, saved_world_size: int = 0, saved_extra: dict | None = None) -> None:
         # The structure to fill (optimizer state is initialised for it); DCP reshards into it. A participant the
         # checkpoint does not hold (an EMA added on resume) starts afresh from the loaded weights.
-        saved = SafeFileSystemReader(directory).read_metadata().state_dict_metadata
+        saved = SafeFileSystemReader(directory).read_metadata().state_dict_metadata if self.extra else {}
         held = {name: p for name, p in self.extra.items() if any(k.startswith(f"{name}.") for k in saved)}
         state = training_state(self.model, self.optimizer, self.scaler, held)
         try:

@@ -21,13 +21,10 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from bigclip.dist import local_shard
 
 WARMUP_POWER = 2 / 3  # timm ModelEmaV3's warmup_power (its warmup_gamma: 1)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class WeightsEMA:
@@ -44,7 +41,7 @@ class WeightsEMA:
         """Start the average again from the weights as they are (a resumed checkpoint that holds none)."""
         self.updates = 0
         for name, p in self.model.named_parameters():
-            _local(self.params[name]).copy_(_local(p))
+            local_shard(self.params[name]).copy_(local_shard(p))
         for name, b in self.model.named_buffers():
             self.buffers[name].copy_(b)
 
@@ -60,7 +57,7 @@ class WeightsEMA:
         self.updates += 1
         weight = 1.0 - self.decay_at(self.updates)
         # the parameters as registered now (FSDP2 registers its sharded DTensors again after each backward)
-        pairs = [(_local(self.params[n]), _local(p)) for n, p in self.model.named_parameters()]
+        pairs = [(local_shard(self.params[n]), local_shard(p)) for n, p in self.model.named_parameters()]
         torch._foreach_lerp_([a for a, _ in pairs], [p.to(torch.float32) for _, p in pairs], weight)
         for name, buffer in self.model.named_buffers():
             self.buffers[name].copy_(buffer)
@@ -78,16 +75,16 @@ class WeightsEMA:
         """The average in the model's parameters (and its buffers in the model's), the live ones back after."""
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
-        live = {n: _local(p).clone() for n, p in params.items()}
+        live = {n: local_shard(p).clone() for n, p in params.items()}
         live_buffers = {n: b.clone() for n, b in buffers.items()}
         for name, p in params.items():
-            _local(p).copy_(_local(self.params[name]))
+            local_shard(p).copy_(local_shard(self.params[name]))
         for name, b in buffers.items():
             b.copy_(self.buffers[name])
         try:
             yield
         finally:
             for name, p in params.items():
-                _local(p).copy_(live[name])
+                local_shard(p).copy_(live[name])
             for name, b in buffers.items():
                 b.copy_(live_buffers[name])

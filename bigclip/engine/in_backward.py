@@ -38,9 +38,9 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from bigclip import optim
+from bigclip.dist import local_shard
 from bigclip.engine.config import EngineConfig
 from bigclip.errors import UserError
 from bigclip.precision import resolve_precision
@@ -137,13 +137,9 @@ def in_flight_budget(model: nn.Module) -> int:
     block's gradients."""
     budgets = []
     for block in model.transformer_blocks():
-        sizes = [_local(p).numel() * p.element_size() for p in block.parameters() if p.requires_grad]
+        sizes = [local_shard(p).numel() * p.element_size() for p in block.parameters() if p.requires_grad]
         budgets.append(sum(sizes) - max(sizes, default=0))
     return max(budgets, default=0)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class StepInBackward:
@@ -196,7 +192,7 @@ class StepInBackward:
 
     @torch.no_grad()
     def _step(self, param: torch.Tensor) -> None:
-        grad = _local(param.grad)
+        grad = local_shard(param.grad)
         square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         self._square_sum = square if self._square_sum is None else self._square_sum + square
         self.optimizers.by_param[param].step()

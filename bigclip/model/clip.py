@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigclip.model.convert import plan_bigclip_to_openclip
-from bigclip.model.layer_groups import LayerGroups
+from bigclip.model.layer_groups import depths
 from bigclip.model.text import TextTransformer
 from bigclip.model.towers import vision_tower
 from bigclip.model.weights import WeightsFile, load_pretrained, plan_for
@@ -117,9 +117,10 @@ class CLIP(nn.Module):
         """Every transformer block of both towers: the units engines shard and checkpoint."""
         return [*self.visual.blocks, *self.text.blocks]
 
-    def layer_groups(self) -> dict[str, LayerGroups]:
-        """Each tower's layer groups, input to output (model/layer_groups.py), by the tower its flags name."""
-        return {"image": self.visual.layer_groups(), "text": self.text.layer_groups()}
+    def layer_depths(self) -> dict[str, dict[int, int]]:
+        """By the tower its flags name (image, text): id(parameter) -> the depth of its layer group below the
+        tower's head (model/layer_groups.py), what layer-wise lr decay scales by."""
+        return {"image": depths(self.visual.layer_groups()), "text": depths(self.text.layer_groups())}
 
     def no_weight_decay(self) -> set[str]:
         """Parameters never decayed although their shape would be (timm's convention), as state-dict names."""
