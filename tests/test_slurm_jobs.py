@@ -17,7 +17,7 @@ import time
 
 import pytest
 from helpers import REPO, TINY_SYNTHETIC, read_metrics, step_losses, subprocess_env, wait_for_step
-from slurm_cluster import slurm  # noqa: F401  (pytest fixture)
+from slurm_cluster import FINAL_STATES, slurm  # noqa: F401  (pytest fixture)
 
 from bigclip.ckpt import verify
 
@@ -44,6 +44,25 @@ def _output(tmp_path) -> str:
     return "".join(open(p).read() for p in glob.glob(str(tmp_path / "*.out")))
 
 
+def _report(tmp_path, chars: int = 3000) -> str:
+    """What a failed assertion shows: every error line of the job's output (a rank's `bigclip: error:` may sit
+    pages above the end, under the other ranks' C++ stack frames), then the output's tail without the frames."""
+    lines = [line for line in _output(tmp_path).splitlines() if "frame #" not in line]
+    errors = [line for line in lines if "error" in line.lower() or "Error" in line][:20]
+    return "\n".join(["error lines:", *errors, "tail:", "\n".join(lines)[-chars:]])
+
+
+def _wait_for_step(slurm, job: int, run_dir: str, step: int, timeout: float = 240) -> bool:
+    """Poll until the run logs `step`; False as soon as the job has ended without it, or at the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if wait_for_step(run_dir, step, timeout=1):
+            return True
+        if slurm.state(job) in FINAL_STATES:
+            return wait_for_step(run_dir, step, timeout=1)
+    return False
+
+
 def wait_for_text(tmp_path, text: str, timeout: float = 60) -> bool:
     """Poll the job's output until it holds `text` (Slurm may flush it a moment after the job ends)."""
     deadline = time.monotonic() + timeout
@@ -59,7 +78,7 @@ def reference(slurm, tmp_path_factory) -> dict[int, float]:
     tmp = tmp_path_factory.mktemp("torchrun-template")
     job = _submit(slurm, tmp, "torchrun_per_node.sbatch", ["--cpus-per-task=2", TIME_LIMIT],
                   [*RUN, "--logs", str(tmp)], GPUS_PER_NODE="2", BIGCLIP_NAME="reference")  # fmt: skip
-    assert slurm.wait(job, timeout=300) == "COMPLETED", _output(tmp)[-3000:]
+    assert slurm.wait(job, timeout=300) == "COMPLETED", _report(tmp)
     out = _output(tmp)
     assert "--resume latest: no committed checkpoint" in out and "starting fresh" in out
     assert "world: 2 rank(s) on 1 node(s), backend gloo, launched by torchrun" in out
@@ -79,15 +98,15 @@ def test_preempted_job_saves_requeues_itself_and_finishes_like_an_uninterrupted_
     # TIME_LIMIT, comes long after the run has ended).
     job = _submit(slurm, tmp_path, "srun_per_task.sbatch", ["--ntasks-per-node=2", "--cpus-per-task=1", TIME_LIMIT],
                   [*RUN, "--logs", str(tmp_path)], BIGCLIP_NAME="preempted")  # fmt: skip
-    assert wait_for_step(str(tmp_path / "preempted"), 100, timeout=240), _output(tmp_path)[-3000:]
+    assert _wait_for_step(slurm, job, str(tmp_path / "preempted"), 100), _report(tmp_path)
     slurm.cancel(job, "--batch", "--signal=USR1")
-    assert slurm.wait(job, timeout=420) == "COMPLETED", _output(tmp_path)[-4000:]
+    assert slurm.wait(job, timeout=420) == "COMPLETED", _report(tmp_path, 4000)
     out = _output(tmp_path)
-    assert int(slurm.job_info(job)["Restarts"]) >= 1, out[-3000:]
+    assert int(slurm.job_info(job)["Restarts"]) >= 1, _report(tmp_path)
     assert "preemption notice; the training step saves a final checkpoint and stops" in out
     assert "requeueing the job" in out
     stopped = [line for line in out.splitlines() if "stopped by SIGTERM at step" in line]
-    assert stopped and all("committed" in line and "no checkpoint" not in line for line in stopped), out[-3000:]
+    assert stopped and all("committed" in line and "no checkpoint" not in line for line in stopped), _report(tmp_path)
     assert "resumed from" in out and "saved by 2 ranks, resumed on" not in out  # same world size
     losses = step_losses(str(tmp_path / "preempted"))
     assert set(reference) <= set(losses)  # a resumed segment may log its first step off the 10-step grid
@@ -100,13 +119,13 @@ def test_deepspeed_template_trains_and_a_cancelled_job_is_not_requeued(slurm, tm
                   [*RUN, "--ds_config", "ds_configs/zero2.json", "--logs", str(tmp_path), "--save-every-n-steps", "20"],
                   GPUS_PER_NODE="2", BIGCLIP_NAME="cancelled", DS_ACCELERATOR="cpu")  # fmt: skip
     run_dir = str(tmp_path / "cancelled")
-    assert wait_for_step(run_dir, 60, timeout=240), _output(tmp_path)[-3000:]
+    assert _wait_for_step(slurm, job, run_dir, 60), _report(tmp_path)
     assert "launched by deepspeed launcher" in _output(tmp_path)
     slurm.cancel(job)
     assert slurm.wait(job, timeout=60) == "CANCELLED"
     # The batch shell heard the cancel (TERM) and says so before anything else it does: from then on it never
     # requeues the job, so what Slurm shows now is final.
-    assert wait_for_text(tmp_path, "cancelled (SIGTERM to the batch shell); the job is not requeued"), _output(tmp_path)
+    assert wait_for_text(tmp_path, "cancelled (SIGTERM to the batch shell); the job is not requeued"), _report(tmp_path)
     assert "requeueing the job" not in _output(tmp_path)
     info = slurm.job_info(job)
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
