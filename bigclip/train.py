@@ -24,6 +24,7 @@ from bigclip.errors import UserError
 from bigclip.eval import evaluate
 from bigclip.log import MetricSinks, check_new_run, default_run_name, logger, run_paths, setup_console_logging
 from bigclip.loop import LoopConfig, train_one_epoch
+from bigclip.model.convert import bigclip_to_openclip
 from bigclip.optim import hyperparameters
 from bigclip.preemption import NOTICE
 from bigclip.progress import EpochProgress
@@ -100,7 +101,16 @@ def _run(cfg: TrainConfig, world: World) -> int:
 
     state = TrainState()
     # The training loader takes part in checkpoints: its position is saved per rank and restored on resume.
-    checkpointer = Checkpointer(run.checkpoint, paths, name, engine, world, config_dict, data=data.get("train"))
+    checkpointer = Checkpointer(
+        run.checkpoint,
+        paths,
+        name,
+        engine,
+        world,
+        config_dict,
+        data=data.get("train"),
+        consolidated_names=bigclip_to_openclip,
+    )
     sinks = MetricSinks(run.report, paths, active, config_dict, scrub_argv(sys.argv[1:]))
     try:
         checkpointer.resume(state)

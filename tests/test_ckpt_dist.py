@@ -21,11 +21,12 @@ from helpers import (
     wait_for_step,
 )
 
-from bigclip.ckpt import CheckpointManager
+from bigclip.ckpt import CheckpointManager, verify
 from bigclip.config import resolve
 from bigclip.dist import World
 from bigclip.engine import build_engine
 from bigclip.model import create_model
+from bigclip.model.convert import bigclip_to_openclip
 
 pytestmark = pytest.mark.slow
 
@@ -170,6 +171,7 @@ from bigclip.model import create_model
 from bigclip.loop import forward_backward, optimizer_step
 from bigclip.build import build_loss_fn
 from bigclip.ckpt import CheckpointManager
+from bigclip.model.convert import bigclip_to_openclip
 
 def batch(step, rank):
     g = torch.Generator().manual_seed(1000 * step + rank)
@@ -221,7 +223,9 @@ def main():  # the process writer's daemon re-imports __main__: nothing may run 
         a = build_engine(engine_cfg, build_model(engine_cfg, world, functools.partial(create_model, cfg.model)), world)
         loss_fn = build_loss_fn(cfg.sections.loss, world)
         train(a, loss_fn, world, range(2))
-        manager = CheckpointManager(directory, a, world, async_mode=cfg.checkpoint_async)
+        full = cfg.fsdp_checkpoint == "full"  # the consolidated OpenCLIP weights in each checkpoint too
+        manager = CheckpointManager(directory, a, world, async_mode=cfg.checkpoint_async,
+                                    consolidated_names=bigclip_to_openclip if full else None)
         manager.save("step_2", {"step": 2, "epoch": 0, "samples_seen": 16, "batches_in_epoch": 2})
         manager.wait_staged()
         snapshot = full_model(a)
@@ -336,13 +340,13 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
     ds = os.path.join(REPO, "ds_configs")
     spec = {
         "ddp": {"engine": "ddp"},
-        "fsdp": {"engine": "fsdp"},
+        "fsdp": {"engine": "fsdp", "fsdp_checkpoint": "full"},
         "ddp_process_writer": {"engine": "ddp", "checkpoint_async": "process"},
-        "fsdp_process_writer": {"engine": "fsdp", "checkpoint_async": "process"},
+        "fsdp_process_writer": {"engine": "fsdp", "checkpoint_async": "process", "fsdp_checkpoint": "full"},
         "ddp_async_off": {"engine": "ddp", "checkpoint_async": "off"},
         "zero1": {"ds_config": os.path.join(ds, "zero1.json")},
-        "zero2": {"ds_config": os.path.join(ds, "zero2.json")},
-        "zero3": {"ds_config": os.path.join(ds, "zero3.json")},
+        "zero2": {"ds_config": os.path.join(ds, "zero2.json"), "fsdp_checkpoint": "full"},
+        "zero3": {"ds_config": os.path.join(ds, "zero3.json"), "fsdp_checkpoint": "full"},
     }
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
@@ -415,3 +419,18 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
         assert set(got) == set(want), name
         for pname, value in want.items():
             assert torch.equal(got[pname].reshape(value.shape), value), (name, pname)
+
+    # --fsdp-checkpoint full: the checkpoint itself holds the consolidated weights in OpenCLIP's names (listed in
+    # its manifest, so verified and uploaded with it), exactly the run's weights at that step.
+    for name, config in spec.items():
+        files = json.loads((tmp_path / name / "step_2" / "manifest.json").read_text())["files"]
+        assert ("openclip_state_dict.pt" in files) == (config.get("fsdp_checkpoint") == "full"), name
+        if "openclip_state_dict.pt" not in files:
+            continue
+        verify(str(tmp_path / name / "step_2"))
+        saved = torch.load(tmp_path / name / "step_2" / "openclip_state_dict.pt", weights_only=True)
+        assert saved["step"] == 2 and saved["epoch"] == 0, name
+        want = bigclip_to_openclip(torch.load(tmp_path / f"{name}_step2_model.pt", weights_only=True))
+        assert "visual.conv1.weight" in want and set(want) <= set(saved["state_dict"]), name
+        for key, value in want.items():
+            assert torch.equal(saved["state_dict"][key].reshape(value.shape), value), (name, key)

@@ -93,7 +93,7 @@ def test_precedence_defaults_yaml_flags(tmp_path):
         (["--bucket-pool=4"], "--bucket-pool: NaFlex"),
         (["--audio-fusion"], "--audio-fusion: audio towers (CLAP) are not supported"),
         (["--pretrained-audio", "x"], "--pretrained-audio: audio towers"),
-        (["--fsdp-checkpoint", "full"], "--fsdp-checkpoint full: bigclip writes sharded checkpoints"),
+        (["--fsdp-checkpoint", "whole"], "--fsdp-checkpoint 'whole': choose one of sharded, full"),
         (["--fsdp", "--ds_config", "ds_configs/zero2.json"], "--fsdp selects the fsdp engine but --ds_config"),
         (["--fsdp", "--engine", "ddp"], "--fsdp selects the fsdp engine but --engine is ddp"),
         (["--text-layer-decay", "1.2"], "--text-layer-decay 1.2: must be in (0, 1]"),
@@ -186,6 +186,7 @@ def test_openclip_mains_engine_flags_are_bigclips(tmp_path):
     """An OpenCLIP-main launch line's FSDP flags run unchanged: --fsdp is --engine fsdp."""
     cfg = parse("--fsdp", "--fsdp-offload-cpu", "--fsdp-no-reshard-after-forward", "--fsdp-checkpoint", "sharded")
     assert cfg.sections.engine.engine == "fsdp" and cfg.sections.engine.fsdp_offload_cpu
+    assert parse("--fsdp-checkpoint", "full").sections.checkpoint.fsdp_checkpoint == "full"  # any engine
     assert parse("--fsdp", "--engine", "fsdp").sections.engine.engine == "fsdp"
     assert parse("--visual-layer-decay", "0.5").sections.optimizer.image_layer_decay == 0.5
     yaml = tmp_path / "run.yaml"

@@ -3,7 +3,8 @@
 - OpenCLIP -> bigclip: a randomly initialised OpenCLIP model, saved as OpenCLIP saves state dicts, loads
   into bigclip with --pretrained FILE and gives the same normalised image and text embeddings.
 - bigclip -> OpenCLIP: `bigclip export` of a bigclip training checkpoint loads into
-  open_clip.create_model(name, pretrained=OUT) (strict keys) and gives bigclip's embeddings.
+  open_clip.create_model(name, pretrained=OUT) (strict keys) and gives bigclip's embeddings; so does the
+  consolidated file that --fsdp-checkpoint full adds to the checkpoint.
 """
 
 import os
@@ -46,11 +47,13 @@ def test_openclip_weights_load_into_bigclip_with_the_same_embeddings(name, tmp_p
 
 @pytest.mark.slow
 def test_bigclip_export_loads_into_open_clip_with_the_same_embeddings(tmp_path):
-    """One training step of ViT-B-32 (so the weights are bigclip's own, not an init), checkpoint, export."""
+    """One training step of ViT-B-32 (so the weights are bigclip's own, not an init), checkpoint, export; the
+    checkpoint also holds the consolidated weights (--fsdp-checkpoint full)."""
     name = "ViT-B-32"
     args = ["--model", name, "--dataset-type", "synthetic", "--train-num-samples", "2", "--batch-size", "2",
             "--epochs", "1", "--precision", "fp32", "--workers", "0", "--lr", "1e-3", "--warmup", "1",
-            "--logs", str(tmp_path), "--name", "run", "--zeroshot-frequency", "9", "--val-frequency", "9"]  # fmt: skip
+            "--logs", str(tmp_path), "--name", "run", "--zeroshot-frequency", "9", "--val-frequency", "9",
+            "--fsdp-checkpoint", "full"]  # fmt: skip
     assert cli.main(args) == 0
     ckpt = os.path.join(tmp_path, "run", "checkpoints", "epoch_1")
     out = str(tmp_path / "exported.safetensors")
@@ -58,6 +61,7 @@ def test_bigclip_export_loads_into_open_clip_with_the_same_embeddings(tmp_path):
 
     ours = create_model(name, init=False).eval()
     ours.load_state_dict(DCPLayout.read_model_state(ckpt))  # the checkpoint's weights, bigclip's names
-    theirs = open_clip.create_model(name, pretrained=out).eval()  # strict: every key of OpenCLIP's model
-    assert_close(embeddings(ours, name), embeddings(theirs, name))
-    assert theirs.logit_scale.item() == pytest.approx(ours.logit_scale.item())
+    for path in (out, os.path.join(ckpt, "openclip_state_dict.pt")):
+        theirs = open_clip.create_model(name, pretrained=path).eval()  # strict: every key of OpenCLIP's model
+        assert_close(embeddings(ours, name), embeddings(theirs, name))
+        assert theirs.logit_scale.item() == pytest.approx(ours.logit_scale.item())

@@ -97,9 +97,12 @@ class Checkpointer:
         world,
         config_dict: dict[str, Any],
         data: Stateful | None = None,
+        consolidated_names=None,
     ):
         """config_dict: the run's config as train_state.json records it. data: the training loader (its
-        state_dict() is this rank's data position), or None for a run without a resumable position."""
+        state_dict() is this rank's data position), or None for a run without a resumable position.
+        consolidated_names: parameter name -> OpenCLIP's name, for the consolidated weights that
+        --fsdp-checkpoint full adds to each checkpoint."""
         self.cfg = cfg
         self.data = data
         self.world = world
@@ -117,6 +120,7 @@ class Checkpointer:
             async_mode=cfg.checkpoint_async,
             storage_timeout=cfg.storage_timeout,
             upload_timeout=cfg.checkpoint_upload_timeout,
+            consolidated_names=consolidated_names if cfg.fsdp_checkpoint == "full" else None,
         )
         self.cadence = SaveCadence(cfg, world)
         self.preemption = NOTICE

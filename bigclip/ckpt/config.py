@@ -15,6 +15,9 @@ from bigclip.storage_options import parse_storage_options
 # Where a save's files are written and uploaded from: auto (a thread), thread, process (DCP's daemon), off.
 ASYNC_MODES = ("auto", "thread", "process", "off")
 REMOTE_SYNC_PROTOCOLS = ("s3", "fsspec")
+# OpenCLIP main's --fsdp-checkpoint: bigclip's checkpoints are sharded under every engine; full adds the
+# consolidated weights to each of them.
+CHECKPOINT_KINDS = ("sharded", "full")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,16 @@ class CheckpointConfig:
         "there is no --remote-sync); 0 keeps all (new in bigclip).",
         CKPT,
         check=non_negative_int,
+    )
+    fsdp_checkpoint: str = flag(
+        "sharded",
+        "OpenCLIP main's checkpoint kind, under every engine. sharded: each rank writes its own shards "
+        "(resumable at any world size). full: each checkpoint also holds openclip_state_dict.pt, the "
+        "consolidated weights in OpenCLIP's names ({'state_dict': ..., 'epoch', 'step'}; open_clip's "
+        "--pretrained loads it), written by rank 0 from the shards before the commit (host memory: the whole "
+        "model in float32; no optimizer state: resume from the checkpoint itself).",
+        CKPT,
+        choices=CHECKPOINT_KINDS,
     )
     resume: str | None = flag(
         None,

@@ -27,6 +27,7 @@ import pickle
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 from bigclip.ckpt.catalog import TAG, CheckpointCatalog
 from bigclip.ckpt.config import ASYNC_MODES
-from bigclip.ckpt.manifest import MANIFEST, TRAIN_STATE, Manifest, rng_file
+from bigclip.ckpt.manifest import CONSOLIDATED, MANIFEST, TRAIN_STATE, Manifest, rng_file
 from bigclip.ckpt.publish import Publisher, partial_dir
 from bigclip.ckpt.rng import rank_state_bytes
 from bigclip.ckpt.storage import (
@@ -91,15 +92,20 @@ class CheckpointManager:
         keep_local: bool = True,
         storage_timeout: float = 60.0,
         upload_timeout: float | None = None,
+        consolidated_names: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     ):
         """directory: local checkpoints folder. remote: URL of the remote checkpoints folder (or None).
         keep_local=False keeps no local copies (the local folder is only a staging area).
         storage_timeout (--storage-timeout): how long the store may go unanswered when it is first reached
         (the write check, listing and reading checkpoints to resume). upload_timeout
-        (--checkpoint-upload-timeout): how long each step of a save retries before the save is given up."""
+        (--checkpoint-upload-timeout): how long each step of a save retries before the save is given up.
+        consolidated_names (--fsdp-checkpoint full): rank 0 adds the whole model's weights, renamed by it, to
+        every checkpoint as one more file (CONSOLIDATED), read back from what every rank wrote, before the
+        commit."""
         if async_mode not in ASYNC_MODES:
             raise UserError(f"--checkpoint-async {async_mode!r}: choose one of {', '.join(ASYNC_MODES)}")
         self.directory = os.path.abspath(directory)
+        self.consolidated_names = consolidated_names
         self.engine = engine
         self.world = world
         self.storage_options = dict(storage_options or {})
@@ -292,6 +298,20 @@ class CheckpointManager:
     def _partial(self, tag: str) -> str:
         return partial_dir(self.directory, tag)
 
+    def _write_consolidated(self, tag: str, step: int, epoch: int) -> dict[str, dict]:
+        """Rank 0, save thread, once every rank's files are written: the whole model's weights, read back from
+        them in this one process (as `bigclip export` reads a checkpoint), saved in OpenCLIP's checkpoint form
+        ({"state_dict", "epoch", "step"}) as one more file of the checkpoint, hashed and uploaded like the rest.
+        Training goes on meanwhile; the host holds the model once in float32 until the file is written."""
+        partial = self._partial(tag)
+        state = self.consolidated_names(self.layout.read_model_state(partial))
+        path = os.path.join(partial, CONSOLIDATED)
+        torch.save({"state_dict": {k: v.contiguous() for k, v in state.items()}, "epoch": epoch, "step": step}, path)
+        del state
+        sink = FileSink(partial, self.remote.child(tag) if self.remote is not None else None, self._io)
+        sink.submit(path)
+        return sink.wait()
+
     def _stage_in_place(self, tag: str):
         # Layouts that write files while staging (DeepSpeed) need the clean .partial directory first.
         raise_together(self.world, lambda: self._prepare_or_explain(tag))
@@ -375,17 +395,19 @@ class CheckpointManager:
         files: dict[str, dict] = {}
         for part in gathered:
             files.update(part)
-        manifest = Manifest(
-            tag=tag,
-            step=step,
-            epoch=epoch,
-            engine=self.engine.name,
-            layout=self.layout.name,
-            world_size=self.world.world_size,
-            files=files,
-            extra=self.layout.describe(),
-        )
         try:
+            if self.consolidated_names is not None:
+                files.update(self._write_consolidated(tag, step, epoch))
+            manifest = Manifest(
+                tag=tag,
+                step=step,
+                epoch=epoch,
+                engine=self.engine.name,
+                layout=self.layout.name,
+                world_size=self.world.world_size,
+                files=files,
+                extra=self.layout.describe(),
+            )
             location = self.publisher.publish(tag, manifest)
             for alias in aliases:
                 self.publisher.alias(tag, alias, manifest)

@@ -23,6 +23,8 @@ from typing import Any
 FORMAT = "bigclip-checkpoint-2"
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
+# --fsdp-checkpoint full: the whole model's weights in OpenCLIP's names, one more file of the checkpoint.
+CONSOLIDATED = "openclip_state_dict.pt"
 HASH_CHUNK = 1 << 22
 
 

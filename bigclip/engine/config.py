@@ -37,7 +37,6 @@ def open_unit_interval(v) -> str | None:
 
 DEFAULT_ENGINE = "ddp"  # OpenCLIP's own parallelism
 SHARDED_INIT_MODES = ("auto", "always", "never")
-FSDP_CHECKPOINT_KINDS = ("sharded", "full")  # OpenCLIP main's --fsdp-checkpoint; only sharded is written
 # --engine NAME -> the Engine class (engine/base.py). Created here, with the flag that names it; the engines are
 # registered in engine/__init__.py.
 ENGINES: Registry = Registry("--engine")
@@ -127,14 +126,6 @@ class EngineConfig:
         False, "With --ema-decay: timm ModelEmaV3's warm-up, decay_t = min(decay, 1 - (1 + t)^(-2/3)).", TRAIN
     )
     fsdp: bool = flag(False, "Use the FSDP2 engine (OpenCLIP main's spelling of --engine fsdp).", DIST)
-    fsdp_checkpoint: str = flag(
-        "sharded",
-        "OpenCLIP main's FSDP checkpoint kind: sharded is what bigclip writes under every engine (DCP shards, "
-        "resumable at any world size); full (one gathered .pt) is refused: `bigclip export CKPT OUT.pt` writes "
-        "it from any checkpoint.",
-        DIST,
-        choices=FSDP_CHECKPOINT_KINDS,
-    )
     fsdp_offload_cpu: bool = flag(False, "FSDP: keep parameter, gradient and optimizer shards in host memory.", DIST)
     fsdp_no_reshard_after_forward: bool = flag(
         False,

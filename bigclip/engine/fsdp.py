@@ -74,12 +74,6 @@ class FSDPEngine(TorchOptimizerEngine):
     def check_config(cls, cfg: EngineConfig) -> None:
         if not isinstance(cfg.fsdp_replicate_degree, int) or cfg.fsdp_replicate_degree < 1:
             raise UserError(f"--fsdp-replicate-degree {cfg.fsdp_replicate_degree!r}: must be a positive integer")
-        if cfg.fsdp_checkpoint == "full":
-            raise UserError(
-                "--fsdp-checkpoint full: bigclip writes sharded checkpoints under every engine (they resume at any "
-                "world size); `bigclip export CKPT OUT.pt` writes one consolidated OpenCLIP state dict from any "
-                "of them; drop the flag or say sharded"
-            )
         if cfg.engine == cls.name:
             return
         for name in cls.OWN_FLAGS:
