@@ -75,6 +75,19 @@ def build_model(cfg: ModelConfig, engine: EngineConfig, world: World, factory=No
     return engine_build_model(engine, world, factory or model_factory(cfg, world))
 
 
+def build_teacher(cfg: ModelConfig, engine_cfg: EngineConfig, world: World, engine) -> nn.Module | None:
+    """--distill-model with --distill-pretrained: the frozen teacher, built as OpenCLIP builds it (the
+    architecture's defaults, none of the student's overrides), where the engine builds models (on meta for a
+    large one under a sharding engine, its weights then streamed into each rank's shards) and placed by
+    engine.frozen (FSDP2 / ZeRO-3: sharded). It is not part of the engine's model, so never saved or stepped."""
+    if cfg.distill_model is None:
+        return None
+    teacher_cfg = ModelConfig(model=cfg.distill_model, pretrained=cfg.distill_pretrained, cache_dir=cfg.cache_dir)
+    teacher = engine.frozen(engine_build_model(engine_cfg, world, model_factory(teacher_cfg, world)))
+    logger.info(f"distillation: teacher {cfg.distill_model} with weights {cfg.distill_pretrained} (frozen, eval mode)")
+    return teacher
+
+
 def pretrained_weights(cfg: ModelConfig, world: World) -> str | None:
     """The local file of the whole model's weights: what --pretrained names, else the weights a local-dir: or
     hf-hub: --model brings (OpenCLIP loads them by default; --pretrained wins). Hub files are fetched once per

@@ -16,6 +16,7 @@ import torch
 from bigclip.dist import World, all_reduce_min
 from bigclip.errors import UserError
 from bigclip.flag_fields import LOG, TRAIN, flag, non_negative_int, optional, positive_int
+from bigclip.loss.distill import TeacherOutputs
 from bigclip.progress import EpochProgress
 from bigclip.train_state import TrainState
 
@@ -60,7 +61,9 @@ class LoopConfig:
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def forward_backward(engine, loss_fn, micro_batches: MicroBatches, world: World) -> tuple[float, dict | None]:
+def forward_backward(
+    engine, loss_fn, micro_batches: MicroBatches, world: World, teacher=None
+) -> tuple[float, dict | None]:
     """Gradients for one optimizer step; returns (loss value, last forward outputs), or (nan, None) when the
     loss was not finite on some rank: then no backward ran and the step must be skipped.
 
@@ -70,12 +73,17 @@ def forward_backward(engine, loss_fn, micro_batches: MicroBatches, world: World)
     contrastive loss over the whole accumulated batch. The logit scale (and bias) keep their gradient
     in the last micro-batch only, so their gradient is counted once rather than accum-freq times.
     Gradients are synchronised only in the last micro-batch's backward.
+
+    `teacher` (--distill-model, placed by engine.frozen): its outputs on the same images and texts, computed
+    once per micro-batch without gradients, go to the loss beside the student's (over the whole accumulated
+    batch, like the features: OpenCLIP refuses --accum-freq with distillation, bigclip's cache makes it exact).
     """
     if len(micro_batches) == 1:
         images, texts = micro_batches[0]
         with engine.autocast():
+            taught = _teacher_outputs(teacher, [(images, texts)])
             out = engine.module(images=images, texts=texts)
-            loss = _loss(loss_fn, out["image_features"], out["text_features"], out, keep_scale_grad=True)
+            loss = _loss(loss_fn, out["image_features"], out["text_features"], out, True, taught)
         if not _finite_on_all_ranks(loss, world):
             return float("nan"), None
         engine.backward(loss)
@@ -83,6 +91,7 @@ def forward_backward(engine, loss_fn, micro_batches: MicroBatches, world: World)
 
     cached_images, cached_texts = [], []
     with torch.no_grad(), engine.autocast():
+        taught = _teacher_outputs(teacher, micro_batches)
         for images, texts in micro_batches:
             out = engine.module(images=images, texts=texts)
             cached_images.append(out["image_features"])
@@ -95,18 +104,33 @@ def forward_backward(engine, loss_fn, micro_batches: MicroBatches, world: World)
                 out = engine.module(images=images, texts=texts)
                 image_features = torch.cat(cached_images[:j] + [out["image_features"]] + cached_images[j + 1 :])
                 text_features = torch.cat(cached_texts[:j] + [out["text_features"]] + cached_texts[j + 1 :])
-                loss = _loss(loss_fn, image_features, text_features, out, keep_scale_grad=last)
+                loss = _loss(loss_fn, image_features, text_features, out, last, taught)
             if j == 0 and not _finite_on_all_ranks(loss, world):
                 return float("nan"), None  # every micro-batch sees the same loss: no gradient was taken yet
             engine.backward(loss)
     return loss.item(), out
 
 
-def _loss(loss_fn, image_features, text_features, out: dict[str, torch.Tensor], keep_scale_grad: bool):
+def _teacher_outputs(teacher, micro_batches: MicroBatches) -> TeacherOutputs | None:
+    """The frozen teacher's features of every micro-batch (concatenated) and its logit scale."""
+    if teacher is None:
+        return None
+    with torch.no_grad():
+        outs = [teacher(images=images, texts=texts) for images, texts in micro_batches]
+    return TeacherOutputs(
+        torch.cat([o["image_features"] for o in outs]),
+        torch.cat([o["text_features"] for o in outs]),
+        outs[-1]["logit_scale"],
+    )
+
+
+def _loss(loss_fn, image_features, text_features, out: dict[str, torch.Tensor], keep_scale_grad: bool, taught=None):
     scale = out["logit_scale"] if keep_scale_grad else out["logit_scale"].detach()
     bias = out.get("logit_bias")
     if bias is not None and not keep_scale_grad:
         bias = bias.detach()
+    if taught is not None:
+        return loss_fn(image_features, text_features, scale, bias, teacher=taught)
     return loss_fn(image_features, text_features, scale, bias)
 
 
@@ -137,9 +161,11 @@ def train_one_epoch(
     checkpointer,
     progress: EpochProgress,
     world: World,
+    teacher=None,
 ) -> bool:
-    """The steps of epoch `state.epoch` from `state.batches_in_epoch` on. Returns True when the run must stop
-    (SIGTERM; its final checkpoint is on its way), False when the epoch's steps are done."""
+    """The steps of epoch `state.epoch` from `state.batches_in_epoch` on (`teacher`: see forward_backward).
+    Returns True when the run must stop (SIGTERM; its final checkpoint is on its way), False when the epoch's
+    steps are done."""
     steps = train_data.num_batches // cfg.accum_freq
     step_in_epoch = state.batches_in_epoch // cfg.accum_freq
     samples_per_step = cfg.samples_per_step(world.world_size)
@@ -154,7 +180,7 @@ def train_one_epoch(
         engine.set_lr(schedule(state.step))
         if engine.steps_in_backward:
             checkpointer.wait_for_staging()  # the backward updates the parameters (--optimizer-in-backward)
-        loss, out = forward_backward(engine, loss_fn, micro, world)
+        loss, out = forward_backward(engine, loss_fn, micro, world, teacher=teacher)
         if out is None:
             engine.zero_grad()
             grad_norm = float("nan")

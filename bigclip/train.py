@@ -15,7 +15,7 @@ from datetime import datetime
 import yaml
 
 from bigclip import dry_run
-from bigclip.build import build_data, build_engine, build_loss_fn, build_model, seed_everything
+from bigclip.build import build_data, build_engine, build_loss_fn, build_model, build_teacher, seed_everything
 from bigclip.ckpt.checkpointer import Checkpointer, local_logs_dir, preflight
 from bigclip.config import Sections, TrainConfig, scrub_argv, to_dict
 from bigclip.data import DataInfo
@@ -95,6 +95,7 @@ def _run(cfg: TrainConfig, world: World) -> int:
     seed_everything(cfg.seed)  # same initial weights on every rank
     model = build_model(run.model, run.engine, world)
     engine = build_engine(run.engine, model, world)
+    teacher = build_teacher(run.model, run.engine, world, engine)
     loss_fn = build_loss_fn(run.loss, world)
     data, tokenizer = build_data(run.model, run.data, world, epoch=0)
     seed_everything(cfg.seed + world.rank)  # different augmentation / dropout per rank
@@ -115,7 +116,7 @@ def _run(cfg: TrainConfig, world: World) -> int:
     try:
         checkpointer.resume(state)
         NOTICE.arm()  # from here a preemption notice saves a final checkpoint at the next step
-        metrics = _train(run, world, engine, loss_fn, data, tokenizer, state, checkpointer, sinks)
+        metrics = _train(run, world, engine, loss_fn, data, tokenizer, state, checkpointer, sinks, teacher)
         checkpointer.finish()
         if state.nonfinite_steps:
             logger.warning(f"{state.nonfinite_steps} step(s) were skipped for a non-finite loss")
@@ -129,9 +130,11 @@ def _run(cfg: TrainConfig, world: World) -> int:
                 info.close()  # loader workers ignore SIGTERM: stop them here, not at interpreter exit
 
 
-def _train(run: Sections, world, engine, loss_fn, data, tokenizer, state, checkpointer, sinks) -> dict[str, float]:
+def _train(
+    run: Sections, world, engine, loss_fn, data, tokenizer, state, checkpointer, sinks, teacher=None
+) -> dict[str, float]:
     """Epochs from state.epoch to --epochs: train, evaluate, checkpoint. Returns the last evaluation's metrics.
-    Ends early, after a final checkpoint, when SIGTERM asks the run to stop."""
+    Ends early, after a final checkpoint, when SIGTERM asks the run to stop. `teacher`: --distill-model's."""
     loop = run.loop
     train_data = _training_data(loop, data, world)
     steps_per_epoch = train_data.num_batches // loop.accum_freq
@@ -158,7 +161,9 @@ def _train(run: Sections, world, engine, loss_fn, data, tokenizer, state, checkp
             metric_every=loop.log_metric_every_n_steps,
             loss_ema_samples=loop.train_loss_ema_samples,
         )
-        stop = train_one_epoch(loop, engine, loss_fn, train_data, state, schedule, checkpointer, progress, world)
+        stop = train_one_epoch(
+            loop, engine, loss_fn, train_data, state, schedule, checkpointer, progress, world, teacher
+        )
         progress.close(state)
         if stop:
             break

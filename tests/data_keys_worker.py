@@ -20,9 +20,9 @@ _decode = ByteTokenizer().decode
 
 
 def _recording_forward_backward(original):
-    def forward_backward(engine, loss_fn, micro, world):
+    def forward_backward(engine, loss_fn, micro, world, **kwargs):
         _pending[:] = [[_decode(row.tolist()) for row in texts] for _images, texts in micro]
-        return original(engine, loss_fn, micro, world)
+        return original(engine, loss_fn, micro, world, **kwargs)
 
     return forward_backward
 

@@ -8,7 +8,10 @@ the build, as train.py), "ranks_emulated": N (one process whose batch_size is th
 samples in rank order, as gathered features see them), "live_grads": bool (the most gradient bytes alive at once,
 the largest block's, and how many storages hold the gradients), "step_sizes": bool (each parameter's largest
 change in the first step, over the lr set: with AdamW's first step, wd 0 and a tiny eps, its lr scale),
-"ema_check": bool (the moving average of --ema-decay against a float64 one of the whole weights after each step)}.
+"ema_check": bool (the moving average of --ema-decay against a float64 one of the whole weights after each step),
+"teacher": bool (--distill-model/--distill-pretrained in config: the run's frozen teacher, placed by the engine,
+feeds the loss; records whether its weights stayed as loaded, its mode, and how many of its elements this rank
+holds)}.
 Every run sees the same synthetic batches (seeded by step and rank) and goes through bigclip's own pieces:
 engine.build_model, build_engine, the loop's forward_backward (OpenCLIP accumulation), engine.step, and an eval
 forward through engine.module. One launch for many engines keeps the cost of process start-up and DeepSpeed
@@ -23,7 +26,7 @@ import time
 
 import torch
 
-from bigclip.build import build_loss_fn, build_model
+from bigclip.build import build_loss_fn, build_model, build_teacher
 from bigclip.config import resolve
 from bigclip.dist import init_distributed, shutdown
 from bigclip.engine import build_engine
@@ -89,6 +92,8 @@ def run_one(spec: dict, world) -> dict:
     build_state = engine.state_bytes()["total"]  # what the engine keeps: the rest of build_rss was transient
     if spec.get("compare_with_pretrained"):
         out_weights = compare_with_file(engine, cfg.pretrained)
+    teacher = build_teacher(cfg.sections.model, cfg.sections.engine, world, engine) if spec.get("teacher") else None
+    teacher_before = _local_weights(teacher) if teacher is not None else None
     loss_fn = build_loss_fn(cfg.sections.loss, world)
     # one schedule for every run, however many steps it takes, so shorter runs follow the longer ones
     schedule = build_schedule(cfg.sections.schedule, spec.get("schedule_steps", 20))
@@ -129,7 +134,7 @@ def run_one(spec: dict, world) -> dict:
         micro = [(images.to(engine.precision.param_dtype), texts) for images, texts in micro]  # as the loop does
         if spec.get("clamp_check") and step == 0:
             _set_logit_scale_master(engine, 10.0)
-        loss, _ = forward_backward(engine, loss_fn, micro, world)
+        loss, _ = forward_backward(engine, loss_fn, micro, world, teacher=teacher)
         if live_grads is not None:
             live_grads.measure()  # what is still alive when the backward has returned
             live_grads.count_storages()
@@ -152,6 +157,15 @@ def run_one(spec: dict, world) -> dict:
         after = _frozen(engine)
         changed = [n for n in after if not torch.equal(frozen_before[n], after[n])]
         out["frozen"] = {"count": len(after), "changed": changed}
+    if teacher is not None:
+        after = _local_weights(teacher)
+        out["teacher"] = {
+            "unchanged": all(torch.equal(teacher_before[n], t) for n, t in after.items()),
+            "training": teacher.training,
+            "requires_grad": any(p.requires_grad for p in teacher.parameters()),
+            "local_elements": sum(t.numel() for t in after.values()),
+            "in_model": any(n.startswith("teacher") for n in engine.model.state_dict()),
+        }
     out["param_dtypes"] = sorted({str(p.dtype) for p in engine.model.parameters()})
     out["int8_matmuls"] = sum(INT8_MATMULS.values())  # SwitchBack layers (--use-bnb-linear) in training
     engine.eval()
@@ -171,6 +185,11 @@ def run_one(spec: dict, world) -> dict:
         out["grad_bytes"] = live_grads.all_grads
         out["grad_storages"], out["params_with_grad"] = live_grads.storages, live_grads.with_grad
     return out
+
+
+def _local_weights(module) -> dict[str, torch.Tensor]:
+    """Copies of what this rank holds of each parameter (its shard under FSDP2)."""
+    return {n: getattr(p, "_local_tensor", p).detach().clone() for n, p in module.named_parameters()}
 
 
 class _LiveGradients:

@@ -159,6 +159,21 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
         runs.append({"name": f"{name}_ema", "steps": 6, "ema_check": True, "config": config})
     runs.append({"name": "fsdp_ema_warmup", "steps": 6, "ema_check": True,
                  "config": {**tiny, "engine": "fsdp", "ema_decay": 0.99, "ema_warmup": True}})  # fmt: skip
+    # --distill-model: a frozen teacher (its own weights) placed by each engine feeds OpenCLIP's distillation loss;
+    # also built on meta and streamed into its shards (--sharded-init always), and with accumulation
+    teacher = tmp_path / "teacher.pt"
+    torch.manual_seed(3)
+    torch.save(create_model("test-tiny").state_dict(), teacher)
+    distill = {"distill_model": "test-tiny", "distill_pretrained": str(teacher)}
+    # (the meta runs' students start from a file too: a sharded random init differs from DDP's)
+    meta = {"sharded_init": "always", "pretrained": str(teacher)}
+    more = {"ddp_pretrained": {"pretrained": str(teacher)}, "fsdp_meta": {"engine": "fsdp", **meta},
+            "zero3_meta": {"ds_config": DS[3], **meta}}  # fmt: skip
+    for name, flags in {**engines(), **more}.items():
+        runs.append({"name": f"{name}_distill", "steps": 8, "teacher": True, "config": {**tiny, **flags, **distill}})
+    for name, flags in (("ddp", {}), ("zero3", {"ds_config": DS[3]})):
+        runs.append({"name": f"{name}_distill_accum", "steps": 5, "teacher": True,
+                     "config": {**tiny, **flags, **distill, "accum_freq": 2, "batch_size": 4}})  # fmt: skip
     r = run_worker(tmp_path, runs)
 
     ddp, ddp_accum = r["ddp"], r["ddp_accum"]
@@ -217,6 +232,22 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
         assert r[f"{name}_int8_ckpt_accum"]["int8_matmuls"] == 3 * 2 * (2 + 1 + 1) * 2 * 4, name
     assert_same_run(r["fsdp_int8_bf16"], r["ddp_int8_bf16"], BF16_RTOL, norms=False)
     assert r["ddp"]["int8_matmuls"] == 0
+
+    # distillation: every engine gives DDP's losses (the distillation term on top of the CLIP loss); the teacher
+    # stays as loaded, in eval mode, without gradients, outside the model the engine trains and saves; FSDP2 and
+    # ZeRO-3 hold half of it per rank (also when it is built on meta and its file streamed into the shards)
+    assert r["ddp_distill"]["losses"][0] > ddp["losses"][0]
+    whole = r["ddp_distill"]["teacher"]["local_elements"]
+    for name in ("fsdp", "zero1", "zero2", "zero3"):
+        assert_same_run(r[f"{name}_distill"], r["ddp_distill"], FP32_RTOL)
+    for name in ("fsdp_meta", "zero3_meta"):
+        assert_same_run(r[f"{name}_distill"], r["ddp_pretrained_distill"], FP32_RTOL)
+    assert_same_run(r["zero3_distill_accum"], r["ddp_distill_accum"], FP32_RTOL)
+    for name in ("ddp", "fsdp", "zero1", "zero2", "zero3", "fsdp_meta", "zero3_meta", "ddp_accum", "zero3_accum"):
+        t = r[name.replace("_accum", "") + "_distill" + ("_accum" if "accum" in name else "")]["teacher"]
+        assert t["unchanged"] and not t["training"] and not t["requires_grad"] and not t["in_model"], (name, t)
+        sharded = name.startswith(("fsdp", "zero3"))
+        assert (t["local_elements"] < 0.6 * whole) if sharded else (t["local_elements"] == whole), (name, t)
 
     # eval goes through every engine's forward on all ranks (text-only and image-only calls included)
     for name in ("fsdp", "zero1", "zero2", "zero3"):

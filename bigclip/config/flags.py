@@ -37,12 +37,6 @@ class RunFlags:
 
     torchscript: bool = unsupported(False, "TorchScript the model.", TRAIN, "use --torchcompile")
     trace: bool = unsupported(False, "Trace the model (inference).", TRAIN, "use --torchcompile")
-    distill_model: str | None = unsupported(
-        None, "Teacher architecture for distillation.", TRAIN, "distillation is planned"
-    )
-    distill_pretrained: str | None = unsupported(
-        None, "Teacher weights for distillation.", TRAIN, "distillation is planned"
-    )
     coca_contrastive_loss_weight: float = unsupported(1.0, "CoCa contrastive weight.", LOSS, "CoCa models are planned")
     coca_caption_loss_weight: float = unsupported(2.0, "CoCa caption weight.", LOSS, "CoCa models are planned")
     name: str | None = flag(None, "Run name (default: date, model, lr, batch size, precision).", LOG)

@@ -62,6 +62,7 @@ from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
 from bigclip.engine.ema import WeightsEMA
 from bigclip.engine.in_backward import PerParameterOptimizers, StepInBackward
 from bigclip.engine.memory import tensor_bytes
+from bigclip.engine.sharded_init import is_meta, materialise
 from bigclip.errors import UserError
 from bigclip.precision import Precision, resolve_precision
 
@@ -139,6 +140,16 @@ class Engine(abc.ABC):
     # -- model access: set by each engine's __init__
     module: nn.Module  # the callable model: forward(images=None, texts=None) -> features dict (maybe wrapped)
     model: nn.Module  # the unwrapped CLIP model
+
+    def frozen(self, module: nn.Module) -> nn.Module:
+        """A module the run only runs forward (a distillation teacher: never stepped, never saved), placed as
+        this engine places its model; here whole on the device, in the weights' dtype. Eval mode, no gradients.
+        A module built on meta (for sharding) gets its weights now."""
+        module.requires_grad_(False)
+        if is_meta(module):
+            materialise(module, self.world.device, self.cfg.seed, self.world.rank)
+        module.to(device=self.world.device, dtype=self.precision.param_dtype)
+        return module.eval()
 
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)

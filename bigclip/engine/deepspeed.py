@@ -46,6 +46,7 @@ from bigclip.dist import World
 from bigclip.engine import ds_config as dsc
 from bigclip.engine.base import Engine, StateBytes, WorkingBytes, clip_and_measure
 from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
+from bigclip.engine.fsdp import shard_frozen
 from bigclip.engine.memory import tensor_bytes
 from bigclip.engine.sharded_init import (
     build_for_sharding,
@@ -323,6 +324,19 @@ class DeepSpeedEngine(Engine):
             model.register_forward_pre_hook(_inputs_cast_to(self._autocast_dtype), with_kwargs=True)
 
     # -- precision and accumulation
+    def frozen(self, module: nn.Module) -> nn.Module:
+        """A forward-only module (a distillation teacher) in the dtype DeepSpeed stores weights in: whole under
+        ZeRO-0/1/2 (which replicate the weights), sharded under ZeRO-3 by FSDP2's fully_shard over the same ranks
+        (it needs no optimizer, and ZeRO-3's parameter hooks belong to DeepSpeed's training engine)."""
+        dtype = _param_dtype(self.ds_config)
+        if self.stage != 3:
+            module.requires_grad_(False)
+            if is_meta(module):
+                materialise(module, self.world.device, self.cfg.seed, self.world.rank)
+            return module.to(device=self.world.device, dtype=dtype).eval()
+        mesh = init_device_mesh(self.world.device.type, (self.world.world_size,))
+        return shard_frozen(module, mesh, self.world.device, self.cfg.seed, self.world.rank, dtype=dtype)
+
     def autocast(self):
         # DeepSpeed stores bf16/fp16 weights, and its forward turns an outer CUDA autocast off (unless its config
         # has a torch_autocast section): the inputs are cast by the model's pre-hook (_inputs_cast_to). Autocast

@@ -61,6 +61,34 @@ def mixed_precision_policy(precision):
     return MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
 
 
+def shard_frozen(
+    module: nn.Module,
+    mesh,
+    device: torch.device,
+    seed: int,
+    rank: int,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """A forward-only module (a distillation teacher) sharded like FSDP2's model: fully_shard per block, then the
+    root, every unit resharded after its forward (no backward follows); a meta module gets its weights shard by
+    shard (a pretrained file streams only the local rows), so no rank holds it whole; stored in `dtype` if
+    given. Eval mode, no gradients."""
+    module.requires_grad_(False)
+    on_meta = is_meta(module)
+    if not on_meta:
+        module.to(device=device)
+    kwargs = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=True)
+    for block in module.transformer_blocks():
+        fully_shard(block, **kwargs)
+    fully_shard(module, **kwargs)
+    if on_meta:
+        materialise(module, device, seed, rank)
+    if dtype is not None:
+        module.to(dtype=dtype)
+    return module.eval()
+
+
 class FSDPEngine(TorchOptimizerEngine):
     name = "fsdp"
     help = "FSDP2: parameters, gradients and optimizer state sharded across ranks, one unit per block"
@@ -164,6 +192,20 @@ class FSDPEngine(TorchOptimizerEngine):
         if self.precision.loss_scaling:
             # Shards overflow independently; the sharded scaler agrees on "found inf" across ranks.
             self.scaler = ShardedGradScaler(world.device.type)
+
+    def frozen(self, module: nn.Module) -> nn.Module:
+        # Sharded over the ranks that shard the model; in host memory with --fsdp-offload-cpu.
+        device = self.world.device if not self.cfg.fsdp_offload_cpu else torch.device("cpu")
+        stored = self.precision.param_dtype if self.precision.autocast_dtype is None else None  # as the model's
+        return shard_frozen(
+            module,
+            self.mesh,
+            device,
+            self.cfg.seed,
+            self.mesh.get_local_rank("shard"),
+            mixed_precision_policy(self.precision),
+            stored if stored != torch.float32 else None,
+        )
 
     # -- accumulation: reduce-scatter only in the last micro-batch's backward
     @contextlib.contextmanager

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from bigclip.loss.clip import CLIP_DIST_IMPLS, ClipLoss
+from bigclip.errors import UserError
+from bigclip.loss.clip import CLIP, CLIP_DIST_IMPLS, ClipLoss
+from bigclip.loss.distill import DistillClipLoss, TeacherOutputs
 from bigclip.loss.family import LOSSES, LossConfig, LossFamily, check_dist_impl
 from bigclip.loss.select import LOSS_IMPLS, check_impl
 from bigclip.loss.siglip import SIGLIP_DIST_IMPLS, SigLipLoss
 
 __all__ = [
     "ClipLoss",
+    "DistillClipLoss",
+    "TeacherOutputs",
     "SigLipLoss",
     "LossConfig",
     "LossFamily",
@@ -43,8 +47,17 @@ def check_loss(cfg: LossConfig) -> None:
     family = loss_family(cfg)
     check_impl(cfg.loss_impl)
     check_dist_impl(cfg.loss_dist_impl, family)
+    if cfg.distill_model is not None and family is not CLIP:
+        # OpenCLIP would silently train this model with the CLIP loss instead of its own.
+        raise UserError(
+            f"--distill-model: distillation adds to the CLIP loss (OpenCLIP's DistillClipLoss), not to "
+            f"{family.described_as}; drop --distill-model or --loss/--siglip"
+        )
 
 
 def build_loss(cfg: LossConfig, rank: int = 0, world_size: int = 1) -> nn.Module:
-    """The loss module for these flags."""
-    return loss_family(cfg).build(cfg, rank, world_size)
+    """The loss module for these flags; with a teacher (--distill-model) it also takes the teacher's outputs."""
+    loss = loss_family(cfg).build(cfg, rank, world_size)
+    if cfg.distill_model is not None:
+        return DistillClipLoss(loss, cfg.local_loss, cfg.gather_with_grad, rank, world_size)
+    return loss

@@ -28,6 +28,25 @@ from bigclip.loss.distributed import clip_loss_distributed, gather_features
 from bigclip.loss.family import LOSSES, LossConfig, LossFamily, check_dist_impl
 
 
+def clip_logits(
+    image: torch.Tensor,
+    text: torch.Tensor,
+    logit_scale: torch.Tensor,
+    local_loss: bool = False,
+    gather_with_grad: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OpenCLIP's ClipLoss.get_logits: (logits per image, logits per text), gathered across ranks."""
+    if world_size > 1:
+        all_image, all_text = gather_features(image, text, local_loss, gather_with_grad, rank, world_size)
+        if local_loss:
+            return logit_scale * image @ all_text.T, logit_scale * text @ all_image.T
+        logits_per_image = logit_scale * all_image @ all_text.T
+        return logits_per_image, logits_per_image.T
+    return logit_scale * image @ text.T, logit_scale * text @ image.T
+
+
 def clip_loss_naive(
     image: torch.Tensor,
     text: torch.Tensor,
@@ -38,17 +57,9 @@ def clip_loss_naive(
     world_size: int = 1,
 ) -> torch.Tensor:
     """OpenCLIP's ClipLoss: materialises the logits (B x B, or B_global x B_global)."""
-    if world_size > 1:
-        all_image, all_text = gather_features(image, text, local_loss, gather_with_grad, rank, world_size)
-        if local_loss:
-            logits_per_image = logit_scale * image @ all_text.T
-            logits_per_text = logit_scale * text @ all_image.T
-        else:
-            logits_per_image = logit_scale * all_image @ all_text.T
-            logits_per_text = logits_per_image.T
-    else:
-        logits_per_image = logit_scale * image @ text.T
-        logits_per_text = logit_scale * text @ image.T
+    logits_per_image, logits_per_text = clip_logits(
+        image, text, logit_scale, local_loss, gather_with_grad, rank, world_size
+    )
     labels = torch.arange(logits_per_image.shape[0], device=image.device)
     if world_size > 1 and local_loss:
         labels = labels + logits_per_image.shape[0] * rank

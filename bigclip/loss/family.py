@@ -43,6 +43,8 @@ class LossConfig:
         LOSS,
     )
     loss_impl: str = flag("auto", "naive, chunked, triton or auto (new in bigclip).", LOSS, choices=LOSS_IMPLS)
+    # read here, owned by another slice (its flag is declared there)
+    distill_model: str | None = None  # a teacher: the CLIP loss plus OpenCLIP's distillation term
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,16 @@ class ModelConfig:
         TRAIN,
         choices=SWITCHBACK_VARIANTS,
     )
+    distill_model: str | None = flag(
+        None,
+        "Teacher architecture for distillation (OpenCLIP's DistillClipLoss: the CLIP loss plus the cross-entropy "
+        "of the student's logits against the frozen teacher's, in eval mode); needs --distill-pretrained. The "
+        "teacher is placed like the student (FSDP: sharded) and never saved.",
+        TRAIN,
+    )
+    distill_pretrained: str | None = flag(
+        None, "The teacher's weights: a pretrained tag of --distill-model or a local state dict.", TRAIN
+    )
     cache_dir: str | None = flag(
         None,
         "Hugging Face hub cache for --pretrained tags, hf-hub: models and --pretrained-image "
@@ -84,17 +94,7 @@ class ModelConfig:
 def check_model(cfg: ModelConfig) -> None:
     """The model flags' rules, before any work: a known architecture (OpenCLIP's local-dir:/hf-hub: configs there
     and well formed), weights that exist, overrides in range."""
-    models = list_models()
-    if is_schema_name(cfg.model):
-        get_model_config(cfg.model, cfg.cache_dir)  # OpenCLIP's open_clip_config.json: there and well formed
-        models = [*models, cfg.model]
-    if cfg.model not in models and cfg.model.startswith(NOT_YET_BUILT):
-        raise UserError(
-            f"--model {cfg.model}: not supported yet (bigclip builds ViT, ResNet and timm image towers); "
-            f"choose one of {', '.join(models)}"
-        )
-    if cfg.model not in models:
-        raise UserError(f"--model {cfg.model!r}: unknown architecture; choose one of {', '.join(models)}")
+    _check_architecture("--model", cfg.model, cfg.cache_dir)
     if cfg.use_bnb_linear is not None:
         SWITCHBACK_VARIANTS.entry(cfg.use_bnb_linear)
     if cfg.layer_scale_init is not None and (
@@ -112,3 +112,26 @@ def check_model(cfg: ModelConfig) -> None:
         check_pretrained(cfg.model, cfg.pretrained)
     if cfg.pretrained_image:
         check_pretrained_image(cfg.model, cfg.cache_dir)
+    if (cfg.distill_model is None) != (cfg.distill_pretrained is None):
+        given, missing = (
+            ("--distill-model", "--distill-pretrained") if cfg.distill_pretrained is None else
+            ("--distill-pretrained", "--distill-model")
+        )  # fmt: skip
+        raise UserError(f"{given}: distillation needs the teacher's {missing} too (OpenCLIP ignores one alone)")
+    if cfg.distill_model is not None:
+        _check_architecture("--distill-model", cfg.distill_model, cfg.cache_dir)
+        check_pretrained(cfg.distill_model, cfg.distill_pretrained, "--distill-pretrained", "--distill-model")
+
+
+def _check_architecture(flag: str, name: str, cache_dir: str | None) -> None:
+    models = list_models()
+    if is_schema_name(name):
+        get_model_config(name, cache_dir)  # OpenCLIP's open_clip_config.json: there and well formed
+        models = [*models, name]
+    if name not in models and name.startswith(NOT_YET_BUILT):
+        raise UserError(
+            f"{flag} {name}: not supported yet (bigclip builds ViT, ResNet and timm image towers); "
+            f"choose one of {', '.join(models)}"
+        )
+    if name not in models:
+        raise UserError(f"{flag} {name!r}: unknown architecture; choose one of {', '.join(models)}")

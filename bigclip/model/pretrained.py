@@ -47,7 +47,7 @@ def is_local_weights(value: str) -> bool:
     return os.path.isfile(value)
 
 
-def check_pretrained(model: str, value: str) -> None:
+def check_pretrained(model: str, value: str, flag: str = "--pretrained", model_flag: str = "--model") -> None:
     """Flag validation: a file that exists, or a tag OpenCLIP has for this model."""
     if is_local_weights(value):
         return
@@ -56,8 +56,8 @@ def check_pretrained(model: str, value: str) -> None:
         return
     known = f"OpenCLIP's tags for {model}: {', '.join(tags)}" if tags else f"OpenCLIP has no tags for {model}"
     if os.sep in value or value.endswith((".pt", ".pth", ".bin", ".safetensors")):
-        raise UserError(f"--pretrained {value!r}: file not found; pass a local .pt/.bin/.safetensors file ({known})")
-    raise UserError(f"--pretrained {value!r}: not a file, and not a pretrained tag of --model {model} ({known})")
+        raise UserError(f"{flag} {value!r}: file not found; pass a local .pt/.bin/.safetensors file ({known})")
+    raise UserError(f"{flag} {value!r}: not a file, and not a pretrained tag of {model_flag} {model} ({known})")
 
 
 def resolve_pretrained(
