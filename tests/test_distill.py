@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import free_port
 from open_clip.loss import DistillClipLoss as OpenCLIPDistillClipLoss
+from test_loss_chunked import LargestTensor
 from test_loss_reference import unit_features
 
 from bigclip import cli, loop
@@ -27,7 +28,7 @@ from bigclip.build import build_teacher
 from bigclip.config import resolve
 from bigclip.dist import World
 from bigclip.engine import build_engine
-from bigclip.loss import ClipLoss, DistillClipLoss, TeacherOutputs
+from bigclip.loss import ClipLoss, DistillClipLoss, TeacherOutputs, distill
 from bigclip.model import create_model
 
 BATCH, DIM = 6, 8
@@ -50,7 +51,7 @@ def _ours_and_theirs(impl, local_loss, gather_with_grad, rank, world, image, tex
         scale = torch.tensor(12.0, dtype=torch.float64, requires_grad=True)
         if which == "ours":
             contrastive = ClipLoss(local_loss, gather_with_grad, rank, world, impl=impl)
-            loss = DistillClipLoss(contrastive, local_loss, gather_with_grad, rank, world)(
+            loss = DistillClipLoss(contrastive, local_loss, gather_with_grad, rank, world, impl=impl)(
                 x, y, scale, teacher=TeacherOutputs(*teacher)
             )
         else:
@@ -61,6 +62,12 @@ def _ours_and_theirs(impl, local_loss, gather_with_grad, rank, world, image, tex
     return out
 
 
+@pytest.fixture(autouse=True)
+def small_row_blocks(monkeypatch):
+    """A few rows per block, so the blocked distillation term really runs block by block at these sizes."""
+    monkeypatch.setattr(distill, "ROW_BLOCK_ELEMENTS", 20)
+
+
 @pytest.mark.parametrize("impl", ["naive", "chunked"])
 def test_loss_and_gradients_equal_openclips_distill_clip_loss(impl):
     image, text, t_image, t_text = _features(1)
@@ -68,13 +75,14 @@ def test_loss_and_gradients_equal_openclips_distill_clip_loss(impl):
     ours, theirs = _ours_and_theirs(impl, False, False, 0, 1, image, text, teacher)
     tol = TOL[impl]
     for a, b, what in zip(ours, theirs, ("loss", "d image", "d text", "d scale")):
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=what)
+        torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol, msg=what)
     # the distillation term is really there: it moves the loss away from the CLIP loss alone
     clip_alone = ClipLoss(impl=impl)(image, text, torch.tensor(12.0, dtype=torch.float64))
     assert ours[0] - clip_alone > 0.1
 
 
 def _two_rank_worker(rank: int, world: int, port: int, result_dir: str) -> None:
+    distill.ROW_BLOCK_ELEMENTS = 20  # a spawned process: the fixture's patch is not here
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=90),
@@ -113,6 +121,34 @@ def test_loss_and_gradients_equal_openclips_on_two_ranks(tmp_path):
         assert len(errors) == 2 * len(FLAGS) * 4
         worst = {k: v for k, v in errors.items() if v > TOL[k.split()[0]]}
         assert not worst, (rank, worst)
+
+
+@pytest.mark.slow
+def test_the_blocked_term_never_holds_the_logit_matrix(monkeypatch):
+    """Forward and backward at N = 4096: every tensor any operator creates is at most one block of rows (the naive
+    term needs the N x N logits of both models)."""
+    monkeypatch.setattr(distill, "ROW_BLOCK_ELEMENTS", 256 * 4096)
+    n = 4096
+    image, text = (t.requires_grad_() for t in unit_features(n, 16, seed=0))
+    t_image, t_text = unit_features(n, 16, seed=1)
+    scale = torch.tensor(10.0, requires_grad=True)
+    teacher = TeacherOutputs(t_image, t_text, torch.tensor(20.0))
+    with LargestTensor() as probe:
+        distill.distill_term_blocked(image, text, scale, teacher).backward()
+    assert probe.largest <= 256 * 4096, f"a tensor of {probe.largest} elements appeared (N^2 = {n * n})"
+    with LargestTensor() as probe:
+        distill.distill_term(image, text, scale, teacher).backward()
+    assert probe.largest == n * n  # the probe sees the naive term's matrices
+
+
+def test_autocast_does_not_lower_the_blocked_terms_precision():
+    image, text, t_image, t_text = (t.float() for t in _features(1))
+    teacher = TeacherOutputs(t_image, t_text, torch.tensor(30.0))
+    scale = torch.tensor(12.0)
+    plain = distill.distill_term_blocked(image, text, scale, teacher)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = distill.distill_term_blocked(image, text, scale, teacher)
+    assert under_autocast.dtype == torch.float32 and torch.equal(under_autocast, plain)
 
 
 def _engine_and_teacher(tmp_path):

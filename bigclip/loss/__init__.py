@@ -59,5 +59,5 @@ def build_loss(cfg: LossConfig, rank: int = 0, world_size: int = 1) -> nn.Module
     """The loss module for these flags; with a teacher (--distill-model) it also takes the teacher's outputs."""
     loss = loss_family(cfg).build(cfg, rank, world_size)
     if cfg.distill_model is not None:
-        return DistillClipLoss(loss, cfg.local_loss, cfg.gather_with_grad, rank, world_size)
+        return DistillClipLoss(loss, cfg.local_loss, cfg.gather_with_grad, rank, world_size, cfg.loss_impl)
     return loss

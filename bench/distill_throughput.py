@@ -1,0 +1,120 @@
+"""Distillation throughput: bigclip (launch/train.py) vs OpenCLIP 3.3's open_clip_train, the same flags, side by side.
+
+    python bench/distill_throughput.py [--batch-size 32] [--steps 40] [--reps 2] [--threads 2]
+
+Student and teacher are small ViTs given to both trainers as OpenCLIP local-dir: configs (the teacher's weights
+an OpenCLIP state dict both load), synthetic data, fp32, one process each, runs alternating. Each trainer runs
+without and with `--distill-model/--distill-pretrained`; samples/s is the median over the steps after the first
+10 (bigclip: its metrics.jsonl; open_clip_train: its log lines). The two synthetic sources differ:
+open_clip_train's makes a PIL image per sample and runs the transform; bigclip's makes tensors directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SKIP = 10
+OC_LINE = re.compile(r"Batch \(t\): [0-9.]+, [0-9.e+]+/s, ([0-9.e+]+)/s/gpu")
+PREPROCESS = {"mean": [0.48145466, 0.4578275, 0.40821073], "std": [0.26862954, 0.26130258, 0.27577711]}
+TEXT = {"context_length": 32, "vocab_size": 49408, "heads": 4}
+STUDENT = {
+    "embed_dim": 64,
+    "vision_cfg": {"image_size": 64, "layers": 4, "width": 128, "head_width": 32, "patch_size": 8},
+    "text_cfg": {**TEXT, "width": 128, "layers": 4},
+}
+TEACHER = {
+    "embed_dim": 128,
+    "vision_cfg": {"image_size": 64, "layers": 6, "width": 256, "head_width": 32, "patch_size": 8},
+    "text_cfg": {**TEXT, "width": 256, "layers": 6},
+}
+
+
+def _write_model(work: str, name: str, cfg: dict) -> str:
+    directory = os.path.join(work, name)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "open_clip_config.json"), "w") as f:
+        json.dump({"model_cfg": cfg, "preprocess_cfg": PREPROCESS}, f)
+    return f"local-dir:{directory}"
+
+
+def _teacher_weights(teacher: str, path: str) -> None:
+    import open_clip
+    import torch
+
+    torch.manual_seed(0)
+    torch.save(open_clip.create_model(teacher).state_dict(), path)
+
+
+def _flags(args, model: str, logs: str, name: str) -> list[str]:
+    return [
+        *("--model", model, "--dataset-type", "synthetic", "--train-num-samples", str(args.batch_size * args.steps)),
+        *("--batch-size", str(args.batch_size), "--epochs", "1", "--precision", "fp32", "--workers", "0"),
+        *("--log-every-n-steps", "1", "--warmup", "10", "--save-frequency", "0", "--logs", logs, "--name", name),
+    ]
+
+
+def _env(args) -> dict:
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(args.threads)}
+
+
+def bigclip_run(args, flags: list[str], logs: str, name: str) -> list[float]:
+    subprocess.run(
+        [sys.executable, os.path.join(REPO, "launch", "train.py"), *flags], check=True, env=_env(args),
+        capture_output=True, text=True,
+    )  # fmt: skip
+    with open(os.path.join(logs, name, "metrics.jsonl")) as f:
+        return [json.loads(line)["samples_per_s"] for line in f if '"samples_per_s"' in line]
+
+
+def open_clip_run(args, flags: list[str], logs: str, name: str) -> list[float]:
+    subprocess.run(
+        [sys.executable, "-m", "open_clip_train.main", "--device", "cpu", *flags], check=True, env=_env(args),
+        capture_output=True, text=True,
+    )  # fmt: skip
+    with open(os.path.join(logs, name, "out.log")) as f:
+        return [float(m.group(1)) for m in map(OC_LINE.search, f) if m]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bigclip-distill-bench-") as work:
+        student, teacher = _write_model(work, "student", STUDENT), _write_model(work, "teacher", TEACHER)
+        weights = os.path.join(work, "teacher.pt")
+        _teacher_weights(teacher, weights)
+        results: dict[tuple[str, str], list[float]] = {}
+        for rep in range(args.reps):
+            for setup, extra in (
+                ("plain", []),
+                ("distill", ["--distill-model", teacher, "--distill-pretrained", weights]),
+            ):
+                for trainer, run in (("open_clip_train", open_clip_run), ("bigclip", bigclip_run)):
+                    name = f"{trainer}-{setup}-{rep}"
+                    per_step = run(args, [*_flags(args, student, work, name), *extra], work, name)
+                    results.setdefault((setup, trainer), []).append(statistics.median(per_step[SKIP:] or per_step))
+    median = {key: statistics.median(values) for key, values in results.items()}
+    print("| setup | open_clip_train samples/s | bigclip samples/s | bigclip vs open_clip |")
+    print("|---|---:|---:|---:|")
+    for setup in ("plain", "distill"):
+        oc, ours = median[(setup, "open_clip_train")], median[(setup, "bigclip")]
+        print(f"| {setup} | {oc:.1f} | {ours:.1f} | {ours / oc:.2f}x |")
+    for trainer in ("open_clip_train", "bigclip"):
+        cost = median[("distill", trainer)] / median[("plain", trainer)]
+        print(f"{trainer}: with the teacher at {cost:.2f}x of its samples/s without")
+
+
+if __name__ == "__main__":
+    main()
