@@ -153,6 +153,7 @@ def run_one(spec: dict, world) -> dict:
     out["step_s"] = (time.perf_counter() - t0) / max(1, spec["steps"])
     if ema_reference is not None:
         out["ema_max_error"], out["ema_max_change"] = ema_reference.compare()
+        out["ema_swap_error"], out["ema_restore_exact"] = ema_reference.swap_check()
     if frozen_before is not None:  # --lock-image/--lock-text: frozen weights must come out bit-identical
         after = _frozen(engine)
         changed = [n for n in after if not torch.equal(frozen_before[n], after[n])]
@@ -274,7 +275,7 @@ class _EMAReference:
 
     def __init__(self, engine):
         self.engine = engine
-        self.average = {n: w.double() for n, w in _all_whole(engine).items()}
+        self.average = {n: w.double() for n, w in _all_whole(engine, masters=True).items()}
         self.start = {n: w.clone() for n, w in self.average.items()}
         self.updates = 0
 
@@ -284,21 +285,39 @@ class _EMAReference:
         decay = cfg.ema_decay
         if cfg.ema_warmup:
             decay = min(decay, 1 - (1 + self.updates) ** (-2 / 3))
-        for name, weights in _all_whole(self.engine).items():
+        for name, weights in _all_whole(self.engine, masters=True).items():
             self.average[name] = decay * self.average[name] + (1 - decay) * weights.double()
+
+    def swap_check(self) -> tuple[float, bool]:
+        """(largest |weights the forward reads while the average is swapped in - the reference average|, whether
+        the live weights came back bit for bit)."""
+        live = _all_whole(self.engine)
+        with self.engine.ema.swapped_in():
+            swapped = _all_whole(self.engine)
+        error = max(float((swapped[n].double() - ref).abs().max()) for n, ref in self.average.items())
+        back = _all_whole(self.engine)
+        return error, all(torch.equal(live[n], back[n]) for n in live)
 
     def compare(self) -> tuple[float, float]:
         """(largest |engine's average - reference|, largest |reference - start|: that the average moved)."""
         ema = self.engine.ema
         error = change = 0.0
         for name, reference in self.average.items():
-            mine = _whole(ema.params[name]).double()
+            if hasattr(ema, "whole_average"):  # DeepSpeed: fragments of the fp32 master partitions
+                mine = ema.whole_average(name).view(reference.shape).double()
+            else:
+                mine = _whole(ema.params[name]).double()
             error = max(error, float((mine - reference).abs().max()))
             change = max(change, float((reference - self.start[name]).abs().max()))
         return error, change
 
 
-def _all_whole(engine) -> dict[str, torch.Tensor]:
+def _all_whole(engine, masters: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter whole; with `masters`, DeepSpeed's fp32 master copy (what its optimizer updates)."""
+    if masters and engine.name == "deepspeed":
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.model.named_parameters()}
     return {n: _whole(p) for n, p in engine.model.named_parameters()}
 
 

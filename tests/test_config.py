@@ -105,7 +105,6 @@ def test_precedence_defaults_yaml_flags(tmp_path):
         (["--ema-decay", "1.5"], "--ema-decay 1.5: must be between 0 and 1"),
         (["--eval-ema"], "--eval-ema: there is no moving average to evaluate without --ema-decay"),
         (["--ema-warmup"], "--ema-warmup: only applies with --ema-decay"),
-        (["--ema-decay", "0.99", "--ds_config", "ds_configs/zero2.json"], "--ema-decay: not with DeepSpeed yet"),
     ],
 )
 def test_bad_values_fail_with_one_line(argv, expected, capsys):

@@ -1,14 +1,17 @@
 """--ema-decay through real runs: the moving average is saved in checkpoints, continues exactly on resume,
 reshards from FSDP2 shards on two ranks to one process, starts from the resumed weights when a checkpoint holds
-none, is evaluated with --eval-ema and exported with `bigclip export --ema`. (That the average is the float64
-average of the weights step by step, under DDP, FSDP2 and --optimizer-in-backward, is checked in
-test_engine_multiprocess.py.)"""
+none, is evaluated with --eval-ema and exported with `bigclip export --ema`; under DeepSpeed ZeRO-3 the average of
+each rank's fp32 master partition does the same (exact resume on two ranks, resharded to one process, --eval-ema
+across ranks). (That the average is the float64 average of the weights step by step, under DDP, FSDP2,
+--optimizer-in-backward and DeepSpeed ZeRO-1/2/3, is checked in test_engine_multiprocess.py.)"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from helpers import TINY_SYNTHETIC, python_train, read_metrics, torchrun
+from helpers import REPO, TINY_SYNTHETIC, python_train, read_metrics, torchrun
 
 from bigclip import cli
 
@@ -56,6 +59,40 @@ def test_the_average_resumes_exactly_reshards_and_exports(tmp_path):
     assert max(float((saved[k] - reference[k]).abs().max()) for k in saved) < 1e-3
 
 
+def test_deepspeed_keeps_the_average_of_its_partitions_resumes_reshards_and_evaluates_it(tmp_path):
+    zero3 = ["--ds_config", os.path.join(REPO, "ds_configs", "zero3.json")]
+    base = [*TINY_SYNTHETIC, *EMA, "--logs", str(tmp_path), "--save-frequency", "1", *zero3]
+    # --batch-size 4 per rank: the global batch of the one-process runs; --eval-ema swaps the average in on 2 ranks
+    common = [*base, "--ema-warmup", "--batch-size", "4", "--eval-ema", "--val-num-samples", "16"]
+    env = {"DS_ACCELERATOR": "cpu"}
+    whole = torchrun(2, [*common, "--name", "whole", "--epochs", "2"], **env)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = torchrun(2, [*common, "--name", "cut", "--epochs", "1"], **env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    rest = torchrun(2, [*common, "--name", "cut", "--epochs", "2", "--resume", "latest"], **env)
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    average, resumed = export(tmp_path, "whole", "epoch_2", "--ema"), export(tmp_path, "cut", "epoch_2", "--ema")
+    assert average.keys() == resumed.keys() and all(torch.equal(average[k], resumed[k]) for k in average)
+    weights = export(tmp_path, "whole", "epoch_2")
+    assert weights.keys() == average.keys()
+    assert max(float((weights[k] - average[k]).abs().max()) for k in weights) > 1e-4  # not the weights
+    evaluated = [r for r in read_metrics(str(tmp_path / "whole")) if "eval/val_loss" in r]
+    assert len(evaluated) == 2 and all(r["eval/ema_val_loss"] != r["eval/val_loss"] for r in evaluated)
+
+    # one process resumes the two ranks' partitions (DeepSpeed's universal checkpoint for the weights, the
+    # average's fragments reassembled); with a decay of almost 1 from there on it stays what was saved; and
+    # --eval-ema evaluates it (the validation loss of other weights than the live ones)
+    one = python_train(
+        [*base, "--name", "one", "--epochs", "2", "--resume", str(tmp_path / "cut" / "checkpoints" / "epoch_1"),
+         "--ema-decay", "0.9999999", "--eval-ema", "--val-num-samples", "16"], **env,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    saved, continued = export(tmp_path, "cut", "epoch_1", "--ema"), export(tmp_path, "one", "epoch_2", "--ema")
+    assert max(float((saved[k] - continued[k]).abs().max()) for k in saved) < 1e-6
+    final = [r for r in read_metrics(str(tmp_path / "one")) if "eval/val_loss" in r][-1]
+    assert final["eval/ema_val_loss"] != final["eval/val_loss"]
+
+
 def test_an_average_added_on_resume_starts_from_the_resumed_weights(tmp_path):
     common = [*TINY_SYNTHETIC, "--logs", str(tmp_path), "--name", "late", "--save-frequency", "1"]
     assert python_train([*common, "--epochs", "1"]).returncode == 0
@@ -96,12 +133,18 @@ def test_swapped_in_puts_the_average_in_and_the_live_weights_back():
 
 
 def test_the_plan_counts_the_average_where_the_engine_keeps_it():
-    """4 bytes per parameter: whole under DDP, a shard under FSDP2; DeepSpeed cannot keep one (refused)."""
+    """4 bytes per parameter: whole under DDP, a shard under FSDP2 and DeepSpeed ZeRO (a fragment of each rank's
+    fp32 master partition)."""
     from bigclip.engine import StateRecipe, state_bytes
 
     psi, n = 1_000_000, 8
-    for setup, per_rank in (("ddp", psi), ("fsdp", psi / n)):
+    for setup, per_rank in (
+        ("ddp", psi),
+        ("fsdp", psi / n),
+        ("zero1", psi / n),
+        ("zero2", psi / n),
+        ("zero3", psi / n),
+    ):
         plain = state_bytes(setup, psi, n, StateRecipe("amp"))
         averaged = state_bytes(setup, psi, n, StateRecipe("amp", ema=True))
         assert averaged - plain == pytest.approx(4 * per_rank)
-    assert state_bytes("zero2", psi, n, StateRecipe("amp", ema=True)) is None

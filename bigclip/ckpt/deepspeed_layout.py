@@ -13,10 +13,14 @@ mp_rank_00_model_states.pt on rank 0), and rank 0 DeepSpeed's companion zero_to_
 
 Loading at another world size goes through DeepSpeed's universal checkpoint: the ZeRO files are converted
 (deepspeed.checkpoint.ds_to_universal) and loaded with `load_universal`.
+
+With --ema-decay each rank also writes ema/rank_{r}.pt: its fragments of the moving average
+(ckpt/fragments.py; copied on the staging thread with DeepSpeed's tensors), which load at any world size.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -25,9 +29,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from bigclip.ckpt.fragments import assemble, ema_file, read_saved
 from bigclip.ckpt.layout import CheckpointLayout, FileSubmitter
 from bigclip.dist import raise_together
 from bigclip.errors import UserError, first_line
+
+logger = logging.getLogger("bigclip")
 
 ENGINE_DIR = "engine_state"
 _DS_TOP_LEVEL = ("latest", "zero_to_fp32.py")
@@ -67,12 +74,14 @@ class DeepSpeedLayout(CheckpointLayout):
     name = "deepspeed"
     writes_while_staging = True
 
-    def __init__(self, ds, world, group):
+    def __init__(self, ds, world, group, ema=None):
         """ds: the deepspeed.DeepSpeedEngine. Its checkpoint engine is replaced by one that stages instead of
-        writing (DeepSpeed's own still reads); the files are then written by the save thread."""
+        writing (DeepSpeed's own still reads); the files are then written by the save thread. ema: the engine's
+        moving average of its partitions (state_dict() / load_from(saved) / reset()), or None."""
         from bigclip.ckpt.deepspeed_staging import StagingCheckpointEngine
 
         self.ds = ds
+        self.ema = ema
         self.world = world
         self.group = group
         self.stager = StagingCheckpointEngine(ds.checkpoint_engine)
@@ -84,10 +93,19 @@ class DeepSpeedLayout(CheckpointLayout):
         companions, `latest` and zero_to_fp32.py, are written right away); their tensors are copied on the
         staging thread. The returned future holds the copies; wait for it before the next optimizer step."""
         self.ds.save_checkpoint(directory, tag=ENGINE_DIR, save_latest=False)
-        return self._copier.submit(self.stager.copy, self.stager.take())
+        files, ema = self.stager.take(), self.ema
+
+        def copy() -> list:
+            copies = self.stager.copy(files)
+            if ema is not None:  # updated only after the next optimizer step, which waits for this copy
+                copies.append((ema_file(directory, self.world.rank), _host_copy(ema.state_dict())))
+            return copies
+
+        return self._copier.submit(copy)
 
     def write(self, handle: Future, directory: str, sink: FileSubmitter) -> None:
         for path, state in handle.result():
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.tmp{os.getpid()}"
             torch.save(state, tmp)
             os.replace(tmp, path)  # FileSink fsyncs it before it counts as durable
@@ -117,6 +135,8 @@ class DeepSpeedLayout(CheckpointLayout):
                 self._load_universal(directory, saved_world_size)
             else:
                 self._load_same_world(directory)
+            if self.ema is not None:
+                self._load_ema(directory)
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 — DeepSpeed's loaders fail with bare asserts and KeyErrors
@@ -125,6 +145,18 @@ class DeepSpeedLayout(CheckpointLayout):
                 f"({first_line(e)}); resume "
                 f"with the DeepSpeed config (ZeRO stage, precision) it was saved with"
             ) from None
+
+    def _load_ema(self, directory: str) -> None:
+        saved = read_saved(directory)
+        if saved:
+            self.ema.load_from(saved)
+            return
+        self.ema.reset()
+        if self.world.is_main:
+            logger.info(
+                f"checkpoint {directory} holds no moving average of the weights: --ema-decay starts it from the "
+                f"resumed weights"
+            )
 
     def _load_same_world(self, directory: str) -> None:
         path, _ = self.ds.load_checkpoint(
@@ -191,12 +223,26 @@ class DeepSpeedLayout(CheckpointLayout):
     @staticmethod
     def read_model_state(directory: str, ema: bool = False) -> dict[str, torch.Tensor]:
         """Full fp32 model weights of a DeepSpeed checkpoint, in one process (DeepSpeed's zero_to_fp32)."""
+        refuse_unsafe_files(directory)
         if ema:
-            raise UserError(f"checkpoint {directory}: a DeepSpeed checkpoint holds no moving average of the weights")
+            saved = read_saved(directory)
+            if not saved:
+                raise UserError(
+                    f"checkpoint {directory}: holds no moving average of the weights (train with --ema-decay)"
+                )
+            return assemble(saved)
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        refuse_unsafe_files(directory)
         return dict(get_fp32_state_dict_from_zero_checkpoint(directory, tag=ENGINE_DIR))
+
+
+def _host_copy(state):
+    """A copy of a nested state whose tensors live in host memory and share nothing with the originals."""
+    if torch.is_tensor(state):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: _host_copy(v) for k, v in state.items()}
+    return state
 
 
 def _base_optimizer(ds):

@@ -46,6 +46,7 @@ from bigclip.dist import World
 from bigclip.engine import ds_config as dsc
 from bigclip.engine.base import Engine, StateBytes, WorkingBytes, clip_and_measure
 from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
+from bigclip.engine.deepspeed_ema import PartitionEMA
 from bigclip.engine.fsdp import shard_frozen
 from bigclip.engine.memory import tensor_bytes
 from bigclip.engine.sharded_init import (
@@ -157,11 +158,6 @@ class DeepSpeedEngine(Engine):
         run here, before any work. Returns the result for the engine to complete (EngineConfig.resolved)."""
         if cfg.engine != cls.name:
             return None
-        if cfg.ema_decay is not None:
-            raise UserError(
-                "--ema-decay: not with DeepSpeed yet (its checkpoints have no place for the average of its "
-                "partitions); use --engine fsdp, which keeps the average of each rank's shards, or --engine ddp"
-            )
         ds = dsc.resolve_flags(cfg, cfg.device_type())
         dsc.for_run(ds, cfg, None, None)  # nothing but world- and model-sized "auto" left
         stage = dsc.stage(ds)
@@ -236,9 +232,10 @@ class DeepSpeedEngine(Engine):
 
         def setup(stage_bytes):  # stage_bytes(Ψ, N, working-copy bytes per parameter) -> bytes
             def state(psi: int, n: int, recipe: StateRecipe, size: ModelSize | None) -> float | None:
-                if recipe.opt == "adamw8bit" or recipe.in_backward or recipe.ema:
+                if recipe.opt == "adamw8bit" or recipe.in_backward:
                     return None  # refused by check_config: DeepSpeed keeps its own fp32 Adam state and steps
-                return stage_bytes(psi, n, 4 if recipe.precision == "fp32" else 2)
+                # --ema-decay: a float32 average of each rank's fp32 master partition (engine/deepspeed_ema.py)
+                return stage_bytes(psi, n, 4 if recipe.precision == "fp32" else 2) + (4 * psi / n if recipe.ema else 0)
 
             return state
 
@@ -322,6 +319,8 @@ class DeepSpeedEngine(Engine):
         self._autocast_dtype = _param_dtype(self.ds_config) if self._mixed else None
         if self._mixed:
             model.register_forward_pre_hook(_inputs_cast_to(self._autocast_dtype), with_kwargs=True)
+        if cfg.ema_decay is not None:  # of each rank's fp32 master partition, never gathered for training
+            self.ema = PartitionEMA(model, world, cfg.ema_decay, cfg.ema_warmup)
 
     # -- precision and accumulation
     def frozen(self, module: nn.Module) -> nn.Module:
@@ -420,7 +419,7 @@ class DeepSpeedEngine(Engine):
     def checkpoint_layout(self, group, mode: str) -> CheckpointLayout:
         if mode == "process" and self.world.is_main:
             logger.info("--checkpoint-async process: the DeepSpeed engine writes its checkpoints from a thread")
-        return DeepSpeedLayout(self.ds, self.world, group)
+        return DeepSpeedLayout(self.ds, self.world, group, ema=self.ema)
 
     def state_bytes(self) -> dict[str, int]:
         return tensor_bytes(self.model, self.ds.optimizer)
