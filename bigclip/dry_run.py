@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from bigclip import plan
 from bigclip.dist import World, describe_world
-from bigclip.engine import EngineConfig, StateRecipe, describe_plan
+from bigclip.engine import EngineConfig, StateRecipe, describe_plan, frozen_bytes
 from bigclip.model.config import ModelConfig
 
 
-def _memory_lines(cfg: EngineConfig, world: World, setup: str, facts: plan.ModelFacts) -> list[str]:
+def _memory_lines(
+    cfg: EngineConfig, world: World, setup: str, facts: plan.ModelFacts, teacher_bytes: float = 0.0
+) -> list[str]:
     recipe = StateRecipe(cfg.precision, cfg.optimizer.opt, cfg.optimizer_in_backward, cfg.ema_decay is not None)
     where = (
         f"memory per GPU ({setup}, {recipe.describe()}, {world.world_size} rank(s), micro-batch {cfg.batch_size}"
@@ -25,11 +27,12 @@ def _memory_lines(cfg: EngineConfig, world: World, setup: str, facts: plan.Model
         return [f"{where}: this engine cannot keep the state so"]
     gib = plan.GiB
     moment = "the optimizer step" if parts["step"] > parts["backward"] else "the start of the backward"
-    total = parts["peak"] + plan.OVERHEAD_BYTES
+    total = parts["peak"] + plan.OVERHEAD_BYTES + teacher_bytes
+    teacher = f" + the teacher's weights {teacher_bytes / gib:.1f} GiB" if teacher_bytes else ""
     return [
         f"{where}: state {parts['state'] / gib:.1f} GiB, activations {parts['activations'] / gib:.1f} GiB, working "
         f"buffers {parts['working'] / gib:.1f} GiB; peak at {moment} {parts['peak'] / gib:.1f} GiB + "
-        f"{plan.OVERHEAD_BYTES / gib:.0f} GiB reserved = {total / gib:.1f} GiB"
+        f"{plan.OVERHEAD_BYTES / gib:.0f} GiB reserved{teacher} = {total / gib:.1f} GiB"
         + (f" + the {facts.uncounted}'s activations, not estimated" if facts.uncounted else ""),
     ]
 
@@ -42,4 +45,12 @@ def report(model: ModelConfig, engine: EngineConfig, world: World) -> list[str]:
     setup, layout = describe_plan(engine, world, facts.params)
     lines.append(f"model {model.model}: {facts.params / 1e6:.1f}M parameters")
     lines.append(f"engine {layout}")
-    return lines + _memory_lines(engine, world, setup, facts)
+    teacher_bytes = 0.0
+    if model.distill_model is not None:  # --distill-model: its weights, placed as the engine places the model
+        teacher = plan.model_facts(model.distill_model, None)
+        teacher_bytes = frozen_bytes(engine, world, teacher.params)
+        lines.append(
+            f"teacher {model.distill_model}: {teacher.params / 1e6:.1f}M parameters, "
+            f"{teacher_bytes / plan.GiB:.2f} GiB of weights per GPU (its forward's activations are not estimated)"
+        )
+    return lines + _memory_lines(engine, world, setup, facts, teacher_bytes)

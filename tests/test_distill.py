@@ -217,3 +217,29 @@ def test_distillation_flags_that_cannot_work_fail_in_one_line(tmp_path, capfd, m
     err = capfd.readouterr().err.strip()
     assert err.count("\n") == 0 and message in err, err
     assert not (tmp_path / "logs").exists()
+
+
+def test_dry_run_counts_the_teachers_weights_where_the_engine_places_them(tmp_path):
+    """--dry-run adds the teacher's weights per GPU: whole under DDP and ZeRO-1/2, over the ranks under FSDP2 and
+    ZeRO-3, in the dtype each engine stores."""
+    from bigclip import dry_run
+    from bigclip.engine import frozen_bytes
+    from bigclip.plan import model_facts
+
+    (tmp_path / "t.pt").write_bytes(b"")
+    teacher = model_facts("ViT-L-14").params
+    world = World(world_size=4)
+    ds = os.path.join(os.path.dirname(os.path.dirname(__file__)), "ds_configs")
+    expected = {
+        "ddp": ({"engine": "ddp"}, 4 * teacher),
+        "fsdp": ({"engine": "fsdp"}, 4 * teacher / 4),
+        "zero2": ({"ds_config": os.path.join(ds, "zero2.json"), "precision": "amp_bf16"}, 2 * teacher),
+        "zero3": ({"ds_config": os.path.join(ds, "zero3.json"), "precision": "amp_bf16"}, 2 * teacher / 4),
+    }
+    for name, (flags, per_gpu) in expected.items():
+        cfg = resolve({"model": "ViT-B-32", "dataset_type": "synthetic", "precision": "fp32", **flags,
+                       "distill_model": "ViT-L-14", "distill_pretrained": str(tmp_path / "t.pt")})  # fmt: skip
+        assert frozen_bytes(cfg.sections.engine, world, teacher) == per_gpu, name
+    lines = dry_run.report(cfg.sections.model, cfg.sections.engine, World())
+    assert any(line.startswith("teacher ViT-L-14: 427.6M parameters") for line in lines), lines
+    assert "+ the teacher's weights 0.8 GiB" in lines[-1], lines[-1]  # ZeRO-3 bf16 on one rank: 2 bytes each

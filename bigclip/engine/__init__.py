@@ -85,6 +85,12 @@ def describe_plan(cfg: EngineConfig, world: World, num_params: int) -> tuple[str
     return ENGINES.get(cfg.engine).describe_plan(cfg, world, num_params)
 
 
+def frozen_bytes(cfg: EngineConfig, world: World, num_params: int) -> float:
+    """For --dry-run: bytes per GPU of a forward-only module's weights (a distillation teacher) as the engine
+    places it."""
+    return ENGINES.get(cfg.engine).frozen_bytes(cfg, world, num_params)
+
+
 def memory_setups() -> dict[str, StateBytes]:
     """Every engine's memory setups (ddp, fsdp, zero1 ... zero3_offload), in registry order: `bigclip plan`'s rows."""
     return {setup: model for _, cls in ENGINES.items() for setup, model in cls.memory_models().items()}
@@ -157,6 +163,7 @@ __all__ = [
     "DeepSpeedEngine",
     "build_engine",
     "describe_plan",
+    "frozen_bytes",
     "build_model",
     "check_config",
     "engine_selected_by",

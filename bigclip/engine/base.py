@@ -109,6 +109,12 @@ class Engine(abc.ABC):
         return cls.name, cls.name
 
     @classmethod
+    def frozen_bytes(cls, cfg: EngineConfig, world: World, num_params: int) -> float:
+        """Bytes per GPU of the weights of a forward-only module of `num_params` parameters as `frozen()` places it
+        (a distillation teacher): here whole, in the weights' dtype."""
+        return num_params * resolve_precision(cfg.precision, world.device).param_dtype.itemsize
+
+    @classmethod
     def memory_models(cls) -> dict[str, StateBytes]:
         """Setup name -> parameters + gradients + optimizer state per GPU, in bytes (ZeRO paper arithmetic)."""
         return {}

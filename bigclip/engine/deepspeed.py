@@ -200,6 +200,11 @@ class DeepSpeedEngine(Engine):
         return cfg.resolved if cfg.resolved is not None else dsc.resolve_flags(cfg, cfg.device_type())
 
     @classmethod
+    def frozen_bytes(cls, cfg: EngineConfig, world: World, num_params: int) -> float:
+        ds = cls._flag_values(cfg)  # the weights' dtype DeepSpeed stores; sharded at ZeRO-3 only
+        return num_params * _param_dtype(ds).itemsize / (world.world_size if dsc.stage(ds) == 3 else 1)
+
+    @classmethod
     def describe_plan(cls, cfg: EngineConfig, world: World, num_params: int) -> tuple[str, str]:
         ds = cls._flag_values(cfg)
         stage = dsc.stage(ds)

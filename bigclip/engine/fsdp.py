@@ -117,6 +117,10 @@ class FSDPEngine(TorchOptimizerEngine):
         return build_for_sharding(cfg, factory, shards_params=True)
 
     @classmethod
+    def frozen_bytes(cls, cfg: EngineConfig, world: World, num_params: int) -> float:
+        return super().frozen_bytes(cfg, world, num_params) / world.world_size  # sharded like the model
+
+    @classmethod
     def memory_models(cls) -> dict[str, StateBytes]:
         def fsdp(psi: int, n: int, recipe: StateRecipe, size: ModelSize | None) -> float:
             state = recipe.per_param * psi / n  # shards of weights, gradients and optimizer state
