@@ -171,7 +171,8 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
     # (the meta runs' students start from a file too: a sharded random init differs from DDP's)
     meta = {"sharded_init": "always", "pretrained": str(teacher)}
     more = {"ddp_pretrained": {"pretrained": str(teacher)}, "fsdp_meta": {"engine": "fsdp", **meta},
-            "zero3_meta": {"ds_config": DS[3], **meta}}  # fmt: skip
+            "zero3_meta": {"ds_config": DS[3], **meta},
+            "fsdp_offload": {"engine": "fsdp", "fsdp_offload_cpu": True}}  # fmt: skip
     for name, flags in {**engines(), **more}.items():
         runs.append({"name": f"{name}_distill", "steps": 8, "teacher": True, "config": {**tiny, **flags, **distill}})
     for name, flags in (("ddp", {}), ("zero3", {"ds_config": DS[3]})):
@@ -245,12 +246,14 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
     # ZeRO-3 hold half of it per rank (also when it is built on meta and its file streamed into the shards)
     assert r["ddp_distill"]["losses"][0] > ddp["losses"][0]
     whole = r["ddp_distill"]["teacher"]["local_elements"]
-    for name in ("fsdp", "zero1", "zero2", "zero3"):
+    for name in ("fsdp", "zero1", "zero2", "zero3", "fsdp_offload"):
         assert_same_run(r[f"{name}_distill"], r["ddp_distill"], FP32_RTOL)
     for name in ("fsdp_meta", "zero3_meta"):
         assert_same_run(r[f"{name}_distill"], r["ddp_pretrained_distill"], FP32_RTOL)
     assert_same_run(r["zero3_distill_accum"], r["ddp_distill_accum"], FP32_RTOL)
-    for name in ("ddp", "fsdp", "zero1", "zero2", "zero3", "fsdp_meta", "zero3_meta", "ddp_accum", "zero3_accum"):
+    taught = ("ddp", "fsdp", "zero1", "zero2", "zero3", "fsdp_meta", "zero3_meta", "fsdp_offload", "ddp_accum",
+              "zero3_accum")  # fmt: skip
+    for name in taught:
         t = r[name.replace("_accum", "") + "_distill" + ("_accum" if "accum" in name else "")]["teacher"]
         assert t["unchanged"] and not t["training"] and not t["requires_grad"] and not t["in_model"], (name, t)
         sharded = name.startswith(("fsdp", "zero3"))

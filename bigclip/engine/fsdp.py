@@ -69,6 +69,7 @@ def shard_frozen(
     rank: int,
     mp_policy: MixedPrecisionPolicy | None = None,
     dtype: torch.dtype | None = None,
+    offload: OffloadPolicy | None = None,
 ) -> nn.Module:
     """A forward-only module (a distillation teacher) sharded like FSDP2's model: fully_shard per block, then the
     root, every unit resharded after its forward (no backward follows); a meta module gets its weights shard by
@@ -78,7 +79,12 @@ def shard_frozen(
     on_meta = is_meta(module)
     if not on_meta:
         module.to(device=device)
-    kwargs = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=True)
+    kwargs = dict(
+        mesh=mesh,
+        mp_policy=mp_policy or MixedPrecisionPolicy(),
+        offload_policy=offload or OffloadPolicy(),
+        reshard_after_forward=True,
+    )
     for block in module.transformer_blocks():
         fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
@@ -169,11 +175,9 @@ class FSDPEngine(TorchOptimizerEngine):
         if self.precision.autocast_dtype is None and self.precision.param_dtype != torch.float32:
             model.to(dtype=self.precision.param_dtype)
 
-        offload = OffloadPolicy()
-        if cfg.fsdp_offload_cpu:
-            # Pinned host memory needs CUDA; on a CPU-only run the shards already live in host memory.
-            offload = CPUOffloadPolicy(pin_memory=world.device.type == "cuda")
-        kwargs = dict(mesh=self.mesh, mp_policy=mixed_precision_policy(self.precision), offload_policy=offload)
+        kwargs = dict(
+            mesh=self.mesh, mp_policy=mixed_precision_policy(self.precision), offload_policy=self._offload_policy()
+        )
         reshard = not cfg.fsdp_no_reshard_after_forward
         for block in model.transformer_blocks():
             fully_shard(block, reshard_after_forward=reshard, **kwargs)
@@ -197,6 +201,12 @@ class FSDPEngine(TorchOptimizerEngine):
             # Shards overflow independently; the sharded scaler agrees on "found inf" across ranks.
             self.scaler = ShardedGradScaler(world.device.type)
 
+    def _offload_policy(self) -> OffloadPolicy:
+        if self.cfg.fsdp_offload_cpu:
+            # Pinned host memory needs CUDA; on a CPU-only run the shards already live in host memory.
+            return CPUOffloadPolicy(pin_memory=self.world.device.type == "cuda")
+        return OffloadPolicy()
+
     def frozen(self, module: nn.Module) -> nn.Module:
         # Sharded over the ranks that shard the model; in host memory with --fsdp-offload-cpu.
         device = self.world.device if not self.cfg.fsdp_offload_cpu else torch.device("cpu")
@@ -209,6 +219,7 @@ class FSDPEngine(TorchOptimizerEngine):
             self.mesh.get_local_rank("shard"),
             mixed_precision_policy(self.precision),
             stored if stored != torch.float32 else None,
+            self._offload_policy(),
         )
 
     # -- accumulation: reduce-scatter only in the last micro-batch's backward
