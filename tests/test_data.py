@@ -483,6 +483,32 @@ def test_eval_transform_equals_openclips_on_a_4_3_image():
     assert torch.equal(ours(image), theirs(image))
 
 
+def _said_in_a_child(skips: SkipCounter, lines: list[str], out) -> None:
+    out.put([skips._first_time(line) for line in lines])
+
+
+def test_a_skip_repeated_by_every_worker_is_said_once_and_counted_each_time(caplog):
+    """A corrupt shard drawn again and again by each worker of a resampled stream: one warning line for the
+    loader (its processes share what was said), every occurrence counted; at most 5 distinct lines."""
+    import multiprocessing
+
+    skips = SkipCounter("train")
+    with caplog.at_level("WARNING", logger="bigclip"):
+        for _ in range(10):
+            skips.count("read_error", "shard_failed: bad.tar: ReadError")
+    assert caplog.text.count("skipped a sample (read_error) shard_failed: bad.tar") == 1
+    same = "train data: skipped a sample (read_error) shard_failed: bad.tar: ReadError"
+    context = multiprocessing.get_context("fork")  # as DataLoader starts its workers here
+    out = context.Queue()
+    child = context.Process(target=_said_in_a_child, args=(skips, [same, "new in the worker"], out))
+    child.start()
+    assert out.get(timeout=60) == [False, True]  # the worker sees what the main process said, and says its own
+    child.join()
+    assert not skips._first_time("new in the worker")  # ...which the main process now knows too
+    assert [skips._first_time(f"line {i}") for i in range(5)] == [True, True, True, False, False]  # 5 in all
+    assert skips.snapshot()["read_error"] == 10
+
+
 def test_validation_count_is_checked_against_val_num_samples(caplog):
     skips = SkipCounter("val")
     skips.count("bad_image", n=2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import zlib
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,9 @@ SKIP_REASONS = (
     "too_large",  # an image whose header says more pixels than --max-image-pixels: never decoded
 )
 
-# Each process warns about the first few skips of a loader with details, then only counts.
+# A loader warns about its first few distinct skips with details, then only counts (the progress lines and the
+# epoch's summary give the counts). Distinct over all its processes: a corrupt shard drawn again and again by
+# every worker of a resampled stream is one line, not one per draw and worker.
 _WARN_FIRST = 5
 
 
@@ -31,15 +34,27 @@ class SkipCounter:
     def __init__(self, name: str):
         self.name = name
         self._counts = multiprocessing.Array("q", len(SKIP_REASONS), lock=True)
-        self._warned = 0  # per process: every worker has its own copy
+        # [how many said, then the CRC-32 of each line said]: shared like the counts
+        self._said = multiprocessing.Array("q", _WARN_FIRST + 1, lock=True)
 
     def count(self, reason: str, detail: str = "", n: int = 1) -> None:
         slot = SKIP_REASONS.index(reason)
         with self._counts.get_lock():
             self._counts[slot] += n
-        if self._warned < _WARN_FIRST:
-            self._warned += 1
-            logger.warning(f"{self.name} data: skipped a sample ({reason}) {detail}".rstrip())
+        line = f"{self.name} data: skipped a sample ({reason}) {detail}".rstrip()
+        if self._first_time(line):
+            logger.warning(line)
+
+    def _first_time(self, line: str) -> bool:
+        """Whether `line` is one of the first _WARN_FIRST distinct lines of this loader (all its processes)."""
+        key = zlib.crc32(line.encode()) + 1  # never 0, the value of an empty slot
+        with self._said.get_lock():
+            said = self._said[0]
+            if said >= _WARN_FIRST or key in self._said[1 : 1 + said]:
+                return False
+            self._said[1 + said] = key
+            self._said[0] = said + 1
+            return True
 
     def snapshot(self) -> dict[str, int]:
         """Skips so far (cumulative over epochs), one entry per reason, zeros included."""
