@@ -191,7 +191,7 @@ def train_one_epoch(
             state.nonfinite_streak = 0
         state.advance(samples_per_step, cfg.accum_freq)
         step_in_epoch += 1
-        progress.step_done(state, step_in_epoch, loss, grad_norm)
+        progress.step_done(state, step_in_epoch, loss, grad_norm, getattr(loss_fn, "parts", None))
         if checkpointer.after_step(state, end_of_epoch=step_in_epoch == steps):
             return True
     if step_in_epoch == first_step < steps:

@@ -57,6 +57,7 @@ class EpochProgress:
         # the smoothed loss's weight on the past per step: about loss_ema_samples samples of memory
         self.ema_decay = math.exp(-samples_per_step / loss_ema_samples) if loss_ema_samples else None
         self.loss_ema: float | None = None
+        self._parts: dict = {}  # the loss's terms at the last step (see step_done)
         self.bar = None
         if world.is_main and sys.stdout.isatty():
             self.bar = tqdm(total=steps, desc=f"epoch {state.epoch}", leave=False, dynamic_ncols=True)
@@ -71,8 +72,13 @@ class EpochProgress:
         logger.warning(f"step {state.step}: non-finite loss; step skipped, weights unchanged")
         self.sinks.write({"step": state.step, "epoch": state.epoch, "nonfinite_loss": 1})
 
-    def step_done(self, state: TrainState, step_in_epoch: int, loss: float, grad_norm: float) -> None:
-        """After state.advance(); loss is nan for a skipped step (it wrote its own record)."""
+    def step_done(
+        self, state: TrainState, step_in_epoch: int, loss: float, grad_norm: float, parts: dict | None = None
+    ) -> None:
+        """After state.advance(); loss is nan for a skipped step (it wrote its own record). `parts`: the loss's
+        terms as its module exposes them (the distillation loss: contrastive_loss, distill_loss), logged and
+        recorded beside it."""
+        self._parts = parts or {}
         self.batch_time.update(time.perf_counter() - self._end)
         self._end = time.perf_counter()
         if math.isfinite(loss):
@@ -95,12 +101,16 @@ class EpochProgress:
     def _scalars(self, state: TrainState, loss: float, grad_norm: float) -> dict[str, float]:
         """The step's scalars for a record; with --log-metric-every-n-steps the loss is the mean over ranks
         (collective: every rank records at the same steps)."""
+        names = sorted(self._parts)
+        values = [loss, *(float(self._parts[n]) for n in names)]
         if self.metric_every is not None:
-            loss = float(all_reduce_sum(torch.tensor([loss], dtype=torch.float64), self.world)) / self.world.world_size
+            summed = all_reduce_sum(torch.tensor(values, dtype=torch.float64), self.world)
+            values = [float(v) / self.world.world_size for v in summed]
         return {
             "step": state.step,
             "samples_seen": state.samples_seen,
-            "loss": loss,
+            "loss": values[0],
+            **dict(zip(names, values[1:])),
             "lr": self.engine.get_lr(),
             "logit_scale": float(self.engine.model.logit_scale.detach().float().exp().mean()),
             "grad_norm": grad_norm,
@@ -116,6 +126,8 @@ class EpochProgress:
             self.epoch, seen, self.samples, self.data_time.avg, self.batch_time.avg, per_s, per_gpu,
             scalars["lr"], scalars["logit_scale"], loss, smoothed,
         )  # fmt: skip
+        for name in sorted(self._parts):  # OpenCLIP's spelling of the terms in its log line
+            line += f" {name.capitalize()}: {scalars[name]:.4f}"
         skipped = self._skipped()  # collective: every rank logs at the same steps
         if skipped:
             line += f" Skipped: {sum(skipped.values())} ({', '.join(f'{k} {v}' for k, v in skipped.items())})"

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port
+from helpers import free_port, read_metrics
 from open_clip.loss import DistillClipLoss as OpenCLIPDistillClipLoss
 from test_loss_chunked import LargestTensor
 from test_loss_reference import unit_features
@@ -198,6 +198,13 @@ def test_a_run_with_a_teacher_saves_only_the_student(tmp_path):
     taught = DCPLayout.read_model_state(str(tmp_path / "taught" / "checkpoints" / "epoch_1"))
     assert taught.keys() == plain.keys()  # the student's weights only
     assert any(not torch.equal(taught[k], plain[k]) for k in plain)  # the teacher changed what was learnt
+    # the two terms are logged and recorded beside the loss, as OpenCLIP logs them
+    records = [r for r in read_metrics(str(tmp_path / "taught")) if "loss" in r]
+    assert records and all(
+        r["contrastive_loss"] + r["distill_loss"] == pytest.approx(r["loss"], rel=1e-6) for r in records
+    )
+    assert "Contrastive_loss: " in (tmp_path / "taught" / "out.log").read_text()
+    assert all("distill_loss" not in r for r in read_metrics(str(tmp_path / "plain")))
 
 
 @pytest.mark.parametrize(

@@ -157,7 +157,8 @@ def distill_term_blocked(
 
 
 class DistillClipLoss(nn.Module):
-    """The CLIP loss (any implementation) plus the distillation term; called with the teacher's outputs."""
+    """The CLIP loss (any implementation) plus the distillation term; called with the teacher's outputs. `parts`:
+    the two terms of the last call (detached), which the training loop logs beside the loss."""
 
     def __init__(
         self,
@@ -180,7 +181,10 @@ class DistillClipLoss(nn.Module):
         if teacher is None:
             raise ValueError("the distillation loss needs the teacher's outputs on the same batch")
         contrastive = self.contrastive(image_features, text_features, logit_scale, logit_bias)
-        return contrastive + self.distill(image_features, text_features, logit_scale, teacher)
+        distill = self.distill(image_features, text_features, logit_scale, teacher)
+        # the two terms of the last call, for the log lines and records (OpenCLIP logs them by these names)
+        self.parts = {"contrastive_loss": contrastive.detach(), "distill_loss": distill.detach()}
+        return contrastive + distill
 
     def distill(self, image_features, text_features, logit_scale, teacher: TeacherOutputs) -> torch.Tensor:
         naive = select.resolve_impl(self.impl, image_features) == "naive"
