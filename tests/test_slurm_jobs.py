@@ -16,7 +16,7 @@ import os
 import time
 
 import pytest
-from helpers import REPO, TINY_SYNTHETIC, read_metrics, step_losses, subprocess_env, wait_for_step
+from helpers import REPO, TINY_SYNTHETIC, free_port, read_metrics, step_losses, subprocess_env, wait_for_step
 from slurm_cluster import FINAL_STATES, slurm  # noqa: F401  (pytest fixture)
 
 from bigclip.ckpt import verify
@@ -35,7 +35,10 @@ TIME_LIMIT = "--time=30"
 
 
 def _submit(slurm, tmp_path, template: str, sbatch: list[str], flags: list[str], **env: str) -> int:
-    """Submit launch/slurm/<template> from the repository root (its documented place), output in tmp_path."""
+    """Submit launch/slurm/<template> from the repository root (its documented place), output in tmp_path.
+    The job's ranks meet on a free port (MASTER_PORT, which the templates honour): their default, 20000 + the
+    job id, is 20001 for this cluster's first job, and a CI run once found that port taken (EADDRINUSE)."""
+    env.setdefault("MASTER_PORT", str(free_port()))
     args = [f"--output={tmp_path}/%x-%j.out", *sbatch, f"launch/slurm/{template}", *flags]
     return slurm.submit(args, cwd=REPO, env=subprocess_env(**env))
 
