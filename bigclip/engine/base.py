@@ -151,11 +151,14 @@ class Engine(abc.ABC):
         """A module the run only runs forward (a distillation teacher: never stepped, never saved), placed as
         this engine places its model; here whole on the device, in the weights' dtype. Eval mode, no gradients.
         A module built on meta (for sharding) gets its weights now."""
+        return self._frozen_whole(module, self.precision.param_dtype)
+
+    def _frozen_whole(self, module: nn.Module, dtype: torch.dtype) -> nn.Module:
+        """`module` whole on this rank's device in `dtype`, eval mode, no gradients (weights given if on meta)."""
         module.requires_grad_(False)
         if is_meta(module):
             materialise(module, self.world.device, self.cfg.seed, self.world.rank)
-        module.to(device=self.world.device, dtype=self.precision.param_dtype)
-        return module.eval()
+        return module.to(device=self.world.device, dtype=dtype).eval()
 
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)

@@ -334,10 +334,7 @@ class DeepSpeedEngine(Engine):
         (it needs no optimizer, and ZeRO-3's parameter hooks belong to DeepSpeed's training engine)."""
         dtype = _param_dtype(self.ds_config)
         if self.stage != 3:
-            module.requires_grad_(False)
-            if is_meta(module):
-                materialise(module, self.world.device, self.cfg.seed, self.world.rank)
-            return module.to(device=self.world.device, dtype=dtype).eval()
+            return self._frozen_whole(module, dtype)
         mesh = init_device_mesh(self.world.device.type, (self.world.world_size,))
         return shard_frozen(module, mesh, self.world.device, self.cfg.seed, self.world.rank, dtype=dtype)
 

@@ -141,13 +141,13 @@ class PartitionEMA(WeightsEMA):
                 b.copy_(live_buffers[name])
 
     def _whole(self, name: str, p: nn.Parameter) -> torch.Tensor:
-        return self.whole_average(name).to(p.dtype)
+        return self.whole_average(name, p.device).to(p.dtype)
 
-    def whole_average(self, name: str) -> torch.Tensor:
+    def whole_average(self, name: str, device: torch.device | None = None) -> torch.Tensor:
         """Collective: the whole float32 average of one parameter, flattened, on every rank (the fragments are
         disjoint, so it is their sum)."""
-        p = dict(self.model.named_parameters())[name]
-        whole = torch.zeros(torch.Size(self.shapes[name]).numel(), dtype=torch.float32, device=p.device)
+        device = device or self.world.device
+        whole = torch.zeros(torch.Size(self.shapes[name]).numel(), dtype=torch.float32, device=device)
         if name in self.params:
             start = self.starts[name]
             whole[start : start + self.params[name].numel()] = self.params[name]
