@@ -78,33 +78,35 @@ def forward_backward(
     once per micro-batch without gradients, go to the loss beside the student's (over the whole accumulated
     batch, like the features: OpenCLIP refuses --accum-freq with distillation, bigclip's cache makes it exact).
     """
+    # the model outputs the loss reads: the features, and what the loss module asks for besides (CoCa's caption
+    # logits and labels), cached and concatenated across micro-batches alike
+    keys = ("image_features", "text_features", *getattr(loss_fn, "model_outputs", ()))
     if len(micro_batches) == 1:
         images, texts = micro_batches[0]
         with engine.autocast():
             taught = _teacher_outputs(teacher, [(images, texts)])
             out = engine.module(images=images, texts=texts)
-            loss = _loss(loss_fn, out["image_features"], out["text_features"], out, True, taught)
+            loss = _loss(loss_fn, {k: out[k] for k in keys}, out, True, taught)
         if not _finite_on_all_ranks(loss, world):
             return float("nan"), None
         engine.backward(loss)
         return loss.item(), out
 
-    cached_images, cached_texts = [], []
+    cached: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
     with torch.no_grad(), engine.autocast():
         taught = _teacher_outputs(teacher, micro_batches)
         for images, texts in micro_batches:
             out = engine.module(images=images, texts=texts)
-            cached_images.append(out["image_features"])
-            cached_texts.append(out["text_features"])
+            for k in keys:
+                cached[k].append(out[k])
 
     for j, (images, texts) in enumerate(micro_batches):
         last = j == len(micro_batches) - 1
         with contextlib.nullcontext() if last else engine.no_sync():
             with engine.autocast():
                 out = engine.module(images=images, texts=texts)
-                image_features = torch.cat(cached_images[:j] + [out["image_features"]] + cached_images[j + 1 :])
-                text_features = torch.cat(cached_texts[:j] + [out["text_features"]] + cached_texts[j + 1 :])
-                loss = _loss(loss_fn, image_features, text_features, out, last, taught)
+                inputs = {k: torch.cat(cached[k][:j] + [out[k]] + cached[k][j + 1 :]) for k in keys}
+                loss = _loss(loss_fn, inputs, out, last, taught)
             if j == 0 and not _finite_on_all_ranks(loss, world):
                 return float("nan"), None  # every micro-batch sees the same loss: no gradient was taken yet
             engine.backward(loss)
@@ -124,14 +126,17 @@ def _teacher_outputs(teacher, micro_batches: MicroBatches) -> TeacherOutputs | N
     )
 
 
-def _loss(loss_fn, image_features, text_features, out: dict[str, torch.Tensor], keep_scale_grad: bool, taught=None):
+def _loss(loss_fn, inputs: dict[str, torch.Tensor], out: dict[str, torch.Tensor], keep_scale_grad: bool, taught=None):
+    """loss_fn(image features, text features, scale, bias, **the other inputs[, teacher=])."""
     scale = out["logit_scale"] if keep_scale_grad else out["logit_scale"].detach()
     bias = out.get("logit_bias")
     if bias is not None and not keep_scale_grad:
         bias = bias.detach()
+    inputs = dict(inputs)
+    image_features, text_features = inputs.pop("image_features"), inputs.pop("text_features")
     if taught is not None:
-        return loss_fn(image_features, text_features, scale, bias, teacher=taught)
-    return loss_fn(image_features, text_features, scale, bias)
+        inputs["teacher"] = taught
+    return loss_fn(image_features, text_features, scale, bias, **inputs)
 
 
 def _finite_on_all_ranks(loss: torch.Tensor, world: World) -> bool:

@@ -62,8 +62,8 @@ def test_precedence_defaults_yaml_flags(tmp_path):
         (["--batch-size", "-4"], "--batch-size -4: must be a positive integer"),
         (["--precision", "fp8"], "--precision 'fp8': choose one of amp"),
         (
-            ["--model", "coca_ViT-B-32", "--dataset-type", "synthetic"],
-            "--model coca_ViT-B-32: not supported yet",
+            ["--model", "coca_roberta-ViT-B-32", "--dataset-type", "synthetic"],
+            "--model coca_roberta-ViT-B-32: not supported yet",
         ),
         (
             ["--model", "test-tiny", "--dataset-type", "synthetic", "--train-data-upsampling-factors", "1::2"],
@@ -80,7 +80,11 @@ def test_precedence_defaults_yaml_flags(tmp_path):
         (["--opt", "sgd"], "--opt 'sgd': choose adamw or timm/<optimizer name>"),
         (["--report-to", "mlflow"], "--report-to 'mlflow': use tensorboard, wandb"),
         (["--horovod"], "--horovod: not supported yet"),
-        (["--coca-caption-loss-weight", "1.0"], "--coca-caption-loss-weight: not supported yet"),
+        (["--coca-caption-loss-weight", "-1"], "--coca-caption-loss-weight -1.0: must be"),
+        (
+            ["--model", "test-tiny-coca", "--siglip"],
+            "--model: CoCa's loss adds its caption term to the CLIP loss, not to the SigLIP loss",
+        ),
         (["--imagenet-val", "/nonexistent/imagenet"], "--imagenet-val /nonexistent/imagenet: not a directory"),
         (["--batch-size", "abc"], "argument --batch-size: invalid int value: 'abc'"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),

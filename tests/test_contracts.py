@@ -301,6 +301,7 @@ DECIDED = {
     ("model", "init"): "the loss family's model_init",
     ("engine", "optimizer"): "the optimizer's slice",
     ("engine", "resolved"): "what the chosen engine's check_config returned",
+    ("loss", "captioning"): "whether the model captions (CoCa), which the model's config says",
 }
 
 

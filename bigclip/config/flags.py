@@ -22,7 +22,7 @@ from bigclip.data import DataConfig
 from bigclip.dist import DistConfig
 from bigclip.engine import EngineConfig
 from bigclip.eval import EvalConfig
-from bigclip.flag_fields import DIST, GROUPS, LOG, LOSS, MISC, TRAIN, flag, internal, is_flag, unsupported
+from bigclip.flag_fields import DIST, GROUPS, LOG, MISC, TRAIN, flag, internal, is_flag, unsupported
 from bigclip.log import ReportConfig
 from bigclip.loop import LoopConfig
 from bigclip.loss import LossConfig
@@ -37,8 +37,6 @@ class RunFlags:
 
     torchscript: bool = unsupported(False, "TorchScript the model.", TRAIN, "use --torchcompile")
     trace: bool = unsupported(False, "Trace the model (inference).", TRAIN, "use --torchcompile")
-    coca_contrastive_loss_weight: float = unsupported(1.0, "CoCa contrastive weight.", LOSS, "CoCa models are planned")
-    coca_caption_loss_weight: float = unsupported(2.0, "CoCa caption weight.", LOSS, "CoCa models are planned")
     name: str | None = flag(None, "Run name (default: date, model, lr, batch size, precision).", LOG)
     debug: bool = flag(False, "Debug logging; an error also prints its traceback above its one line.", LOG)
     log_local: bool = flag(False, "Log from the first process of every node, not only rank 0.", LOG)

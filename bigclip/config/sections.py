@@ -25,7 +25,7 @@ from bigclip.eval import EvalConfig, check_eval
 from bigclip.log import ReportConfig, report_targets
 from bigclip.loop import LoopConfig
 from bigclip.loss import LossConfig, check_loss, loss_family
-from bigclip.model.config import ModelConfig, check_model
+from bigclip.model.config import ModelConfig, captions, check_model
 from bigclip.optim import OptimizerConfig, check_optimizer
 from bigclip.schedule import ScheduleConfig, check_schedule
 
@@ -70,7 +70,7 @@ def build_sections(flags: Any) -> Sections:
     dist = slice_of(flags, DistConfig)
     check_dist(dist)
     engine = check_engine_config(slice_of(flags, EngineConfig, optimizer=optimizer, resolved=None))
-    loss = slice_of(flags, LossConfig)
+    loss = slice_of(flags, LossConfig, captioning=captions(model_flags))
     check_loss(loss)
     check_data(data)
     checkpoint = slice_of(flags, CheckpointConfig)

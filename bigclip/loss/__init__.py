@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from bigclip.errors import UserError
+from bigclip.loss.caption import CaptionLoss
 from bigclip.loss.clip import CLIP, CLIP_DIST_IMPLS, ClipLoss
 from bigclip.loss.distill import DistillClipLoss, TeacherOutputs
 from bigclip.loss.family import LOSSES, LossConfig, LossFamily, check_dist_impl
@@ -21,6 +22,7 @@ from bigclip.loss.select import LOSS_IMPLS, check_impl
 from bigclip.loss.siglip import SIGLIP_DIST_IMPLS, SigLipLoss
 
 __all__ = [
+    "CaptionLoss",
     "ClipLoss",
     "DistillClipLoss",
     "TeacherOutputs",
@@ -53,11 +55,19 @@ def check_loss(cfg: LossConfig) -> None:
             f"--distill-model: distillation adds to the CLIP loss (OpenCLIP's DistillClipLoss), not to "
             f"{family.described_as}; drop --distill-model or --loss/--siglip"
         )
+    if cfg.captioning and family is not CLIP:
+        # OpenCLIP would silently train a CoCa with the CLIP loss's contrastive term instead of this family's.
+        raise UserError(f"--model: CoCa's loss adds its caption term to the CLIP loss, not to {family.described_as}")
+    if cfg.captioning and cfg.distill_model is not None:
+        raise UserError("--distill-model: distillation is for CLIP models; a CoCa model trains with its own loss")
 
 
 def build_loss(cfg: LossConfig, rank: int = 0, world_size: int = 1) -> nn.Module:
-    """The loss module for these flags; with a teacher (--distill-model) it also takes the teacher's outputs."""
+    """The loss module for these flags; with a teacher (--distill-model) it also takes the teacher's outputs, for a
+    captioning model (CoCa) the caption logits and labels."""
     loss = loss_family(cfg).build(cfg, rank, world_size)
+    if cfg.captioning:
+        return CaptionLoss(loss, cfg.coca_contrastive_loss_weight, cfg.coca_caption_loss_weight)
     if cfg.distill_model is not None:
         return DistillClipLoss(loss, cfg.local_loss, cfg.gather_with_grad, rank, world_size, cfg.loss_impl)
     return loss

@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from bigclip.errors import UserError
-from bigclip.flag_fields import LOSS, flag
+from bigclip.flag_fields import LOSS, flag, non_negative_number
 from bigclip.loss.select import LOSS_IMPLS
 from bigclip.registry import Registry
 
@@ -43,8 +43,15 @@ class LossConfig:
         LOSS,
     )
     loss_impl: str = flag("auto", "naive, chunked, triton or auto (new in bigclip).", LOSS, choices=LOSS_IMPLS)
+    coca_contrastive_loss_weight: float = flag(
+        1.0, "CoCa: weight of the contrastive term (0 drops it).", LOSS, check=non_negative_number
+    )
+    coca_caption_loss_weight: float = flag(2.0, "CoCa: weight of the caption term.", LOSS, check=non_negative_number)
     # read here, owned by another slice (its flag is declared there)
     distill_model: str | None = None  # a teacher: the CLIP loss plus OpenCLIP's distillation term
+    # decided for the loss by the model (config/sections.py): the model captions (CoCa), so the loss adds
+    # OpenCLIP's caption term
+    captioning: bool = False
 
 
 @dataclass(frozen=True)

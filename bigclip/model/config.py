@@ -13,7 +13,7 @@ from bigclip.model.registry import get_model_config, is_schema_name, list_models
 from bigclip.model.switchback import SWITCHBACK_VARIANTS
 
 # OpenCLIP families whose towers bigclip does not build yet: named as such, not as unknown architectures.
-NOT_YET_BUILT = ("convnext", "coca", "EVA", "mt5", "xlm")
+NOT_YET_BUILT = ("convnext", "coca_roberta", "coca_base", "EVA", "mt5", "xlm")
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,11 @@ class ModelConfig:
         """--force-image-size as create_model takes it: one int, (height, width), or None."""
         size = self.force_image_size
         return size[0] if size is not None and len(size) == 1 else (tuple(size) if size else None)
+
+
+def captions(cfg: ModelConfig) -> bool:
+    """Whether --model captions as well as embeds (CoCa: a multimodal_cfg), so its loss has a caption term."""
+    return "multimodal_cfg" in get_model_config(cfg.model, cfg.cache_dir)
 
 
 def check_model(cfg: ModelConfig) -> None:

@@ -18,6 +18,10 @@ Only names and a few shapes differ; every tensor keeps its values:
       transformer.* / ln_final.* / text_projection
     logit_scale, logit_bias           ()          logit_scale, logit_bias      (1,)
 
+CoCa (model/coca.py) keeps OpenCLIP's names everywhere except the ViT's trunk: its image tower's attn_pool.* and
+ln_post.* (after the pooler), its text.* (OpenCLIP's CoCa keeps the text tower under `text.`, unlike CLIP) and
+text_decoder.* pass through unchanged.
+
 timm's fused qkv weight stacks [q; k; v] exactly like `nn.MultiheadAttention.in_proj_weight`,
 so attention weights need no reordering. Other vision towers bring their own tables (`TowerNames`); the
 state dict's visual names say which tower it holds. Conversions are plans (rename.py), so a checkpoint can
@@ -88,7 +92,17 @@ def _to_scalar(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(())
 
 
-def _openclip_vit_name(name: str) -> str:
+# CoCa's attentional pooler and the norm after it: the same names on both sides.
+_POOLER_NAMES = ("attn_pool.", "ln_post.")
+
+
+def _pooled(names: Iterable[str]) -> bool:
+    return "visual.attn_pool.query" in names
+
+
+def _openclip_vit_name(name: str, pooled: bool = False) -> str:
+    if pooled and name.startswith(_POOLER_NAMES):
+        return name
     block = _OPENCLIP_BLOCK.match(name)
     if block:
         index, rest = block.groups()
@@ -102,7 +116,9 @@ def _openclip_vit_name(name: str) -> str:
     return new
 
 
-def _bigclip_vit_name(name: str) -> str:
+def _bigclip_vit_name(name: str, pooled: bool = False) -> str:
+    if pooled and name.startswith(_POOLER_NAMES):
+        return name
     block = _BIGCLIP_BLOCK.match(name)
     if block:
         index, rest = block.groups()
@@ -117,18 +133,22 @@ def _bigclip_vit_name(name: str) -> str:
 
 
 def _vit_from_openclip(names: Iterable[str]) -> Plan:
+    names = list(names)
+    pooled = _pooled(names)
     plan: Plan = {}
     for name in names:
-        new = _openclip_vit_name(name[len("visual.") :])
+        new = _openclip_vit_name(name[len("visual.") :], pooled)
         fn = {"trunk.cls_token": _to_cls_token, "trunk.pos_embed": _to_pos_embed}.get(new, same)
         plan["visual." + new] = renamed(name, fn)
     return plan
 
 
 def _vit_to_openclip(names: Iterable[str]) -> Plan:
+    names = list(names)
+    pooled = _pooled(names)
     plan: Plan = {}
     for name in names:
-        new = _bigclip_vit_name(name[len("visual.") :])
+        new = _bigclip_vit_name(name[len("visual.") :], pooled)
         fn = {"class_embedding": _to_class_embedding, "positional_embedding": _to_positional_embedding}.get(new, same)
         plan["visual." + new] = renamed(name, fn)
     return plan
@@ -160,13 +180,24 @@ def _tower(visual: set[str], openclip: bool) -> TowerNames:
     raise KeyError(f"unknown {layout} vision tower (entries like {sorted(visual)[:3]})")
 
 
+# CoCa's text tower and caption decoder: OpenCLIP's names in both layouts.
+_COCA_TEXT = ("text.", "text_decoder.")
+
+
+def _is_coca(names: Iterable[str]) -> bool:
+    return any(name.startswith("text_decoder.") for name in names)
+
+
 def plan_openclip_to_bigclip(names: Iterable[str]) -> Plan:
     """The plan that makes bigclip's `CLIP.state_dict()` from OpenCLIP's entries `names`."""
     names = [n for n in names if n.split(".")[-1] not in _OPENCLIP_IGNORED]
     visual = {n for n in names if n.startswith("visual.")}
     plan: Plan = _tower(visual, openclip=True).from_openclip(sorted(visual)) if visual else {}
+    coca = _is_coca(names)
     for name in names:
-        if name in _SCALARS:
+        if coca and name.startswith(_COCA_TEXT):
+            plan[name] = renamed(name)
+        elif name in _SCALARS:
             plan[name] = renamed(name, _to_vector)
         elif name.split(".")[0] in _TEXT_TOP_NAMES:
             plan["text." + name] = renamed(name)
@@ -180,8 +211,11 @@ def plan_bigclip_to_openclip(names: Iterable[str]) -> Plan:
     names = list(names)
     visual = {n for n in names if n.startswith("visual.")}
     plan: Plan = _tower(visual, openclip=False).to_openclip(sorted(visual)) if visual else {}
+    coca = _is_coca(names)
     for name in names:
-        if name in _SCALARS:
+        if coca and name.startswith(_COCA_TEXT):
+            plan[name] = renamed(name)
+        elif name in _SCALARS:
             plan[name] = renamed(name, _to_scalar)
         elif name.startswith("text."):
             plan[name[len("text.") :]] = renamed(name)

@@ -17,6 +17,7 @@ import torch
 from bigclip.errors import UserError
 from bigclip.model import switchback
 from bigclip.model.clip import CLIP, DEFAULT_INIT_LOGIT_SCALE
+from bigclip.model.coca import CoCa
 from bigclip.model.pretrained import model_weights, resolve_pretrained_image, timm_model_name
 from bigclip.model.registry import (
     CONFIG_DIR,
@@ -141,6 +142,7 @@ def create_model(
         pretrained = model_weights(name, cache_dir)
     vision_cfg = {k: v for k, v in cfg["vision_cfg"].items() if k not in _PREPROCESS_KEYS}
     text_cfg = dict(cfg["text_cfg"])
+    multimodal_cfg = dict(cfg["multimodal_cfg"]) if "multimodal_cfg" in cfg else None  # CoCa's caption decoder
     if patch_dropout is not None:
         if not tower.patch_dropout:
             raise UserError(f"--force-patch-dropout: --model {name} has {tower.described_as} (no patches); omit it")
@@ -156,6 +158,8 @@ def create_model(
         if not math.isfinite(layer_scale_init):
             raise UserError(f"--layer-scale-init {layer_scale_init}: must be a finite number")
         vision_cfg["ls_init_value"] = text_cfg["ls_init_value"] = float(layer_scale_init)
+        if multimodal_cfg is not None:
+            multimodal_cfg["ls_init_value"] = float(layer_scale_init)
     if context_length is not None:
         if context_length < 2:
             raise UserError(f"--force-context-length {context_length}: must be at least 2 (sot + eot)")
@@ -169,16 +173,16 @@ def create_model(
 
     with torch.device("meta"):
         try:
-            model = CLIP(
+            towers = (vision_cfg, text_cfg) if multimodal_cfg is None else (vision_cfg, text_cfg, multimodal_cfg)
+            model = (CLIP if multimodal_cfg is None else CoCa)(
                 cfg["embed_dim"],
-                vision_cfg,
-                text_cfg,
+                *towers,
                 quick_gelu=quick_gelu or cfg.get("quick_gelu", False),
                 init_logit_scale=DEFAULT_INIT_LOGIT_SCALE if init_logit_scale is None else init_logit_scale,
                 init_logit_bias=init_logit_bias,
                 image_size=image_size,
             )
-        except TypeError as err:  # a config key bigclip's towers do not take (OpenCLIP-only features)
+        except (TypeError, ValueError) as err:  # a config key or value bigclip's towers do not take
             raise UserError(f"--model {name}: this architecture config cannot be built by bigclip ({err})") from None
         if int8_linear is not None:
             use_int8_linears(model, int8_linear, name)

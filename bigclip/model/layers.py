@@ -25,18 +25,23 @@ def is_checkpointed(block_index: int, every: int) -> bool:
     return every > 0 and (block_index + 1) % every == 0
 
 
-def run_blocks(blocks: Iterable[nn.Module], x: torch.Tensor, checkpoint_every: int) -> torch.Tensor:
-    """Apply `blocks` in order, recomputing every `checkpoint_every`-th one in backward.
+def run_blocks(blocks: Iterable[nn.Module], x: torch.Tensor, checkpoint_every: int, *args) -> torch.Tensor:
+    """Apply `blocks` in order (each as block(x, *args): `args` are what every block also takes, an attention
+    mask), recomputing every `checkpoint_every`-th one in backward.
 
     Non-reentrant checkpointing: it works with inputs that do not require grad (a frozen
     tower below) and composes with sharded parameters.
     """
     for i, block in enumerate(blocks):
-        if torch.is_grad_enabled() and is_checkpointed(i, checkpoint_every):
-            x = checkpoint(block, x, use_reentrant=False)
-        else:
-            x = block(x)
+        x = run_block(block, x, is_checkpointed(i, checkpoint_every), *args)
     return x
+
+
+def run_block(block: nn.Module, x: torch.Tensor, recompute: bool, *args) -> torch.Tensor:
+    """block(x, *args), recomputed in backward when `recompute` (and gradients are being taken)."""
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(block, x, *args, use_reentrant=False)
+    return block(x, *args)
 
 
 class BlockSequence(nn.Sequential):

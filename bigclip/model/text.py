@@ -7,6 +7,11 @@ top-level prefix. Attention keeps `nn.MultiheadAttention`'s parameter names
 (in_proj_weight/in_proj_bias/out_proj) but runs through
 `F.scaled_dot_product_attention(is_causal=True)`, which needs no mask buffer and picks the fused
 kernels.
+
+CoCa's text tower (`embed_cls`, OpenCLIP's key) appends a learned class embedding (`cls_emb`) after the tokens and
+pools it (the last position, ln_final after pooling); its attention is causal and also masks the padding, with
+OpenCLIP's mask exactly (`coca_attention_mask`). With `output_tokens` the tower also returns the token states
+(before ln_final), which CoCa's decoder reads.
 """
 
 from __future__ import annotations
@@ -32,12 +37,16 @@ class CausalSelfAttention(nn.Module):
         self.in_proj_bias = nn.Parameter(torch.empty(3 * width))
         self.out_proj = nn.Linear(width, width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: None (causal), or a boolean (B, 1, L, L) saying which keys each query sees (True: attend)."""
         batch, length, width = x.shape
         qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
         # (B, L, 3, H, Dh) -> 3 x (B, H, L, Dh); same split as nn.MultiheadAttention.
         q, k, v = qkv.view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
-        x = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            x = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            x = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out_proj(x.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -73,8 +82,8 @@ class ResidualAttentionBlock(nn.Module):
         )
         self.ls_2 = layer_scale(width, ls_init_value)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.ls_1(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.ls_1(self.attn(self.ln_1(x), mask))
         return x + self.ls_2(self.mlp(self.ln_2(x)))
 
 
@@ -96,8 +105,10 @@ class Transformer(nn.Module):
         )
         self.checkpoint_every = 0  # 0: no activation checkpointing
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return run_blocks(self.resblocks, x, self.checkpoint_every)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is None:
+            return run_blocks(self.resblocks, x, self.checkpoint_every)
+        return run_blocks(self.resblocks, x, self.checkpoint_every, mask)
 
 
 class TextTransformer(nn.Module):
@@ -113,6 +124,9 @@ class TextTransformer(nn.Module):
         mlp_ratio: float = 4.0,
         quick_gelu: bool = False,
         ls_init_value: float | None = None,
+        embed_cls: bool = False,
+        pad_id: int = 0,
+        output_tokens: bool = False,
     ):
         super().__init__()
         self.context_length = context_length
@@ -120,8 +134,12 @@ class TextTransformer(nn.Module):
         self.width = width
         self.mlp_ratio = mlp_ratio
         self.ls_init_value = ls_init_value
+        self.pad_id = pad_id
+        self.output_tokens = output_tokens
         self.token_embedding = nn.Embedding(vocab_size, width)
-        self.positional_embedding = nn.Parameter(torch.empty(context_length, width))
+        # CoCa's class embedding, appended after the tokens: one more position.
+        self.cls_emb = nn.Parameter(torch.empty(width)) if embed_cls else None
+        self.positional_embedding = nn.Parameter(torch.empty(context_length + int(embed_cls), width))
         act_layer = QuickGELU if quick_gelu else nn.GELU
         self.transformer = Transformer(width, layers, heads, mlp_ratio, act_layer, ls_init_value)
         self.ln_final = nn.LayerNorm(width)
@@ -134,7 +152,7 @@ class TextTransformer(nn.Module):
 
     def activation_shape(self) -> tuple[int, int, int, float]:
         """(layers, tokens, width, MLP ratio): what the memory plan's activation arithmetic needs."""
-        return len(self.blocks), self.context_length, self.width, float(self.mlp_ratio)
+        return len(self.blocks), len(self.positional_embedding), self.width, float(self.mlp_ratio)
 
     def set_grad_checkpointing(self, every: int) -> None:
         """Recompute every `every`-th block in backward; 0 turns checkpointing off."""
@@ -151,6 +169,8 @@ class TextTransformer(nn.Module):
         fc_std = (2 * self.width) ** -0.5
         nn.init.normal_(self.token_embedding.weight, std=0.02)
         nn.init.normal_(self.positional_embedding, std=0.01)
+        if self.cls_emb is not None:
+            nn.init.normal_(self.cls_emb, std=0.01)
         for block in self.blocks:
             nn.init.normal_(block.attn.in_proj_weight, std=attn_std)
             nn.init.zeros_(block.attn.in_proj_bias)
@@ -166,7 +186,10 @@ class TextTransformer(nn.Module):
     def layer_groups(self) -> LayerGroups:
         """OpenCLIP's groups of its text tower (model/layer_groups.py): embeddings, each block (the last with
         ln_final), proj."""
-        groups: LayerGroups = [("embeddings", [self.token_embedding, self.positional_embedding])]
+        embeddings = [self.token_embedding, self.positional_embedding]
+        if self.cls_emb is not None:
+            embeddings.append(self.cls_emb)
+        groups: LayerGroups = [("embeddings", embeddings)]
         groups += [(f"layer.{i}", [block]) for i, block in enumerate(self.blocks)]
         groups[-1][1].append(self.ln_final)
         groups.append(("proj", [self.text_projection]))
@@ -179,13 +202,33 @@ class TextTransformer(nn.Module):
             self.layer_groups(), unlocked_layers, lambda m: isinstance(m, nn.LayerNorm) and not freeze_layer_norm
         )
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """(B, L) token ids -> (B, embed_dim) features; with output_tokens, (features, (B, L, width) token states)."""
         length = tokens.shape[1]
         if length > self.context_length:
             raise ValueError(f"text has {length} tokens but the model's context length is {self.context_length}")
-        x = self.token_embedding(tokens) + self.positional_embedding[:length]
-        x = self.transformer(x)
-        x = self.ln_final(x)
-        # EOT pooling: the end-of-text token has the largest id in the vocabulary.
-        pooled = x[torch.arange(x.shape[0], device=x.device), tokens.argmax(dim=-1)]
-        return pooled @ self.text_projection
+        x = self.token_embedding(tokens)
+        if self.cls_emb is None:
+            x = self.transformer(x + self.positional_embedding[:length])
+            states = x = self.ln_final(x)
+            # EOT pooling: the end-of-text token has the largest id in the vocabulary.
+            pooled = x[torch.arange(x.shape[0], device=x.device), tokens.argmax(dim=-1)]
+        else:
+            x = torch.cat([x, self.cls_emb.to(x.dtype).expand(x.shape[0], 1, -1)], dim=1)
+            x = x + self.positional_embedding[: length + 1]
+            x = self.transformer(x, coca_attention_mask(tokens, self.pad_id))
+            pooled, states = self.ln_final(x[:, -1]), x[:, :-1]
+        features = pooled @ self.text_projection
+        return (features, states) if self.output_tokens else features
+
+
+def coca_attention_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """OpenCLIP's attention mask of CoCa's text tower (class embedding appended), as booleans (B, 1, L+1, L+1),
+    True where a query attends: causal, and key j is hidden when token j-1 is padding. The shift by one is
+    OpenCLIP's (its "legacy" mask, which every released CoCa was trained with: the class position's validity is
+    put first, the tokens' after it), kept so OpenCLIP's weights give OpenCLIP's outputs. Key 0 is always seen,
+    so no row is empty."""
+    batch, length = tokens.shape
+    keys = torch.cat([tokens.new_ones(batch, 1, dtype=torch.bool), tokens != pad_id], dim=1)
+    causal = torch.ones(length + 1, length + 1, dtype=torch.bool, device=tokens.device).tril()
+    return (causal & keys[:, None, :])[:, None]

@@ -5,6 +5,11 @@ a LayerNorm before the blocks (`pre_norm`, which also drops the patch-embed bias
 norm on the pooled class token (OpenCLIP's `ln_post`), and no classifier head. With `ls_init_value`
 (OpenCLIP's vision_cfg key, or --layer-scale-init) every block scales both residual branches by a learned
 LayerScale (timm's `ls1`/`ls2`, OpenCLIP's `ls_1`/`ls_2`, parameter `gamma`) starting at that value.
+
+CoCa's image tower (`attentional_pool`, OpenCLIP's key) pools differently: no norm after the blocks; an attentional
+pooler (`attn_pool`: learned queries attending over every token) maps the tokens to `attn_pooler_queries` vectors of
+embed_dim, `ln_post` normalises them, the first is the image feature (times `proj`) and the others are the image
+tokens CoCa's decoder reads (`output_tokens`). Names and layout are OpenCLIP's (`nn.MultiheadAttention`'s).
 """
 
 from __future__ import annotations
@@ -39,8 +44,15 @@ class VisionTower(nn.Module):
         patch_dropout: float = 0.0,
         quick_gelu: bool = False,
         ls_init_value: float | None = None,
+        attentional_pool: bool = False,
+        attn_pooler_heads: int = 8,
+        attn_pooler_queries: int = 256,
+        output_tokens: bool = False,
     ):
         super().__init__()
+        if attentional_pool not in (False, True):
+            # OpenCLIP's "parallel" / "cascade" poolers (two poolers) are marked work in progress there.
+            raise ValueError(f"attentional_pool {attentional_pool!r}: bigclip builds OpenCLIP's CoCa pooler (true)")
         if width % head_width:
             raise ValueError(f"vision width {width} is not divisible by head_width {head_width}")
         self.image_size = _pair(image_size)
@@ -48,6 +60,7 @@ class VisionTower(nn.Module):
         self.width = width
         self.mlp_ratio = mlp_ratio
         self.ls_init_value = ls_init_value
+        self.output_tokens = output_tokens
         self.trunk = VisionTransformer(
             img_size=self.image_size,
             patch_size=patch_size,
@@ -58,6 +71,7 @@ class VisionTower(nn.Module):
             class_token=True,
             pre_norm=True,
             global_pool="token",
+            final_norm=not attentional_pool,  # CoCa normalises after its pooler instead
             num_classes=0,
             patch_drop_rate=patch_dropout,
             norm_layer=nn.LayerNorm,  # eps 1e-5 as in CLIP (timm's default is 1e-6)
@@ -71,8 +85,14 @@ class VisionTower(nn.Module):
                 block.ls2 = LayerScale(width, init_values=ls_init_value)
         # Same names (blocks.{i}), plus per-block checkpointing that timm's flag cannot space out.
         self.trunk.blocks = BlockSequence(*self.trunk.blocks)
-        # Applied as x @ proj (OpenCLIP's `visual.proj` layout), hence (width, embed_dim).
-        self.proj = nn.Parameter(torch.empty(width, embed_dim))
+        if attentional_pool:
+            self.attn_pool = AttentionalPooler(embed_dim, width, attn_pooler_heads, attn_pooler_queries)
+            self.ln_post = nn.LayerNorm(embed_dim)
+        else:
+            self.attn_pool = None
+        pooled_width = embed_dim if attentional_pool else width
+        # Applied as x @ proj (OpenCLIP's `visual.proj` layout), hence (pooled width, embed_dim).
+        self.proj = nn.Parameter(torch.empty(pooled_width, embed_dim))
 
     @property
     def blocks(self) -> BlockSequence:
@@ -101,6 +121,9 @@ class VisionTower(nn.Module):
             for block in self.blocks:
                 nn.init.constant_(block.ls1.gamma, self.ls_init_value)
                 nn.init.constant_(block.ls2.gamma, self.ls_init_value)
+        if self.attn_pool is not None:
+            self.attn_pool.init_weights()
+            self.ln_post.reset_parameters()
         nn.init.normal_(self.proj, std=self.width**-0.5)
 
     def layer_groups(self) -> LayerGroups:
@@ -110,7 +133,8 @@ class VisionTower(nn.Module):
         groups: LayerGroups = [("embeddings", [trunk.patch_embed, trunk.cls_token, trunk.pos_embed, trunk.norm_pre])]
         groups += [(f"layer.{i}", [block]) for i, block in enumerate(trunk.blocks)]
         groups[-1][1].append(trunk.norm)
-        groups.append(("proj", [self.proj]))
+        head = [self.proj] if self.attn_pool is None else [self.attn_pool, self.ln_post, self.proj]
+        groups.append(("proj", head))
         return groups
 
     def no_weight_decay(self) -> set[str]:
@@ -123,6 +147,38 @@ class VisionTower(nn.Module):
         `freeze_bn_stats` has nothing to freeze; it is accepted for OpenCLIP flag compatibility."""
         lock_bottom(self.layer_groups(), unlocked_groups)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        # The trunk returns the class token after ln_post (global_pool="token", no head).
-        return self.trunk(images) @ self.proj
+    def forward(self, images: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """(B, 3, H, W) -> (B, embed_dim) features; with output_tokens, (features, image tokens)."""
+        if self.attn_pool is None:
+            # The trunk returns the class token after ln_post (global_pool="token", no head).
+            pooled = self.trunk(images)
+            tokens = None
+        else:
+            x = self.ln_post(self.attn_pool(self.trunk.forward_features(images)))
+            pooled, tokens = x[:, 0], x[:, 1:]
+        features = pooled @ self.proj
+        return (features, tokens) if self.output_tokens else features
+
+
+class AttentionalPooler(nn.Module):
+    """OpenCLIP's AttentionalPooler: `n_queries` learned queries (width d_model) attend over the tokens (width
+    context_dim), both sides normalised first."""
+
+    def __init__(self, d_model: int, context_dim: int, heads: int = 8, n_queries: int = 256):
+        super().__init__()
+        self.query = nn.Parameter(torch.empty(n_queries, d_model))
+        self.attn = nn.MultiheadAttention(d_model, heads, kdim=context_dim, vdim=context_dim, batch_first=True)
+        self.ln_q = nn.LayerNorm(d_model)
+        self.ln_k = nn.LayerNorm(context_dim)
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.query)  # OpenCLIP's torch.randn
+        self.attn.out_proj.reset_parameters()  # not part of _reset_parameters (nn.Linear's own __init__ draws it)
+        self.attn._reset_parameters()
+        self.ln_q.reset_parameters()
+        self.ln_k.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln_k(x)
+        query = self.ln_q(self.query).unsqueeze(0).expand(x.shape[0], -1, -1)
+        return self.attn(query, x, x, need_weights=False)[0]
