@@ -131,6 +131,9 @@ def run_one(spec: dict, world) -> dict:
                 for ranks in [range(spec["ranks_emulated"])]
             ]
             micro = [tuple(torch.cat(parts) for parts in zip(*shards)) for shards in per_rank]
+        if spec.get("pad_texts"):  # padding after the first half of every other text (CoCa's masks and labels)
+            for _, texts in micro:
+                texts[::2, context // 2 :] = 0
         micro = [(images.to(engine.precision.param_dtype), texts) for images, texts in micro]  # as the loop does
         if spec.get("clamp_check") and step == 0:
             _set_logit_scale_master(engine, 10.0)

@@ -76,7 +76,8 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
     """test-tiny, same seed and data, 20 steps, global loss (--gather-with-grad): ddp == fsdp == zero1/2/3,
     also with --accum-freq 2, with --grad-checkpointing (every block, and every 2nd), with per-block
     compile + checkpointing, CPU offload (FSDP and ZeRO-3), in bf16, and the logit-scale clamp
-    reaching DeepSpeed's fp32 masters."""
+    reaching DeepSpeed's fp32 masters; the same for CoCa (test-tiny-coca), distillation, EMA, int8 MLPs and
+    layer-wise lr decay."""
     tiny = {"model": "test-tiny", "batch_size": 8}
     runs = []
 
@@ -178,7 +179,21 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
     for name, flags in (("ddp", {}), ("zero3", {"ds_config": DS[3]})):
         runs.append({"name": f"{name}_distill_accum", "steps": 5, "teacher": True,
                      "config": {**tiny, **flags, **distill, "accum_freq": 2, "batch_size": 4}})  # fmt: skip
+    # CoCa (the caption decoder's blocks sharded and checkpointed like the towers'; padded texts): every engine
+    coca = {"model": "test-tiny-coca", "batch_size": 8}
+    for name, flags in {**engines(), "fsdp_ckpt": {"engine": "fsdp", "grad_checkpointing": True}}.items():
+        runs.append({"name": f"coca_{name}", "steps": 8, "pad_texts": True, "config": {**coca, **flags}})
+    for name, flags in (("ddp", {}), ("zero3_ckpt", {"ds_config": DS[3], "grad_checkpointing": True})):
+        runs.append({"name": f"coca_{name}_accum", "steps": 4, "pad_texts": True,
+                     "config": {**coca, **flags, "accum_freq": 2, "batch_size": 4}})  # fmt: skip
     r = run_worker(tmp_path, runs)
+
+    # CoCa: every engine gives DDP's losses (contrastive + caption), also checkpointed and accumulated
+    assert r["coca_ddp"]["losses"][-1] < r["coca_ddp"]["losses"][0]
+    for name in ("fsdp", "zero1", "zero2", "zero3", "fsdp_ckpt"):
+        assert_same_run(r[f"coca_{name}"], r["coca_ddp"], FP32_RTOL)
+        assert r[f"coca_{name}"]["eval_checksum"] == pytest.approx(r["coca_ddp"]["eval_checksum"], rel=1e-4)
+    assert_same_run(r["coca_zero3_ckpt_accum"], r["coca_ddp_accum"], FP32_RTOL)
 
     ddp, ddp_accum = r["ddp"], r["ddp_accum"]
     assert all(x == x for x in ddp["losses"]) and ddp["losses"][-1] < ddp["losses"][0]

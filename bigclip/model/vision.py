@@ -15,6 +15,7 @@ tokens CoCa's decoder reads (`output_tokens`). Names and layout are OpenCLIP's (
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from timm.layers import LayerScale
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
@@ -70,8 +71,9 @@ class VisionTower(nn.Module):
             mlp_ratio=mlp_ratio,
             class_token=True,
             pre_norm=True,
-            global_pool="token",
-            final_norm=not attentional_pool,  # CoCa normalises after its pooler instead
+            # CoCa's pooler reads every token, and normalises after it instead
+            global_pool="" if attentional_pool else "token",
+            final_norm=not attentional_pool,
             num_classes=0,
             patch_drop_rate=patch_dropout,
             norm_layer=nn.LayerNorm,  # eps 1e-5 as in CLIP (timm's default is 1e-6)
@@ -154,7 +156,8 @@ class VisionTower(nn.Module):
             pooled = self.trunk(images)
             tokens = None
         else:
-            x = self.ln_post(self.attn_pool(self.trunk.forward_features(images)))
+            # (the trunk's own forward, not forward_features: engines gather its parameters in its forward hooks)
+            x = self.ln_post(self.attn_pool(self.trunk(images)))  # every token (global_pool="", no norm)
             pooled, tokens = x[:, 0], x[:, 1:]
         features = pooled @ self.proj
         return (features, tokens) if self.output_tokens else features
@@ -167,18 +170,64 @@ class AttentionalPooler(nn.Module):
     def __init__(self, d_model: int, context_dim: int, heads: int = 8, n_queries: int = 256):
         super().__init__()
         self.query = nn.Parameter(torch.empty(n_queries, d_model))
-        self.attn = nn.MultiheadAttention(d_model, heads, kdim=context_dim, vdim=context_dim, batch_first=True)
+        self.attn = KeyValueAttention(d_model, context_dim, heads)
         self.ln_q = nn.LayerNorm(d_model)
         self.ln_k = nn.LayerNorm(context_dim)
 
     def init_weights(self) -> None:
         nn.init.normal_(self.query)  # OpenCLIP's torch.randn
-        self.attn.out_proj.reset_parameters()  # not part of _reset_parameters (nn.Linear's own __init__ draws it)
-        self.attn._reset_parameters()
+        self.attn.init_weights()
         self.ln_q.reset_parameters()
         self.ln_k.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.ln_k(x)
-        query = self.ln_q(self.query).unsqueeze(0).expand(x.shape[0], -1, -1)
-        return self.attn(query, x, x, need_weights=False)[0]
+        return self.attn(self.ln_q(self.query).unsqueeze(0).expand(x.shape[0], -1, -1), x)
+
+
+class KeyValueAttention(nn.Module):
+    """nn.MultiheadAttention(width, heads, kdim=context_dim, vdim=context_dim, batch_first=True) as OpenCLIP's pooler
+    uses it, with its parameter names (in_proj_weight when the widths agree, else q/k/v_proj_weight; in_proj_bias;
+    out_proj), computed with scaled_dot_product_attention and calling out_proj as a module, so that every module
+    owning parameters runs its own forward (what ZeRO-3's parameter hooks need; nn.MultiheadAttention reads
+    out_proj's weight without calling it)."""
+
+    def __init__(self, width: int, context_dim: int, heads: int):
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"attentional pooler width {width} is not divisible by attn_pooler_heads {heads}")
+        self.heads = heads
+        self.width = width
+        self.fused = context_dim == width
+        if self.fused:
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(width, width))
+            self.k_proj_weight = nn.Parameter(torch.empty(width, context_dim))
+            self.v_proj_weight = nn.Parameter(torch.empty(width, context_dim))
+        self.in_proj_bias = nn.Parameter(torch.empty(3 * width))
+        self.out_proj = nn.Linear(width, width)
+
+    def init_weights(self) -> None:
+        """nn.MultiheadAttention's: xavier-uniform projections, zero biases."""
+        weights = [self.in_proj_weight] if self.fused else [self.q_proj_weight, self.k_proj_weight, self.v_proj_weight]
+        for weight in weights:
+            nn.init.xavier_uniform_(weight)
+        self.out_proj.reset_parameters()
+        nn.init.zeros_(self.in_proj_bias)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def forward(self, query: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+        else:
+            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        b_q, b_k, b_v = self.in_proj_bias.chunk(3)
+
+        def heads(x: torch.Tensor) -> torch.Tensor:  # (B, L, width) -> (B, H, L, width / H)
+            return x.view(x.shape[0], x.shape[1], self.heads, -1).transpose(1, 2)
+
+        q = heads(F.linear(query, w_q, b_q))
+        k, v = heads(F.linear(context, w_k, b_k)), heads(F.linear(context, w_v, b_v))
+        x = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(query.shape[0], -1, self.width)
+        return self.out_proj(x)

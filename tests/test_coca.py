@@ -1,0 +1,234 @@
+"""CoCa against OpenCLIP's own CoCa and CoCaLoss (open_clip_torch is the oracle), fp32 on CPU.
+
+- the model: OpenCLIP's CoCa weights (random, every tensor non-trivial) load into bigclip and give the same image
+  and text features, caption logits and labels, on texts with padding (OpenCLIP's legacy pad mask); bigclip's
+  state dict converts back to exactly OpenCLIP's names; coca_ViT-B-32 from an OpenCLIP state dict file
+  (--pretrained) gives OpenCLIP's outputs; `bigclip export` of a trained checkpoint loads into OpenCLIP's CoCa;
+- the loss: values and gradients equal to open_clip's CoCaLoss, with both weight flags (and a zero contrastive
+  weight), and OpenCLIP's accumulation (the caption logits cached across micro-batches) gives the big batch's
+  gradient;
+- the decoder's blocks are among the blocks engines shard and checkpoint, and are recomputed in backward.
+The engine matrix (DDP, FSDP2, ZeRO-1/2/3, checkpointing, accumulation) is in test_engine_multiprocess.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import open_clip
+import pytest
+import torch
+from open_clip.loss import CoCaLoss as OpenCLIPCoCaLoss
+from safetensors.torch import load_file
+
+from bigclip import cli, loop
+from bigclip.dist import World
+from bigclip.engine import EngineConfig, build_engine
+from bigclip.loss import CaptionLoss, ClipLoss
+from bigclip.model import bigclip_to_openclip, create_model, get_model_config, openclip_to_bigclip
+from bigclip.model.coca import CoCa
+
+TINY = "test-tiny-coca"
+TOL = 1e-5
+
+
+def openclip_tiny_coca() -> torch.nn.Module:
+    """OpenCLIP's CoCa built from test-tiny-coca's architecture, every tensor drawn at random."""
+    cfg = get_model_config(TINY)
+    vision = {k: v for k, v in cfg["vision_cfg"].items() if k not in ("image_mean", "image_std")}
+    model = open_clip.CoCa(
+        cfg["embed_dim"],
+        cfg["multimodal_cfg"],
+        {**cfg["text_cfg"], "output_tokens": True},
+        {**vision, "output_tokens": True},
+    )
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    return model.eval()
+
+
+def padded_texts(context: int, vocab: int, seed: int = 1) -> torch.Tensor:
+    """sot, tokens, eot, then padding, of several lengths (one fills the context)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for length in (3, 7, context):
+        row = torch.zeros(context, dtype=torch.long)
+        row[:length] = torch.randint(1, vocab - 2, (length,), generator=g)
+        row[0], row[length - 1] = vocab - 2, vocab - 1
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def test_openclips_coca_weights_give_openclips_outputs_and_convert_back_exactly():
+    theirs = openclip_tiny_coca()
+    ours = create_model(TINY).eval()
+    ours.load_state_dict(openclip_to_bigclip(theirs.state_dict()))
+    images = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    texts = padded_texts(31, 259)
+    with torch.no_grad():
+        a, b = theirs(images, texts), ours(images=images, texts=texts)
+    for key in ("image_features", "text_features", "logits"):
+        assert b[key].shape == a[key].shape, key
+        assert (b[key] - a[key]).abs().max().item() <= TOL, key
+    assert torch.equal(b["labels"], a["labels"])
+    # the pad mask matters: the same texts without it would differ
+    assert not torch.allclose(ours.text(texts)[0], ours.text(texts.masked_fill(texts == 0, 5))[0])
+    back = bigclip_to_openclip(ours.state_dict())
+    reference = theirs.state_dict()
+    assert back.keys() == reference.keys()
+    assert all(torch.equal(back[k], reference[k]) for k in reference)
+
+
+def test_coca_architectures_match_openclips_on_meta():
+    for name in ("coca_ViT-B-32", "coca_ViT-L-14"):
+        cfg = {k: v for k, v in open_clip.get_model_config(name).items() if k != "custom_text"}
+        with torch.device("meta"):
+            theirs = open_clip.CoCa(**cfg)
+        ours = create_model(name, device="meta")
+        assert isinstance(ours, CoCa)
+        reference = {k: v.shape for k, v in theirs.state_dict().items() if k != "text_decoder.attn_mask"}
+        converted = bigclip_to_openclip(ours.state_dict())
+        assert {k: v.shape for k, v in converted.items()} == reference, name
+
+
+def test_an_openclip_coca_state_dict_file_loads_with_openclips_outputs(tmp_path):
+    name = "coca_ViT-B-32"
+    torch.manual_seed(0)
+    theirs = open_clip.create_model(name).eval()
+    path = str(tmp_path / "coca.pt")
+    torch.save(theirs.state_dict(), path)  # what OpenCLIP users hold
+    ours = create_model(name, pretrained=path).eval()
+    images = torch.randn(2, 3, 224, 224)
+    texts = open_clip.get_tokenizer(name)(["a photo of a cat", "two dogs playing on a beach at sunset!"])
+    with torch.no_grad():
+        a, b = theirs(images, texts), ours(images=images, texts=texts)
+    for key in ("image_features", "text_features", "logits"):
+        assert (b[key] - a[key]).abs().max().item() <= TOL, key
+
+
+def _losses(contrastive_weight: float, caption_weight: float):
+    """(loss, d image, d text, d scale, d logits) of bigclip's and of OpenCLIP's loss on the same inputs."""
+    g = torch.Generator().manual_seed(5)
+    image = torch.nn.functional.normalize(torch.randn(6, 8, generator=g, dtype=torch.float64), dim=-1)
+    text = torch.nn.functional.normalize(torch.randn(6, 8, generator=g, dtype=torch.float64), dim=-1)
+    logits = torch.randn(6, 10, 20, generator=g, dtype=torch.float64)
+    labels = torch.randint(1, 20, (6, 10), generator=g)
+    labels[::2, 6:] = 0  # padding: not counted
+    out = []
+    for which in ("ours", "theirs"):
+        x, y, z = (t.clone().requires_grad_() for t in (image, text, logits))
+        scale = torch.tensor(12.0, dtype=torch.float64, requires_grad=True)
+        if which == "ours":
+            loss = CaptionLoss(ClipLoss(impl="naive"), contrastive_weight, caption_weight)(
+                x, y, scale, logits=z, labels=labels
+            )
+        else:
+            loss = sum(OpenCLIPCoCaLoss(caption_weight, contrastive_weight)(x, y, z, labels, scale))
+        loss.backward()
+        out.append((loss.detach(), x.grad, y.grad, scale.grad, z.grad))
+    return out
+
+
+@pytest.mark.parametrize("weights", [(1.0, 2.0), (0.3, 1.7), (0.0, 2.0)])
+def test_loss_and_gradients_equal_openclips_coca_loss(weights):
+    ours, theirs = _losses(*weights)
+    for a, b in zip(ours, theirs):
+        if b is None:  # a zero contrastive weight: OpenCLIP's graph never reaches the features
+            assert a is None or not a.any()
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def _engine(seed: int = 0):
+    torch.manual_seed(seed)
+    # float64: in float32 the gradients of a few LayerNorm biases (sums that nearly cancel) differ by 1-3% of their
+    # largest value between the two summation orders
+    engine = build_engine(EngineConfig(), create_model(TINY), World())
+    engine.model.double()
+    return engine
+
+
+def test_accumulation_gives_the_big_batch_gradient():
+    """OpenCLIP's --accum-freq for CoCa: the caption logits and labels of every micro-batch are cached and
+    concatenated like the features, so 4 x 8 gives the gradient of the batch of 32."""
+    big, accum = _engine(), _engine()
+    accum.model.load_state_dict(big.model.state_dict())
+    torch.manual_seed(1)
+    images, texts = torch.randn(32, 3, 16, 16, dtype=torch.float64), torch.randint(1, 250, (32, 31))
+    texts[::3, 20:] = 0
+    loss_fn = CaptionLoss(ClipLoss(impl="naive"), 1.0, 2.0)
+    loss_big, _ = loop.forward_backward(big, loss_fn, [(images, texts)], World())
+    micro = [(images[i : i + 8], texts[i : i + 8]) for i in range(0, 32, 8)]
+    loss_acc, _ = loop.forward_backward(accum, loss_fn, micro, World())
+    assert loss_acc == pytest.approx(loss_big, rel=1e-12)
+    for (name, p), q in zip(big.model.named_parameters(), accum.model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-9, atol=1e-12, msg=name)
+    assert big.model.text_decoder.text_projection.grad.abs().sum() > 0
+
+
+def test_decoder_blocks_are_sharded_and_checkpointed_like_the_towers():
+    model = create_model(TINY)
+    decoder = model.text_decoder
+    blocks = model.transformer_blocks()
+    assert all(any(b is d for b in blocks) for d in [*decoder.resblocks, *decoder.cross_attn])
+    images, texts = torch.randn(2, 3, 16, 16), torch.randint(1, 250, (2, 31))
+
+    def gradients():
+        model.zero_grad(set_to_none=True)
+        model(images=images, texts=texts)["logits"].sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    calls = []
+    # pre-hooks: a recomputation stops early, so post-forward hooks would not see it
+    for block in decoder.blocks:
+        block.register_forward_pre_hook(lambda *_: calls.append(1))
+    model.set_grad_checkpointing(True)
+    checkpointed = gradients()
+    assert len(calls) == 2 * len(decoder.blocks)  # each block ran again in backward
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=0, atol=0, msg=name)
+
+
+def test_every_module_owning_parameters_runs_its_own_forward():
+    """What ZeRO-3 relies on (it gathers a module's parameters in its forward hooks)."""
+    model = create_model(TINY)
+    owners = {name for name, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
+    called = set()
+    for name, module in model.named_modules():
+        module.register_forward_pre_hook(lambda m, i, name=name: called.add(name))
+    model(images=torch.randn(2, 3, 16, 16), texts=torch.randint(1, 250, (2, 31)))
+    assert owners - {""} <= called, owners - called
+
+
+@pytest.mark.slow
+def test_a_trained_coca_exports_to_openclips_coca(tmp_path):
+    """Train test-tiny-coca (both loss terms logged), `bigclip export` its checkpoint; OpenCLIP's CoCa loads the
+    file strictly and gives bigclip's outputs."""
+    args = ["--model", TINY, "--dataset-type", "synthetic", "--train-num-samples", "32", "--batch-size", "8",
+            "--epochs", "1", "--precision", "fp32", "--workers", "0", "--lr", "1e-3", "--warmup", "1",
+            "--coca-contrastive-loss-weight", "0.5", "--coca-caption-loss-weight", "1.5",
+            "--logs", str(tmp_path), "--name", "run", "--log-every-n-steps", "1"]  # fmt: skip
+    assert cli.main(args) == 0
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"loss"' in line]
+    assert records and all(
+        r["contrastive_loss"] + r["caption_loss"] == pytest.approx(r["loss"], rel=1e-6) for r in records
+    )
+    ckpt = os.path.join(tmp_path, "run", "checkpoints", "epoch_1")
+    out = str(tmp_path / "exported.safetensors")
+    assert cli.main(["export", ckpt, out]) == 0
+    from bigclip.ckpt.dcp_layout import DCPLayout
+
+    ours = create_model(TINY, init=False).eval()
+    ours.load_state_dict(DCPLayout.read_model_state(ckpt))
+    theirs = openclip_tiny_coca()
+    theirs.load_state_dict(load_file(out))  # strict: every key of OpenCLIP's CoCa
+    images, texts = torch.randn(3, 3, 16, 16), padded_texts(31, 259)
+    with torch.no_grad():
+        a, b = theirs(images, texts), ours(images=images, texts=texts)
+    for key in ("image_features", "text_features", "logits"):
+        assert (b[key] - a[key]).abs().max().item() <= TOL, key
