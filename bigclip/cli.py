@@ -1,5 +1,5 @@
 """Command line: `bigclip [train] FLAGS`, `python -m bigclip`, `python launch/train.py`, and the subcommands
-(eval, models, export, plan). The training flags' parser is in cli_args.py."""
+(eval, models, export, plan, generate). The training flags' parser is in cli_args.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
-from bigclip import evaluate, export, plan
+from bigclip import evaluate, export, generate, plan
 from bigclip.ckpt.manager import ABANDONED
 from bigclip.cli_args import build_train_parser, parse_train_args  # noqa: F401  (cli's public names)
 from bigclip.dist import where
@@ -47,6 +47,7 @@ SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "models": _cmd_models,
     "export": _cmd_export,
     "plan": _cmd_plan,
+    "generate": generate.main,
 }
 
 

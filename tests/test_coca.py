@@ -26,7 +26,7 @@ from bigclip import cli, loop
 from bigclip.dist import World
 from bigclip.engine import EngineConfig, build_engine
 from bigclip.loss import CaptionLoss, ClipLoss
-from bigclip.model import bigclip_to_openclip, create_model, get_model_config, openclip_to_bigclip
+from bigclip.model import bigclip_to_openclip, captioning, create_model, get_model_config, openclip_to_bigclip
 from bigclip.model.coca import CoCa
 
 TINY = "test-tiny-coca"
@@ -232,3 +232,141 @@ def test_a_trained_coca_exports_to_openclips_coca(tmp_path):
         a, b = theirs(images, texts), ours(images=images, texts=texts)
     for key in ("image_features", "text_features", "logits"):
         assert (b[key] - a[key]).abs().max().item() <= TOL, key
+
+
+# --- captions (model/captioning.py, bigclip generate) --------------------------------------------------------------
+
+
+def openclip_greedy(theirs, images, sot, eos, seq_len, min_seq_len):
+    """Greedy decoding written plainly over OpenCLIP's own CoCa forward (the whole caption re-run every step)."""
+    with torch.no_grad():
+        captions = []
+        for image in images:
+            row = [sot]
+            while len(row) < seq_len:
+                logits = theirs(image[None], torch.tensor([row]), output_labels=False)["logits"][0, -1]
+                log_probs = logits.log_softmax(-1)
+                if len(row) < min_seq_len:
+                    log_probs[eos] = -torch.inf
+                token = eos if len(row) + 1 == seq_len else int(log_probs.argmax())
+                row.append(token)
+                if token == eos:
+                    break
+            captions.append(row)
+    return captions
+
+
+def test_greedy_captions_equal_greedy_decoding_over_openclips_coca():
+    theirs = openclip_tiny_coca()
+    ours = create_model(TINY).eval()
+    ours.load_state_dict(openclip_to_bigclip(theirs.state_dict()))
+    images = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(4))
+    for seq_len, min_seq_len in ((12, 3), (6, 5)):
+        got = captioning.greedy(ours, images, sot_id=257, eos_id=258, seq_len=seq_len, min_seq_len=min_seq_len)
+        expected = openclip_greedy(theirs, images, 257, 258, seq_len, min_seq_len)
+        assert [row[: row.index(258) + 1] for row in got.tolist()] == expected
+        assert all(len(row) >= min_seq_len + 1 and row[-1] == 258 for row in expected)
+
+
+def tiny_vocabulary_coca() -> CoCa:
+    """A CoCa over 6 token ids (pad 0, words 1-3, sot 4, eos 5), with peaked random weights."""
+    vision = {"image_size": 8, "patch_size": 4, "width": 16, "layers": 1, "head_width": 8, "attentional_pool": True,
+              "attn_pooler_heads": 2, "attn_pooler_queries": 3}  # fmt: skip
+    text = {"context_length": 8, "vocab_size": 6, "width": 16, "heads": 2, "layers": 1, "embed_cls": True}
+    model = CoCa(16, vision, text, {"width": 16, "heads": 2, "layers": 1, "context_length": 8})
+    torch.manual_seed(3)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model.eval()
+
+
+def exhaustive_best(model, image, seq_len, min_seq_len, sot=4, eos=5, vocab=6):
+    """The caption with the best length-normalised log-probability among every caption there is."""
+    words = [t for t in range(vocab) if t != eos]
+    candidates = [[]]
+    best = None
+    with torch.no_grad():
+        image_tokens = model.visual(image[None])[1]
+        for n in range(1, seq_len - 1):  # n tokens between sot and eos
+            candidates = [c + [w] for c in candidates for w in words]
+            if n + 1 < min_seq_len:
+                continue
+            texts = torch.tensor([[sot, *c] for c in candidates])
+            log_probs = model.decode(image_tokens.expand(len(texts), -1, -1), texts).log_softmax(-1)
+            targets = torch.cat([texts[:, 1:], torch.full((len(texts), 1), eos)], dim=1)
+            scores = log_probs.gather(2, targets[..., None]).squeeze(-1).sum(1) / (n + 1)
+            i = int(scores.argmax())
+            if best is None or scores[i] > best[0]:
+                best = (float(scores[i]), [sot, *candidates[i], eos])
+    return best[1]
+
+
+def test_beam_search_with_enough_beams_finds_the_best_caption_of_all():
+    model = tiny_vocabulary_coca()
+    images = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(6))
+    for min_seq_len in (2, 3):
+        got = captioning.beam_search(
+            model, images, sot_id=4, eos_id=5, seq_len=5, min_seq_len=min_seq_len, num_beams=125
+        )
+        for image, row in zip(images, got.tolist()):
+            assert row[: row.index(5) + 1] == exhaustive_best(model, image, 5, min_seq_len)
+    # one beam is greedy decoding
+    greedy = captioning.greedy(model, images, sot_id=4, eos_id=5, seq_len=7, min_seq_len=2)
+    one_beam = captioning.beam_search(model, images, sot_id=4, eos_id=5, seq_len=7, min_seq_len=2, num_beams=1)
+    assert torch.equal(one_beam, greedy)
+
+
+def test_bigclip_generate_writes_a_caption_per_image(tmp_path, capsys):
+    from PIL import Image
+
+    torch.manual_seed(0)
+    weights = tmp_path / "coca.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(bigclip_to_openclip(create_model(TINY).state_dict()), str(weights))  # OpenCLIP's layout
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(3):
+        Image.fromarray((torch.rand(20, 24, 3) * 255).byte().numpy()).save(folder / f"{i}.png")
+    args = ["generate", "--model", TINY, "--pretrained", str(weights), "--seq-len", "12", "--min-seq-len", "3"]
+    assert cli.main([*args, "--generation-type", "greedy", str(folder)]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["image"] for line in lines] == [str(folder / f"{i}.png") for i in range(3)]
+    assert all(isinstance(line["caption"], str) for line in lines)
+    # the same captions as decoding the images directly
+    from bigclip.build import build_transforms
+    from bigclip.data import DataConfig
+    from bigclip.model import get_tokenizer
+    from bigclip.model.config import ModelConfig
+
+    _, preprocess, _ = build_transforms(ModelConfig(model=TINY), DataConfig())
+    model = create_model(TINY, pretrained=str(weights)).eval()
+    images = torch.stack([preprocess(Image.open(folder / f"{i}.png").convert("RGB")) for i in range(3)])
+    ids = captioning.greedy(model, images, sot_id=257, eos_id=258, seq_len=12, min_seq_len=3)
+    tokenizer = get_tokenizer(TINY)
+    assert [line["caption"] for line in lines] == [tokenizer.decode(row).strip() for row in ids.tolist()]
+    # beam search (the default) runs too
+    assert cli.main([*args, str(folder / "0.png")]) == 0
+    assert json.loads(capsys.readouterr().out)["image"] == str(folder / "0.png")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model", "test-tiny", "IMG"], "--model test-tiny: not a captioning model"),
+        (["--model", TINY, "--min-seq-len", "30", "IMG"], "--min-seq-len 30: must be at least 1 and less than"),
+        (["--model", TINY, "/no/such.png"], "/no/such.png: no such image file or directory"),
+        (["--model", TINY, "BAD"], "not an image PIL can read"),
+    ],
+)
+def test_generate_refuses_what_cannot_work_in_one_line(tmp_path, capfd, flags, message):
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
+    (tmp_path / "bad.png").write_text("not a png")
+    flags = [{"IMG": str(tmp_path / "ok.png"), "BAD": str(tmp_path / "bad.png")}.get(f, f) for f in flags]
+    assert cli.main(["generate", *flags]) == 2
+    err = capfd.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err, err

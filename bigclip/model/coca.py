@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bigclip.model.clip import CLIP
+from bigclip.model.clip import CLIP, DEFAULT_INIT_LOGIT_SCALE
 from bigclip.model.layers import QuickGELU, is_checkpointed, run_block
 from bigclip.model.text import ResidualAttentionBlock
 
@@ -143,7 +143,7 @@ class CoCa(CLIP):
         multimodal_cfg: dict,
         *,
         quick_gelu: bool = False,
-        init_logit_scale: float | None = None,
+        init_logit_scale: float = DEFAULT_INIT_LOGIT_SCALE,
         init_logit_bias: float | None = None,
         image_size: int | tuple[int, int] | None = None,
         pad_id: int = 0,
