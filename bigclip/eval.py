@@ -129,7 +129,8 @@ def validate(engine, loader, world: World, chunk: int = 4096, precision: str = "
     precision: --val-retrieval-chunk-size, --val-retrieval-precision)."""
     device = world.device
     image_chunks, text_chunks = [], []
-    loss_sum = torch.zeros(2, dtype=torch.float64)  # (sum of per-sample loss, samples)
+    # (sum of per-sample loss, samples, sum of per-sample caption loss: a captioning model's, CoCa)
+    loss_sum = torch.zeros(3, dtype=torch.float64)
     logit_scale = 1.0
     for (images, texts), real in lockstep(loader, world):
         images = images.to(device, dtype=engine.precision.param_dtype, non_blocking=True)
@@ -150,7 +151,10 @@ def validate(engine, loader, world: World, chunk: int = 4096, precision: str = "
         labels = torch.arange(img.shape[0], device=device)
         # Per batch, as OpenCLIP reports it: the contrastive loss within each validation batch.
         batch_loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
-        loss_sum += torch.tensor([batch_loss.item() * img.shape[0], img.shape[0]], dtype=torch.float64)
+        caption = 0.0
+        if "logits" in out:  # OpenCLIP's val_generative_loss: the caption cross-entropy over every token, padding too
+            caption = F.cross_entropy(out["logits"].float().flatten(0, 1), out["labels"].flatten()).item()
+        loss_sum += torch.tensor([batch_loss.item(), 1, caption], dtype=torch.float64) * img.shape[0]
         image_chunks.append(kept_img.cpu())
         text_chunks.append(kept_txt.cpu())
     loss_sum = all_reduce_sum(loss_sum, world)
@@ -160,6 +164,8 @@ def validate(engine, loader, world: World, chunk: int = 4096, precision: str = "
     text_features = _gather_rows(torch.cat(text_chunks), world)
     metrics = retrieval_metrics(image_features, text_features, logit_scale, chunk)
     metrics["val_loss"] = float(loss_sum[0] / loss_sum[1])
+    if "logits" in out:
+        metrics["val_generative_loss"] = float(loss_sum[2] / loss_sum[1])
     metrics["num_samples"] = int(loss_sum[1])
     return metrics
 

@@ -109,6 +109,34 @@ def test_an_openclip_coca_state_dict_file_loads_with_openclips_outputs(tmp_path)
         assert (b[key] - a[key]).abs().max().item() <= TOL, key
 
 
+def test_openclips_saved_coca_directory_and_hub_repository_load_with_openclips_outputs(tmp_path, monkeypatch):
+    """local-dir: and hf-hub: of a CoCa OpenCLIP saved (open_clip_config.json and its weights beside it)."""
+    import huggingface_hub.constants
+    from open_clip.model import set_model_preprocess_cfg
+    from open_clip.push_to_hf_hub import save_for_hf
+    from test_model_sources import PREPROCESS, NoTokenizerFiles, hub_cache
+
+    theirs = openclip_tiny_coca()
+    set_model_preprocess_cfg(theirs, {**PREPROCESS, "size": 16})
+    cfg = get_model_config(TINY)
+    model_cfg = {k: cfg[k] for k in ("embed_dim", "text_cfg", "multimodal_cfg", "tokenizer")}  # (bigclip's byte one)
+    model_cfg["vision_cfg"] = {k: v for k, v in cfg["vision_cfg"].items() if k not in ("image_mean", "image_std")}
+    save_for_hf(theirs, NoTokenizerFiles(), model_config=model_cfg, save_directory=str(tmp_path / "coca"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    files = {f: (tmp_path / "coca" / f).read_bytes() for f in ("open_clip_config.json", "open_clip_model.safetensors")}
+    hub_cache(tmp_path / "hub", "someone/tiny-coca", files)
+    images, texts = torch.randn(2, 3, 16, 16), padded_texts(31, 259)[:2]
+    with torch.no_grad():
+        a = theirs(images, texts)
+        for name in (f"local-dir:{tmp_path / 'coca'}", "hf-hub:someone/tiny-coca"):
+            ours = create_model(name, cache_dir=str(tmp_path / "hub")).eval()
+            assert isinstance(ours, CoCa)
+            b = ours(images=images, texts=texts)
+            for key in ("image_features", "text_features", "logits"):
+                assert (b[key] - a[key]).abs().max().item() <= TOL, (name, key)
+
+
 def _losses(contrastive_weight: float, caption_weight: float):
     """(loss, d image, d text, d scale, d logits) of bigclip's and of OpenCLIP's loss on the same inputs."""
     g = torch.Generator().manual_seed(5)
@@ -212,12 +240,14 @@ def test_a_trained_coca_exports_to_openclips_coca(tmp_path):
     args = ["--model", TINY, "--dataset-type", "synthetic", "--train-num-samples", "32", "--batch-size", "8",
             "--epochs", "1", "--precision", "fp32", "--workers", "0", "--lr", "1e-3", "--warmup", "1",
             "--coca-contrastive-loss-weight", "0.5", "--coca-caption-loss-weight", "1.5",
-            "--logs", str(tmp_path), "--name", "run", "--log-every-n-steps", "1"]  # fmt: skip
+            "--logs", str(tmp_path), "--name", "run", "--log-every-n-steps", "1",
+            "--val-num-samples", "16"]  # fmt: skip
     assert cli.main(args) == 0
-    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"loss"' in line]
-    assert records and all(
-        r["contrastive_loss"] + r["caption_loss"] == pytest.approx(r["loss"], rel=1e-6) for r in records
-    )
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    steps = [r for r in records if "loss" in r]
+    assert steps and all(r["contrastive_loss"] + r["caption_loss"] == pytest.approx(r["loss"], rel=1e-6) for r in steps)
+    # validation also reports OpenCLIP's val_generative_loss (the caption loss over every token)
+    assert any(r.get("eval/val_generative_loss", 0) > 0 for r in records)
     ckpt = os.path.join(tmp_path, "run", "checkpoints", "epoch_1")
     out = str(tmp_path / "exported.safetensors")
     assert cli.main(["export", ckpt, out]) == 0
