@@ -1,12 +1,14 @@
-"""Distillation throughput: bigclip (launch/train.py) vs OpenCLIP 3.3's open_clip_train, the same flags, side by side.
+"""Throughput of OpenCLIP's model families: bigclip (launch/train.py) vs OpenCLIP 3.3's open_clip_train, the same
+flags, side by side: a CLIP, the same CLIP distilled from a teacher, and a CoCa.
 
-    python bench/distill_throughput.py [--batch-size 32] [--steps 40] [--reps 2] [--threads 2]
+    python bench/family_throughput.py [--batch-size 32] [--steps 40] [--reps 2] [--threads 2]
 
-Student and teacher are small ViTs given to both trainers as OpenCLIP local-dir: configs (the teacher's weights
-an OpenCLIP state dict both load), synthetic data, fp32, one process each, runs alternating. Each trainer runs
-without and with `--distill-model/--distill-pretrained`; samples/s is the median over the steps after the first
-10 (bigclip: its metrics.jsonl; open_clip_train: its log lines). The two synthetic sources differ:
-open_clip_train's makes a PIL image per sample and runs the transform; bigclip's makes tensors directly.
+Student, teacher and CoCa are small ViTs given to both trainers as OpenCLIP local-dir: configs (the teacher's
+weights an OpenCLIP state dict both load), synthetic data, fp32, one process each, runs alternating. Setups: plain
+(the student), distill (the student with `--distill-model/--distill-pretrained`), coca (the CoCa: contrastive +
+caption loss); samples/s is the median over the steps after the first 10 (bigclip: its metrics.jsonl;
+open_clip_train: its log lines). The two synthetic sources differ: open_clip_train's makes a PIL image per sample
+and runs the transform; bigclip's makes tensors directly.
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ TEACHER = {
     "embed_dim": 128,
     "vision_cfg": {"image_size": 64, "layers": 6, "width": 256, "head_width": 32, "patch_size": 8},
     "text_cfg": {**TEXT, "width": 256, "layers": 6},
+}
+
+# the student's towers with CoCa's pooler, class token and a caption decoder as wide as the text tower. The model
+# name (its local-dir: path) must contain "coca": that is how open_clip_train picks CoCa's loss.
+COCA = {
+    "embed_dim": 128,
+    "vision_cfg": {**STUDENT["vision_cfg"], "attentional_pool": True, "attn_pooler_heads": 4, "output_tokens": True},
+    "text_cfg": {**TEXT, "context_length": 31, "width": 128, "layers": 4, "embed_cls": True, "output_tokens": True},
+    "multimodal_cfg": {**TEXT, "context_length": 31, "width": 128, "layers": 4},
+    "custom_text": True,  # how OpenCLIP's factory tells a CoCa config (with the multimodal_cfg)
 }
 
 
@@ -91,24 +103,26 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bigclip-distill-bench-") as work:
+    with tempfile.TemporaryDirectory(prefix="bigclip-family-bench-") as work:
         student, teacher = _write_model(work, "student", STUDENT), _write_model(work, "teacher", TEACHER)
+        coca = _write_model(work, "coca", COCA)
         weights = os.path.join(work, "teacher.pt")
         _teacher_weights(teacher, weights)
         results: dict[tuple[str, str], list[float]] = {}
         for rep in range(args.reps):
-            for setup, extra in (
-                ("plain", []),
-                ("distill", ["--distill-model", teacher, "--distill-pretrained", weights]),
+            for setup, model, extra in (
+                ("plain", student, []),
+                ("distill", student, ["--distill-model", teacher, "--distill-pretrained", weights]),
+                ("coca", coca, []),
             ):
                 for trainer, run in (("open_clip_train", open_clip_run), ("bigclip", bigclip_run)):
                     name = f"{trainer}-{setup}-{rep}"
-                    per_step = run(args, [*_flags(args, student, work, name), *extra], work, name)
+                    per_step = run(args, [*_flags(args, model, work, name), *extra], work, name)
                     results.setdefault((setup, trainer), []).append(statistics.median(per_step[SKIP:] or per_step))
     median = {key: statistics.median(values) for key, values in results.items()}
     print("| setup | open_clip_train samples/s | bigclip samples/s | bigclip vs open_clip |")
     print("|---|---:|---:|---:|")
-    for setup in ("plain", "distill"):
+    for setup in ("plain", "distill", "coca"):
         oc, ours = median[(setup, "open_clip_train")], median[(setup, "bigclip")]
         print(f"| {setup} | {oc:.1f} | {ours:.1f} | {ours / oc:.2f}x |")
     for trainer in ("open_clip_train", "bigclip"):
