@@ -51,10 +51,10 @@ def reset_peak_rss() -> None:
         pass
 
 
-def batch(step: int, rank: int, micro: int, n: int, image_size: int, context: int):
+def batch(step: int, rank: int, micro: int, n: int, image_size: int, context: int, vocab: int = 250):
     g = torch.Generator().manual_seed(1000 * step + 100 * rank + micro)
     images = torch.randn(n, 3, image_size, image_size, generator=g)
-    texts = torch.randint(1, 250, (n, context), generator=g)
+    texts = torch.randint(1, vocab, (n, context), generator=g)
     return images, texts
 
 
@@ -77,7 +77,8 @@ def run_one(spec: dict, world) -> dict:
     cfg = resolve(values)
     arch = get_model_config(cfg.model)
     image_size = arch["vision_cfg"]["image_size"]
-    context = arch["text_cfg"]["context_length"]
+    context = arch["text_cfg"].get("context_length", 77)  # (a Hugging Face tower's tokenizer: OpenCLIP's 77)
+    vocab = spec.get("text_vocab", 250)  # token ids drawn below this
 
     torch.manual_seed(cfg.seed)
     reset_peak_rss()
@@ -123,7 +124,7 @@ def run_one(spec: dict, world) -> dict:
     t0 = time.perf_counter()
     for step in range(spec["steps"]):
         engine.set_lr(schedule(step))
-        micro = [batch(step, world.rank, j, cfg.batch_size, image_size, context) for j in range(cfg.accum_freq)]
+        micro = [batch(step, world.rank, j, cfg.batch_size, image_size, context, vocab) for j in range(cfg.accum_freq)]
         if spec.get("ranks_emulated"):  # one process on the global batch that N ranks of batch_size would see
             per_rank = [
                 [batch(step, r, j, cfg.batch_size // spec["ranks_emulated"], image_size, context) for r in ranks]
@@ -173,7 +174,7 @@ def run_one(spec: dict, world) -> dict:
     out["param_dtypes"] = sorted({str(p.dtype) for p in engine.model.parameters()})
     out["int8_matmuls"] = sum(INT8_MATMULS.values())  # SwitchBack layers (--use-bnb-linear) in training
     engine.eval()
-    images, texts = batch(9999, 0, 0, 4, image_size, context)
+    images, texts = batch(9999, 0, 0, 4, image_size, context, vocab)
     images = images.to(engine.precision.param_dtype)
     with torch.no_grad(), engine.autocast():
         text_only = engine.module(texts=texts)["text_features"].float()

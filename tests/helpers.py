@@ -101,3 +101,41 @@ def torchrun(nproc: int, args: list[str], timeout: int = 300, **env: str) -> sub
 def python_train(args: list[str], timeout: int = 300, cwd: str | None = None, **env: str):
     cmd = [sys.executable, TRAIN_SCRIPT, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=subprocess_env(**env))
+
+
+def tiny_hf_clip(directory, kind: str = "roberta", embed_dim: int = 16) -> str:
+    """An OpenCLIP local-dir: model whose text tower is a tiny Hugging Face model created here (no hub): its
+    weights in DIRECTORY/hf (transformers' save_pretrained), a word-level tokenizer trained on a few captions
+    beside open_clip_config.json (where OpenCLIP's local-dir: looks for it). kind: roberta or mt5. Returns the
+    --model name."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoModel, MT5Config, PreTrainedTokenizerFast, RobertaConfig
+
+    directory = str(directory)
+    words = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    captions = ["a photo of a cat", "two dogs playing on a beach at sunset", "a red car", "digit zero one two three"]
+    words.train_from_iterator(captions, trainers.WordLevelTrainer(special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
+    special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, **special)
+    tokenizer.save_pretrained(directory)
+    if kind == "roberta":
+        config = RobertaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, intermediate_size=64, max_position_embeddings=80,
+                               pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    else:
+        config = MT5Config(vocab_size=tokenizer.vocab_size, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                           pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModel.from_config(config).save_pretrained(os.path.join(directory, "hf"))
+    vision = {"image_size": 16, "layers": 2, "width": 32, "head_width": 16, "patch_size": 4}
+    text = {
+        "hf_model_name": os.path.join(directory, "hf"),
+        "hf_tokenizer_name": directory,
+        "hf_pooler_type": "mean_pooler",
+    }
+    model_cfg = {"embed_dim": embed_dim, "vision_cfg": vision, "text_cfg": text}
+    with open(os.path.join(directory, "open_clip_config.json"), "w") as f:
+        json.dump({"model_cfg": model_cfg, "preprocess_cfg": {}}, f)
+    return f"local-dir:{directory}"

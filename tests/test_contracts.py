@@ -250,6 +250,7 @@ LAZY_IMPORTS = {
     "open_clip": "seconds to import; only BPE tokenization, pretrained tags and ImageNet class names",
     "huggingface_hub": "only hub downloads (pretrained tags, hf-hub: models, timm trunk weights)",
     "torch.distributed.checkpoint": "DCP's private helpers, guarded by try/except: they may move between releases",
+    "transformers": "optional extra, seconds to import; only Hugging Face text towers (hf_model_name)",
     "torchao": "seconds to import (torch.compile's machinery); only --opt adamw8bit and bf16 stochastic rounding",
     "bigclip.torchao_optim": "imports torchao at module level",
 }

@@ -17,7 +17,7 @@ import sys
 import open_clip
 import pytest
 import torch
-from helpers import REPO, free_port, read_metrics, step_losses, subprocess_env, torchrun, torchrun_cmd
+from helpers import REPO, free_port, read_metrics, step_losses, subprocess_env, tiny_hf_clip, torchrun, torchrun_cmd
 from safetensors.torch import save_file
 
 from bigclip import optim
@@ -287,6 +287,34 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
     for name in ("ddp", "fsdp", "zero1", "zero3", "zero2_bf16"):
         for seen, master in r[f"clamp_{name}"]["logit_scale_after"]:
             assert seen <= 4.6052 and master <= 4.6052, name
+
+
+def test_a_hugging_face_text_tower_trains_alike_under_every_engine(tmp_path):
+    """OpenCLIP's HFTextEncoder layout (a tiny RoBERTa made here, its weights loaded as hf_model_pretrained): DDP,
+    FSDP2, ZeRO-1/2/3 give the same losses, also with Hugging Face's activation checkpointing; built on meta and
+    initialised shard by shard, from a whole-model file (equal to DDP's run from it) and from the Hugging Face
+    weights (FSDP2 and ZeRO-3 alike)."""
+    name = tiny_hf_clip(tmp_path / "hf")
+    weights = str(tmp_path / "clip.pt")
+    torch.manual_seed(5)
+    torch.save(create_model(name).state_dict(), weights)
+    base = {"model": name, "batch_size": 8}
+    setups = {**engines(), "fsdp_ckpt": {"engine": "fsdp", "grad_checkpointing": True},
+              "zero3_ckpt": {"ds_config": DS[3], "grad_checkpointing": True},
+              "ddp_file": {"pretrained": weights},
+              "fsdp_meta_file": {"engine": "fsdp", "sharded_init": "always", "pretrained": weights},
+              "zero3_meta_file": {"ds_config": DS[3], "sharded_init": "always", "pretrained": weights},
+              "fsdp_meta": {"engine": "fsdp", "sharded_init": "always"},
+              "zero3_meta": {"ds_config": DS[3], "sharded_init": "always"}}  # fmt: skip
+    runs = [{"name": n, "steps": 6, "text_vocab": 20, "pad_texts": True, "config": {**base, **flags}}
+            for n, flags in setups.items()]  # fmt: skip
+    r = run_worker(tmp_path, runs, name="hf")
+    assert r["ddp"]["losses"][-1] < r["ddp"]["losses"][0]
+    for n in ("fsdp", "zero1", "zero2", "zero3", "fsdp_ckpt", "zero3_ckpt"):
+        assert_same_run(r[n], r["ddp"], FP32_RTOL)
+    for n in ("fsdp_meta_file", "zero3_meta_file"):
+        assert_same_run(r[n], r["ddp_file"], FP32_RTOL)
+    assert_same_run(r["zero3_meta"], r["fsdp_meta"], FP32_RTOL)
 
 
 def test_wide_model_runs_under_fsdp_and_zero3_with_sharded_init(tmp_path):

@@ -94,8 +94,12 @@ def materialise(model: nn.Module, device: torch.device, seed: int, rank: int) ->
     with _rank_distinct_rng(seed, rank, needed=not _has_dtensor_rng(model)), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
         model.init_weights()
-    for name, _b in model.named_buffers():  # the bigclip towers hold none; refuse to leave garbage silently
-        raise RuntimeError(f"buffer {name} is not initialised by init_weights() after a meta build")
+    # bigclip's own towers hold no buffers; a model that has some names those its init_weights() fills (a Hugging
+    # Face text tower's position ids): refuse to leave any other garbage silently
+    filled = set(getattr(model, "buffers_set_by_init", lambda: ())())
+    for name, _b in model.named_buffers():
+        if name not in filled:
+            raise RuntimeError(f"buffer {name} is not initialised by init_weights() after a meta build")
 
 
 def shard_meta_params(model: nn.Module, mesh) -> None:

@@ -11,8 +11,7 @@ from torch import nn
 
 from bigclip.model.convert import plan_bigclip_to_openclip
 from bigclip.model.layer_groups import depths
-from bigclip.model.text import TextTransformer
-from bigclip.model.towers import vision_tower
+from bigclip.model.towers import text_tower, vision_tower
 from bigclip.model.weights import WeightsFile, load_pretrained, plan_for
 
 # OpenAI CLIP's initial temperature (1/0.07); loss families may start elsewhere (SigLIP: log 10, bias -10).
@@ -40,7 +39,7 @@ class CLIP(nn.Module):
         super().__init__()
         self.embed_dim = embed_dim
         self.visual = vision_tower(embed_dim, vision_cfg, quick_gelu=quick_gelu, image_size=image_size)
-        self.text = TextTransformer(embed_dim=embed_dim, quick_gelu=quick_gelu, **text_cfg)
+        self.text = text_tower(embed_dim, text_cfg, quick_gelu=quick_gelu)
         # Shape (1,), not 0-d: sharding engines split parameters along dim 0.
         self.init_logit_scale, self.init_logit_bias = init_logit_scale, init_logit_bias
         self.logit_scale = nn.Parameter(torch.empty(1))
@@ -72,6 +71,15 @@ class CLIP(nn.Module):
         self.logit_scale.fill_(self.init_logit_scale)
         if self.logit_bias is not None:
             self.logit_bias.fill_(self.init_logit_bias)
+
+    def buffers_set_by_init(self) -> set[str]:
+        """The buffers `init_weights()` fills (after a meta build they hold garbage until then): a Hugging Face text
+        tower's (its position ids); bigclip's own towers hold none."""
+        return {f"text.{name}" for name in getattr(self.text, "buffers_set_by_init", set)()}
+
+    def reset_buffers(self) -> None:
+        """Restore the buffers no weights file holds (after to_empty()), in the towers that have some."""
+        getattr(self.text, "reset_buffers", lambda: None)()
 
     def encode_image(self, images: torch.Tensor, normalize: bool = False) -> torch.Tensor:
         features = self.visual(images)

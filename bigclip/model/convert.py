@@ -20,7 +20,7 @@ Only names and a few shapes differ; every tensor keeps its values:
 
 CoCa (model/coca.py) keeps OpenCLIP's names everywhere except the ViT's trunk: its image tower's attn_pool.* and
 ln_post.* (after the pooler), its text.* (OpenCLIP's CoCa keeps the text tower under `text.`, unlike CLIP) and
-text_decoder.* pass through unchanged.
+text_decoder.* pass through unchanged; so does a Hugging Face text tower's text.* (OpenCLIP's CustomTextCLIP).
 
 timm's fused qkv weight stacks [q; k; v] exactly like `nn.MultiheadAttention.in_proj_weight`,
 so attention weights need no reordering. Other vision towers bring their own tables (`TowerNames`); the
@@ -180,12 +180,19 @@ def _tower(visual: set[str], openclip: bool) -> TowerNames:
     raise KeyError(f"unknown {layout} vision tower (entries like {sorted(visual)[:3]})")
 
 
-# CoCa's text tower and caption decoder: OpenCLIP's names in both layouts.
-_COCA_TEXT = ("text.", "text_decoder.")
+# OpenCLIP keeps a text tower under `text.` when it is not CLIP's own (CustomTextCLIP: a Hugging Face tower) and in
+# CoCa (with its caption decoder): those names are the same in both layouts.
+_SEPARATE_TEXT = ("text.", "text_decoder.")
 
 
-def _is_coca(names: Iterable[str]) -> bool:
-    return any(name.startswith("text_decoder.") for name in names)
+def _openclip_separate_text(names: Iterable[str]) -> bool:
+    return any(name.startswith(_SEPARATE_TEXT) for name in names)
+
+
+def _bigclip_separate_text(names: Iterable[str]) -> bool:
+    names = set(names)
+    coca = any(name.startswith("text_decoder.") for name in names)
+    return coca or "text.token_embedding.weight" not in names  # a Hugging Face tower
 
 
 def plan_openclip_to_bigclip(names: Iterable[str]) -> Plan:
@@ -193,9 +200,9 @@ def plan_openclip_to_bigclip(names: Iterable[str]) -> Plan:
     names = [n for n in names if n.split(".")[-1] not in _OPENCLIP_IGNORED]
     visual = {n for n in names if n.startswith("visual.")}
     plan: Plan = _tower(visual, openclip=True).from_openclip(sorted(visual)) if visual else {}
-    coca = _is_coca(names)
+    separate = _openclip_separate_text(names)
     for name in names:
-        if coca and name.startswith(_COCA_TEXT):
+        if separate and name.startswith(_SEPARATE_TEXT):
             plan[name] = renamed(name)
         elif name in _SCALARS:
             plan[name] = renamed(name, _to_vector)
@@ -211,9 +218,9 @@ def plan_bigclip_to_openclip(names: Iterable[str]) -> Plan:
     names = list(names)
     visual = {n for n in names if n.startswith("visual.")}
     plan: Plan = _tower(visual, openclip=False).to_openclip(sorted(visual)) if visual else {}
-    coca = _is_coca(names)
+    separate = _bigclip_separate_text(names)
     for name in names:
-        if coca and name.startswith(_COCA_TEXT):
+        if separate and name.startswith(_SEPARATE_TEXT):
             plan[name] = renamed(name)
         elif name in _SCALARS:
             plan[name] = renamed(name, _to_scalar)

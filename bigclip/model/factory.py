@@ -165,7 +165,7 @@ def create_model(
             raise UserError(f"--force-context-length {context_length}: must be at least 2 (sot + eot)")
         text_cfg["context_length"] = context_length
     tokenizer_vocab = ByteTokenizer.vocab_size if cfg.get("tokenizer") == "byte" else OPENCLIP_VOCAB_SIZE
-    if text_cfg["vocab_size"] < tokenizer_vocab:
+    if "hf_model_name" not in text_cfg and text_cfg["vocab_size"] < tokenizer_vocab:
         raise UserError(
             f"--model {name}: text vocab_size {text_cfg['vocab_size']} is smaller than the "
             f"tokenizer's {tokenizer_vocab}; raise vocab_size in its config"

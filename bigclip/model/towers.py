@@ -10,6 +10,11 @@ activation_shape() (layers, tokens, width, MLP ratio for the memory plan, or Non
 description (what it is, for messages).
 
 To add a kind: a tower class in its own file, and one register() call below.
+
+Text towers are chosen the same way from the text_cfg (TEXT_TOWERS): OpenCLIP's `hf_model_name` means a Hugging
+Face model (hf_text.py); otherwise bigclip's text transformer (text.py). Every text tower offers forward(tokens)
+-> (B, embed_dim) (with output_tokens, also the token states), width, context_length, blocks,
+set_grad_checkpointing(every), init_weights(), layer_groups(), lock(layers, freeze_layer_norm), activation_shape().
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from bigclip.errors import UserError
+from bigclip.model.hf_text import HFTextTower
 from bigclip.model.resnet import ResNetTower
+from bigclip.model.text import TextTransformer
 from bigclip.model.timm_tower import TimmVisionTower
 from bigclip.model.vision import VisionTower
 from bigclip.registry import Registry
@@ -102,3 +109,37 @@ def vision_tower(
 ) -> nn.Module:
     """The image tower an architecture config (OpenCLIP's vision_cfg) describes; `image_size` forces a size."""
     return image_tower_kind(vision_cfg).build(embed_dim, vision_cfg, quick_gelu, image_size)
+
+
+@dataclass(frozen=True)
+class TextTowerKind:
+    claims: Callable[[dict], bool]  # does this text_cfg describe this kind?
+    build: Callable[[int, dict, bool], nn.Module]  # (embed_dim, text_cfg, quick_gelu) -> tower
+    default: bool = False  # claims whatever no other kind claims
+
+
+TEXT_TOWERS: Registry[TextTowerKind] = Registry("text_cfg")
+TEXT_TOWERS.register(
+    "hf",
+    TextTowerKind(
+        lambda t: "hf_model_name" in t,
+        lambda embed_dim, text_cfg, quick_gelu: HFTextTower(embed_dim=embed_dim, **text_cfg),
+    ),
+    help="a Hugging Face model through transformers (OpenCLIP's HFTextEncoder: hf_model_name)",
+)
+TEXT_TOWERS.register(
+    "transformer",
+    TextTowerKind(
+        lambda t: True,
+        lambda embed_dim, text_cfg, quick_gelu: TextTransformer(embed_dim=embed_dim, quick_gelu=quick_gelu, **text_cfg),
+        default=True,
+    ),
+    help="CLIP's causal text transformer (OpenCLIP's TextTransformer)",
+)
+
+
+def text_tower(embed_dim: int, text_cfg: dict, *, quick_gelu: bool) -> nn.Module:
+    """The text tower an architecture config (OpenCLIP's text_cfg) describes."""
+    kinds = [kind for _, kind in TEXT_TOWERS.items()]
+    kind = next((k for k in kinds if not k.default and k.claims(text_cfg)), None) or next(k for k in kinds if k.default)
+    return kind.build(embed_dim, text_cfg, quick_gelu)

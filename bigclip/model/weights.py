@@ -173,6 +173,12 @@ def _local_region(target: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tenso
     return target.to_local(), full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
+def copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Write the whole tensor `full` into `target`: all of it, or a DTensor's own block."""
+    into, region = _local_region(target, full)
+    into.copy_(region)
+
+
 def _entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from model.state_dict(keep_vars=True).items()
 
@@ -194,3 +200,5 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
             del full, region
     finally:
         weights.close()
+    # buffers no file holds (non-persistent: a Hugging Face tower's position ids) are the model's to restore
+    getattr(model, "reset_buffers", lambda: None)()
