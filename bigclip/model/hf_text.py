@@ -127,13 +127,20 @@ class HFTextTower(nn.Module):
         return len(self.blocks), min(self.context_length, 77), self.width, hidden / self.width
 
     def set_grad_checkpointing(self, every: int) -> None:
-        """Hugging Face's checkpointing on every `every`-th layer (0: none)."""
-        if every:
-            self.transformer.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            for i, layer in enumerate(self.blocks):
-                layer.gradient_checkpointing = is_checkpointed(i, every)
+        """Hugging Face's activation checkpointing on every `every`-th layer (0: none). Recent transformers recompute
+        a layer's forward inside its module call, so engines' hooks (FSDP2's) run once."""
+        if not every:
+            getattr(
+                self.transformer, "activation_checkpointing_disable", self.transformer.gradient_checkpointing_disable
+            )()
+            return
+        options = {"use_reentrant": False}
+        if hasattr(self.transformer, "activation_checkpointing_enable"):  # transformers 5
+            self.transformer.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
         else:
-            self.transformer.gradient_checkpointing_disable()
+            self.transformer.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+        for i, layer in enumerate(self.blocks):
+            layer.gradient_checkpointing = is_checkpointed(i, every)
 
     def buffers_set_by_init(self) -> set[str]:
         """Every buffer: init_weights() and reset_buffers() restore them."""
