@@ -342,10 +342,91 @@ def test_beam_search_with_enough_beams_finds_the_best_caption_of_all():
         )
         for image, row in zip(images, got.tolist()):
             assert row[: row.index(5) + 1] == exhaustive_best(model, image, 5, min_seq_len)
-    # one beam is greedy decoding
-    greedy = captioning.greedy(model, images, sot_id=4, eos_id=5, seq_len=7, min_seq_len=2)
-    one_beam = captioning.beam_search(model, images, sot_id=4, eos_id=5, seq_len=7, min_seq_len=2, num_beams=1)
-    assert torch.equal(one_beam, greedy)
+
+
+def openclip_main_beam_search(model, images, sot, eos, pad, seq_len, min_seq_len, num_beams, vocab):
+    """OpenCLIP main's CoCa.generate(generation_type="beam_search"): its MultimodalGenerationWrapper
+    (src/open_clip/generation.py, condensed) over a CoCa with OpenCLIP's _encode_image/_encode_text/text_decoder,
+    driven by transformers' generate with the GenerationConfig main builds (one beam group, no cache)."""
+    from transformers import GenerationConfig
+    from transformers.generation import GenerationMixin
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class Config:
+        is_encoder_decoder, vocab_size, _attn_implementation = False, vocab, "eager"
+
+        def get_text_config(self, decoder=False):
+            return self
+
+    class Wrapper(torch.nn.Module, GenerationMixin):
+        main_input_name, _is_stateful = "input_ids", False
+
+        def __init__(self, image_embs):
+            super().__init__()
+            self.register_buffer("_image_embs", image_embs)
+            self.config = Config()
+            self.generation_config = GenerationConfig(bos_token_id=sot, eos_token_id=eos, pad_token_id=pad)
+
+        @property
+        def device(self):
+            return self._image_embs.device
+
+        def prepare_inputs_for_generation(self, input_ids, image_embs=None, **kwargs):
+            return {"input_ids": input_ids, "image_embs": image_embs if image_embs is not None else self._image_embs}
+
+        def forward(self, input_ids, image_embs=None, **kwargs):
+            logits = model.text_decoder(image_embs, model._encode_text(input_ids)[1])
+            return CausalLMOutputWithPast(logits=logits, past_key_values=None)
+
+    with torch.no_grad():
+        image_embs = model._encode_image(images)[1]
+        config = GenerationConfig(max_length=seq_len, min_length=min_seq_len, repetition_penalty=1.0,
+                                  eos_token_id=eos, pad_token_id=pad, use_cache=False, num_beams=num_beams,
+                                  num_beam_groups=1)  # fmt: skip
+        start = torch.full((images.shape[0], 1), sot, dtype=torch.long)
+        return Wrapper(image_embs).generate(start, generation_config=config, image_embs=image_embs)
+
+
+def captions(ids: torch.Tensor, eos: int) -> list[list[int]]:
+    """Each row up to its eos (what follows is filler: Hugging Face fills with eos where the pad id is 0)."""
+    return [row[: row.index(eos) + 1] if eos in row else row for row in ids.tolist()]
+
+
+class OpenCLIPMethods:
+    """bigclip's CoCa seen through the three methods OpenCLIP's generate calls."""
+
+    def __init__(self, model):
+        self.text_decoder = model.text_decoder
+        self._encode_image = lambda images: model.visual(images)
+        self._encode_text = lambda texts: model.text(texts)
+
+
+@pytest.mark.parametrize("seq_len, min_seq_len, num_beams", [(6, 2, 3), (7, 3, 4), (5, 4, 2)])
+def test_beam_search_equals_openclip_mains_generate(seq_len, min_seq_len, num_beams):
+    """OpenCLIP main's generate runs Hugging Face's beam search: bigclip's gives the same captions (some ending with
+    eos, some at seq_len without it), on OpenCLIP's CoCa and on a small-vocabulary CoCa whose captions vary."""
+    theirs = openclip_tiny_coca()
+    ours = create_model(TINY).eval()
+    ours.load_state_dict(openclip_to_bigclip(theirs.state_dict()))
+    images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(7))
+    options = {"sot_id": 257, "eos_id": 258, "pad_id": 0, "seq_len": seq_len, "min_seq_len": min_seq_len}
+    got = captioning.beam_search(ours, images, num_beams=num_beams, **options)
+    expected = openclip_main_beam_search(theirs, images, 257, 258, 0, seq_len, min_seq_len, num_beams, 259)
+    assert got.shape == expected.shape and captions(got, 258) == captions(expected, 258)
+
+    small = tiny_vocabulary_coca()
+    with torch.no_grad():  # captions that depend on the image, and eos neither always nor never likely
+        for block in small.text_decoder.cross_attn:
+            block.attn.out_proj.weight.mul_(4)
+        small.text_decoder.text_projection[:, 5] = 0
+    images = torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(8))
+    images *= torch.linspace(0.1, 3, 16)[:, None, None, None]
+    options = {"sot_id": 4, "eos_id": 5, "pad_id": 0, "seq_len": seq_len, "min_seq_len": min_seq_len}
+    got = captioning.beam_search(small, images, num_beams=num_beams, **options)
+    expected = openclip_main_beam_search(OpenCLIPMethods(small), images, 4, 5, 0, seq_len, min_seq_len, num_beams, 6)
+    assert got.shape == expected.shape and captions(got, 5) == captions(expected, 5)
+    ended = [5 in row for row in got.tolist()]
+    assert any(ended) and not all(ended) and len({tuple(row) for row in got.tolist()}) > 2
 
 
 def test_bigclip_generate_writes_a_caption_per_image(tmp_path, capsys):

@@ -7,11 +7,11 @@ decoder over the caption so far (OpenCLIP's generate does the same: no key/value
 
 - greedy: the most likely next token at every step, eos forced at the last position (OpenCLIP's `top_k` decoding
   with top_k=1 and temperature 1, which samples from a distribution with one nonzero entry, is exactly this).
-- beam_search: `num_beams` running captions per image, scored by the sum of their tokens' log-probabilities; at
-  every step each keeps its best continuations, a continuation by eos becomes a finished caption, and at the last
-  position only eos is allowed. The caption returned has the best score divided by its length (the tokens after
-  sot, eos included: Hugging Face's length_penalty 1). OpenCLIP 3.3's beam search differs: it sums raw logits
-  (not log-probabilities) over 3 groups of beams (Hugging Face's group beam search, no diversity penalty).
+- beam_search: Hugging Face's beam search as OpenCLIP main's generate runs it (transformers' GenerationMixin with
+  one beam group, length_penalty 1, early_stopping False): `num_beams` running captions per image scored by the
+  sum of their tokens' log-probabilities; a caption ends with eos or at `seq_len` tokens (then without eos), and
+  the one returned has the best score divided by its number of tokens after sot. OpenCLIP 3.3's beam search
+  differs: it sums raw logits (not log-probabilities) over 3 groups of beams.
 """
 
 from __future__ import annotations
@@ -67,51 +67,67 @@ def beam_search(
     min_seq_len: int = 5,
     num_beams: int = 6,
 ) -> torch.Tensor:
-    """(B, longest caption) token ids of each image's best caption, padded with pad_id after its eos."""
+    """(B, longest caption) token ids of each image's best caption, padded with pad_id after its end.
+
+    Hugging Face's beam search (transformers 5's GenerationMixin._beam_search, which OpenCLIP main's generate runs
+    with one beam group) with its defaults: length_penalty 1, early_stopping False, one eos id, the prompt [sot]."""
     _check_lengths(seq_len, min_seq_len)
     if num_beams < 1:
         raise ValueError(f"num_beams must be at least 1, got {num_beams}")
-    batch, device = images.shape[0], images.device
-    image_tokens = model.visual(images)[1].repeat_interleave(num_beams, dim=0)
-    texts = torch.full((batch * num_beams, 1), sot_id, dtype=torch.long, device=device)
-    # only the first beam of each image is live at the start: the others would repeat it
-    scores = torch.full((batch, num_beams), -torch.inf, device=device)
-    scores[:, 0] = 0.0
-    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
-    while texts.shape[1] < seq_len:
-        length = texts.shape[1]
-        log_probs = _next_token_log_probs(model, image_tokens, texts, eos_id, min_seq_len, seq_len)
-        vocab = log_probs.shape[1]
-        candidates = (scores.reshape(-1, 1) + log_probs).reshape(batch, num_beams * vocab)
-        # enough candidates that num_beams of them continue even if every beam's best is eos
-        best, index = candidates.topk(min(2 * num_beams, num_beams * vocab), dim=1)
-        next_texts, next_scores = [], []
-        for b in range(batch):
-            kept = []
-            for score, flat in zip(best[b].tolist(), index[b].tolist()):
-                if score == -torch.inf:
-                    break
-                beam, token = divmod(flat, vocab)
-                row = texts[b * num_beams + beam]
-                if token == eos_id:
-                    finished[b].append((score / length, [*row.tolist(), eos_id]))
-                elif len(kept) < num_beams:
-                    kept.append((score, torch.cat([row, row.new_tensor([token])])))
-            finished[b] = sorted(finished[b], key=lambda f: -f[0])[:num_beams]
-            kept += [(-torch.inf, torch.cat([texts[b * num_beams], texts.new_tensor([pad_id])]))] * (
-                num_beams - len(kept)
-            )
-            next_scores.append([s for s, _ in kept])
-            next_texts.extend(t for _, t in kept)
-        if all(s == -torch.inf for row in next_scores for s in row):
+    batch, beams, device = images.shape[0], num_beams, images.device
+    image_tokens = model.visual(images)[1].repeat_interleave(beams, dim=0)
+    running = torch.full((batch, beams, seq_len), pad_id, dtype=torch.long, device=device)
+    running[:, :, 0] = sot_id
+    # only the first beam is live at the start (the others would repeat it); -1e9 as Hugging Face marks the dead
+    running_scores = torch.full((batch, beams), -1e9, device=device)
+    running_scores[:, 0] = 0.0
+    done = torch.full_like(running, pad_id)
+    done_scores = torch.full((batch, beams), -1e9, device=device)
+    done_lengths = torch.ones((batch, beams), dtype=torch.long, device=device)
+    is_done = torch.zeros((batch, beams), dtype=torch.bool, device=device)
+    may_improve = torch.ones((batch, 1), dtype=torch.bool, device=device)
+    in_top_beams = torch.arange(2 * beams, device=device) < beams  # only these candidates may finish
+
+    def pick(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # t[b, index[b, j]] along dim 1
+        return t.gather(1, index.view(*index.shape, *([1] * (t.dim() - 2))).expand(*index.shape, *t.shape[2:]))
+
+    length = 1
+    while length < seq_len:
+        logits = model.decode(image_tokens, running[:, :, :length].reshape(batch * beams, length))[:, -1].float()
+        log_probs = logits.log_softmax(dim=-1)
+        if length < min_seq_len:
+            log_probs[:, eos_id] = -torch.inf
+        vocab = log_probs.shape[-1]
+        total = (log_probs.view(batch, beams, vocab) + running_scores[:, :, None]).view(batch, beams * vocab)
+        top_scores, top_index = total.topk(2 * beams, dim=1)
+        candidates = pick(running, top_index // vocab).clone()
+        tokens = top_index % vocab
+        candidates[:, :, length] = tokens
+        ends = (tokens == eos_id) | (length + 1 >= seq_len)  # eos, or the longest caption
+        # the beams that go on: the best candidates that did not end
+        alive = top_scores + ends.float() * -1e9
+        keep = alive.topk(beams, dim=1).indices
+        next_running, next_scores = pick(candidates, keep), pick(alive, keep)
+        # the finished captions: the best so far and those that just ended among the top `beams` candidates,
+        # scored by their mean log-probability over the tokens after sot
+        finishing = ends & in_top_beams
+        scores = top_scores / length + (~may_improve).float() * -1e9 + (~finishing).float() * -1e9
+        merged = torch.cat([done_scores, scores], dim=1).topk(beams, dim=1).indices
+        done = pick(torch.cat([done, candidates], dim=1), merged)
+        done_scores = pick(torch.cat([done_scores, scores], dim=1), merged)
+        lengths = torch.full_like(tokens, length + 1)
+        done_lengths = pick(torch.cat([done_lengths, lengths], dim=1), merged)
+        is_done = pick(torch.cat([is_done, finishing], dim=1), merged)
+        running, running_scores = next_running, next_scores
+        length += 1
+        # Hugging Face's early_stopping=False heuristic: stop once the best running beam, ended now, would not beat
+        # the worst finished caption
+        best_running = running_scores[:, :1] / (length - 1)
+        worst_done = torch.where(is_done, done_scores.min(dim=1, keepdim=True).values, -1e9)
+        may_improve = may_improve & (best_running > worst_done).any(dim=-1, keepdim=True)
+        if not may_improve.any() or ends.all():
             break
-        texts = torch.stack(next_texts)
-        scores = torch.tensor(next_scores, device=device)
-    captions = [max(f, key=lambda f: f[0])[1] if f else [sot_id, eos_id] for f in finished]
-    out = torch.full((batch, max(len(c) for c in captions)), pad_id, dtype=torch.long, device=device)
-    for b, caption in enumerate(captions):
-        out[b, : len(caption)] = torch.tensor(caption, device=device)
-    return out
+    return done[:, 0, : int(done_lengths[:, 0].max())]
 
 
 def generate(model, images: torch.Tensor, generation_type: str = "beam_search", **options) -> torch.Tensor:
