@@ -215,6 +215,10 @@ def test_a_run_with_a_teacher_saves_only_the_student(tmp_path):
         (["--distill-model", "nope", "--distill-pretrained", "x.pt"], "--distill-model 'nope': unknown architecture"),
         (["--distill-model", "test-tiny", "--distill-pretrained", "/no/such.pt"], "--distill-pretrained '/no/such.pt'"),
         (["--distill-model", "test-tiny", "--distill-pretrained", "t.pt", "--siglip"], "not to the SigLIP loss"),
+        (
+            ["--model", "test-tiny-coca", "--distill-model", "test-tiny", "--distill-pretrained", "t.pt"],
+            "--distill-model: distillation is for CLIP models; a CoCa model trains with its own loss",
+        ),
     ],
 )
 def test_distillation_flags_that_cannot_work_fail_in_one_line(tmp_path, capfd, monkeypatch, flags, message):
