@@ -21,21 +21,12 @@ from torch import nn
 
 from bigclip.model.clip import CLIP, DEFAULT_INIT_LOGIT_SCALE
 from bigclip.model.layers import QuickGELU, is_checkpointed, run_block
-from bigclip.model.text import ResidualAttentionBlock
+from bigclip.model.text import CausalSelfAttention, ResidualAttentionBlock, init_blocks
 
 
-class CrossAttention(nn.Module):
-    """Queries from the text, keys and values from the image tokens (same width); nn.MultiheadAttention's
-    parameter names (in_proj_weight stacks [q; k; v])."""
-
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        if width % heads:
-            raise ValueError(f"decoder width {width} is not divisible by heads {heads}")
-        self.heads = heads
-        self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))
-        self.in_proj_bias = nn.Parameter(torch.empty(3 * width))
-        self.out_proj = nn.Linear(width, width)
+class CrossAttention(CausalSelfAttention):
+    """Queries from the text, keys and values from the image tokens (same width); the self-attention's parameters
+    (nn.MultiheadAttention's names: in_proj_weight stacks [q; k; v])."""
 
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
@@ -110,20 +101,10 @@ class MultimodalDecoder(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.LayerNorm, nn.Linear)):
                 module.reset_parameters()
-        attn_std = self.width**-0.5
-        proj_std = attn_std * (2 * len(self.resblocks)) ** -0.5
-        fc_std = (2 * self.width) ** -0.5
-        for block in self.blocks:
-            nn.init.normal_(block.attn.in_proj_weight, std=attn_std)
-            nn.init.zeros_(block.attn.in_proj_bias)
-            nn.init.normal_(block.attn.out_proj.weight, std=proj_std)
-            nn.init.zeros_(block.attn.out_proj.bias)
-            nn.init.normal_(block.mlp.c_fc.weight, std=fc_std)
-            nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
-            if self.ls_init_value is not None:
-                nn.init.constant_(block.ls_1.gamma, self.ls_init_value)
-                nn.init.constant_(block.ls_2.gamma, self.ls_init_value)
-        nn.init.normal_(self.text_projection, std=attn_std)
+        # depth: the number of layers (a self- and a cross-attention block each), as OpenCLIP would count it
+        init_blocks(self.resblocks, self.width, self.ls_init_value)
+        init_blocks(self.cross_attn, self.width, self.ls_init_value)
+        nn.init.normal_(self.text_projection, std=self.width**-0.5)
 
     def forward(self, image_tokens: torch.Tensor, text_states: torch.Tensor) -> torch.Tensor:
         """(B, Q, width) image tokens, (B, L, width) text states -> (B, L, vocab) next-token logits."""

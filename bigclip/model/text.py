@@ -87,6 +87,24 @@ class ResidualAttentionBlock(nn.Module):
         return x + self.ls_2(self.mlp(self.ln_2(x)))
 
 
+def init_blocks(blocks, width: int, ls_init_value: float | None) -> None:
+    """OpenCLIP's init of a stack of attention blocks (its text tower's): attention and MLP weights scaled by the
+    width and the depth, zero attention biases, layer scale at its starting value."""
+    attn_std = width**-0.5
+    proj_std = attn_std * (2 * len(blocks)) ** -0.5
+    fc_std = (2 * width) ** -0.5
+    for block in blocks:
+        nn.init.normal_(block.attn.in_proj_weight, std=attn_std)
+        nn.init.zeros_(block.attn.in_proj_bias)
+        nn.init.normal_(block.attn.out_proj.weight, std=proj_std)
+        nn.init.zeros_(block.attn.out_proj.bias)
+        nn.init.normal_(block.mlp.c_fc.weight, std=fc_std)
+        nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
+        if ls_init_value is not None:
+            nn.init.constant_(block.ls_1.gamma, ls_init_value)
+            nn.init.constant_(block.ls_2.gamma, ls_init_value)
+
+
 class Transformer(nn.Module):
     """A stack of blocks under OpenCLIP's `transformer.resblocks` name."""
 
@@ -163,24 +181,11 @@ class TextTransformer(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.LayerNorm, nn.Linear, nn.Embedding)):
                 module.reset_parameters()
-        layers = len(self.blocks)
-        attn_std = self.width**-0.5
-        proj_std = attn_std * (2 * layers) ** -0.5
-        fc_std = (2 * self.width) ** -0.5
         nn.init.normal_(self.token_embedding.weight, std=0.02)
         nn.init.normal_(self.positional_embedding, std=0.01)
         if self.cls_emb is not None:
             nn.init.normal_(self.cls_emb, std=0.01)
-        for block in self.blocks:
-            nn.init.normal_(block.attn.in_proj_weight, std=attn_std)
-            nn.init.zeros_(block.attn.in_proj_bias)
-            nn.init.normal_(block.attn.out_proj.weight, std=proj_std)
-            nn.init.zeros_(block.attn.out_proj.bias)
-            nn.init.normal_(block.mlp.c_fc.weight, std=fc_std)
-            nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
-            if self.ls_init_value is not None:
-                nn.init.constant_(block.ls_1.gamma, self.ls_init_value)
-                nn.init.constant_(block.ls_2.gamma, self.ls_init_value)
+        init_blocks(self.blocks, self.width, self.ls_init_value)
         nn.init.normal_(self.text_projection, std=self.width**-0.5)
 
     def layer_groups(self) -> LayerGroups:
