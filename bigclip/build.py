@@ -139,8 +139,10 @@ def build_transforms(model: ModelConfig, data: DataConfig):
     mean, std = (mean * 3 if len(mean) == 1 else mean), (std * 3 if len(std) == 1 else std)
     interpolation = data.image_interpolation or pp["interpolation"]
     resize_mode = data.image_resize_mode or pp["resize_mode"]
-    preprocess_train = image_transform(pp["size"], True, mean, std, interpolation, resize_mode, data.aug_cfg)
-    preprocess_val = image_transform(pp["size"], False, mean, std, interpolation, resize_mode, None)
+    preprocess_train = image_transform(
+        pp["size"], True, mean, std, interpolation, resize_mode, data.aug_cfg, decode=data.image_decode
+    )
+    preprocess_val = image_transform(pp["size"], False, mean, std, interpolation, resize_mode, None, data.image_decode)
     return preprocess_train, preprocess_val, {"size": pp["size"], "mean": mean, "std": std}
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import webdataset as wds
 
 from bigclip.data.sample_keys import DEFAULT_IMAGE_KEY, DEFAULT_TEXT_KEY, SampleKeys
-from bigclip.data.transforms import INTERPOLATIONS, RESIZE_MODES
+from bigclip.data.transforms import DECODE_MODES, INTERPOLATIONS, RESIZE_MODES
 from bigclip.flag_fields import DATA, EVAL, flag, non_negative_int, optional, positive_int
 from bigclip.registry import Registry
 from bigclip.storage_options import parse_storage_options
@@ -119,6 +119,14 @@ class DataConfig:
     image_std: list[float] | None = flag(None, "Override the image normalisation std.", DATA, nargs="+", type=float)
     image_interpolation: str | None = flag(None, "bicubic, bilinear or random.", DATA, choices=INTERPOLATIONS)
     image_resize_mode: str | None = flag(None, "shortest, longest or squash.", DATA, choices=RESIZE_MODES)
+    image_decode: str = flag(
+        "reduced",
+        "reduced: JPEGs decoded at the smallest DCT scale (1/2, 1/4, 1/8) that still covers the crop at the output "
+        "size, the crop drawn as OpenCLIP draws it (new in bigclip; resampling differs slightly); full: every pixel, "
+        "as OpenCLIP.",
+        DATA,
+        choices=DECODE_MODES,
+    )
     aug_cfg: list[str] | dict[str, Any] = flag(
         [], "Augmentation key=value pairs, e.g. scale=0.9::1.0.", DATA, nargs="*"
     )

@@ -18,10 +18,12 @@ class ImageTooLarge(Exception):
 
 
 def decode_rgb(source, transform, max_pixels: int | None = None) -> torch.Tensor:
-    """`transform` of the RGB image at `source` (a path or a binary file object)."""
+    """`transform` of the RGB image at `source` (a path or a binary file object). A transform that says it takes
+    images undecoded (`accepts_undecoded`: bigclip's, which convert to RGB themselves, after choosing a JPEG's DCT
+    scale when decoding reduced) gets the image as PIL opened it."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PIL's per-file warnings (EXIF, palettes) would flood logs
         with Image.open(source) as img:
             if max_pixels and img.width * img.height > max_pixels:
                 raise ImageTooLarge(f"{img.width}x{img.height} exceeds --max-image-pixels {max_pixels}")
-            return transform(img.convert("RGB"))
+            return transform(img if getattr(transform, "accepts_undecoded", False) else img.convert("RGB"))

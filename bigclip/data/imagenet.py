@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 
 import torch
-from PIL import Image
 from torch.utils.data import Dataset
 
 from bigclip.data.config import DataConfig
+from bigclip.data.decode import decode_rgb
 from bigclip.data.info import DataInfo
 from bigclip.data.sampler import ShardedBatchSampler
 from bigclip.data.workers import worker_loader
@@ -67,8 +67,7 @@ class ImageFolderDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[index]
-        with Image.open(path) as image:
-            return self.transform(image.convert("RGB")), label
+        return decode_rgb(path, self.transform), label
 
 
 def build_zeroshot_sets(cfg: DataConfig, preprocess_val, rank: int, world_size: int) -> dict[str, DataInfo]:

@@ -4,6 +4,15 @@ Follows OpenCLIP's `image_transform`: training uses RandomResizedCrop over the -
 (or timm's create_transform with use_timm=true); evaluation resizes by --image-resize-mode and
 centre-crops. Two deliberate extensions: `ratio` and `--image-interpolation` are honoured on the
 plain torchvision training path too (OpenCLIP ignores them there).
+
+Reduced decoding (--image-decode reduced, the default): a transform's first step receives the image as PIL opened
+it (header read, pixels not yet decoded) and, for a JPEG, asks libjpeg to decode it at the smallest DCT scale (1/2,
+1/4, 1/8: PIL's `draft`) that still leaves the pixels the crop keeps at least as large as the output. The crop is
+drawn on the full image's size with torchvision's own RandomResizedCrop.get_params (same scale/ratio semantics,
+same random numbers), then mapped exactly (a fractional box) onto the reduced image; evaluation's shortest-side
+resize likewise. What changes is
+resampling only (libjpeg's DCT downscale before the bicubic resize): tests/test_data.py bounds the difference on
+photographs. Other formats, and --image-decode full, decode every pixel as OpenCLIP does.
 """
 
 from __future__ import annotations
@@ -23,12 +32,82 @@ from bigclip.errors import UserError
 logger = logging.getLogger(__name__)
 
 INTERPOLATIONS = ("bicubic", "bilinear", "random")
+DECODE_MODES = ("reduced", "full")
+DRAFT_SCALES = (8, 4, 2)  # libjpeg's DCT scaling: 1/8, 1/4, 1/2
 RESIZE_MODES = ("shortest", "longest", "squash")
 _TIMM_ONLY = ("re_prob", "re_count")
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def reduce_jpeg(image: Image.Image, factor: int) -> float:
+    """Make a JPEG that PIL has opened but not decoded decode at 1/`factor` of its size (libjpeg's DCT scaling, the
+    last partial block rounded up); returns the scale from full-size to decoded coordinates (1/factor, or 1.0 when
+    nothing was reduced: other formats, an image already decoded)."""
+    if image.format != "JPEG":
+        return 1.0
+    width, height = image.size
+    # PIL picks the scale min(width // w, height // h) for a request (w, h)
+    drafted = image.draft("RGB", (max(1, width // factor), max(1, height // factor)))  # None once decoded
+    if not drafted:
+        return 1.0
+    _mode, box = drafted  # the full image's extent in decoded coordinates: (0, 0, width / scale, height / scale)
+    return box[2] / width
+
+
+def _largest_factor(width: float, height: float, out_width: int, out_height: int) -> int:
+    """The largest DCT reduction that keeps a width x height region at least out_width x out_height (1: none)."""
+    return next((f for f in DRAFT_SCALES if width / f >= out_width and height / f >= out_height), 1)
+
+
+class ReducedRandomResizedCrop(T.RandomResizedCrop):
+    """RandomResizedCrop whose crop is drawn on the full image's size (the same random numbers and scale/ratio
+    semantics) and cut from a JPEG decoded at reduced scale where the crop still covers the output size."""
+
+    def forward(self, image: Image.Image) -> Image.Image:
+        top, left, height, width = self.get_params(image, self.scale, self.ratio)  # reads the header's size only
+        factor = _largest_factor(width, height, self.size[1], self.size[0])
+        scale = reduce_jpeg(image, factor) if factor > 1 else 1.0
+        image = to_rgb(image)
+        if scale == 1.0:
+            return T.functional.resized_crop(image, top, left, height, width, self.size, self.interpolation)
+        # the crop's exact place on the reduced image (fractional: PIL resamples from a float box, as torchvision's
+        # crop-then-resize does from an integer one on the full image)
+        box = (left * scale, top * scale, (left + width) * scale, (top + height) * scale)
+        return image.resize((self.size[1], self.size[0]), _PIL_FILTERS[self.interpolation], box=box)
+
+
+_PIL_FILTERS = {
+    InterpolationMode.BICUBIC: Image.Resampling.BICUBIC,
+    InterpolationMode.BILINEAR: Image.Resampling.BILINEAR,
+}
+
+
+class ReducedResize:
+    """Evaluation's shortest-side resize (torchvision's Resize(shortest): the same output size) of a JPEG decoded at
+    the smallest DCT scale whose shorter side still covers `shortest`, resampled from the full image's exact extent
+    on the reduced one."""
+
+    def __init__(self, shortest: int, interpolation: InterpolationMode):
+        self.shortest = shortest
+        self.interpolation = interpolation
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        width, height = image.size
+        side = min(width, height)
+        factor = _largest_factor(side, side, self.shortest, self.shortest)
+        scale = reduce_jpeg(image, factor) if factor > 1 else 1.0
+        image = to_rgb(image)
+        if scale == 1.0:
+            return T.functional.resize(image, self.shortest, interpolation=self.interpolation)
+        long = int(self.shortest * max(width, height) / side)  # torchvision's rule for Resize(int)
+        size = (self.shortest, long) if width <= height else (long, self.shortest)
+        return image.resize(size, _PIL_FILTERS[self.interpolation], box=(0, 0, width * scale, height * scale))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shortest={self.shortest}, interpolation={self.interpolation.value})"
 
 
 def _pair_size(image_size: int | Sequence[int]) -> tuple[int, int]:
@@ -57,18 +136,19 @@ class ResizeKeepRatio:
         return f"{type(self).__name__}(size={self.size}, longest={self.longest})"
 
 
-def _random_resized_crop(size, scale, ratio, interpolation: str) -> Any:
+def _random_resized_crop(size, scale, ratio, interpolation: str, reduced: bool) -> Any:
     ratio = ratio or (3 / 4, 4 / 3)
+    crop = ReducedRandomResizedCrop if reduced else T.RandomResizedCrop
     if interpolation == "random":
         # A fresh choice per image, as timm's 'random' interpolation does.
         return T.RandomChoice(
             [
-                T.RandomResizedCrop(size, scale=scale, ratio=ratio, interpolation=mode)
+                crop(size, scale=scale, ratio=ratio, interpolation=mode)
                 for mode in (InterpolationMode.BILINEAR, InterpolationMode.BICUBIC)
             ]
         )
     mode = InterpolationMode.BILINEAR if interpolation == "bilinear" else InterpolationMode.BICUBIC
-    return T.RandomResizedCrop(size, scale=scale, ratio=ratio, interpolation=mode)
+    return crop(size, scale=scale, ratio=ratio, interpolation=mode)
 
 
 def _color_jitter(strength) -> T.ColorJitter:
@@ -92,7 +172,7 @@ def _timm_train_transform(size, mean, std, interpolation: str, aug: dict[str, An
         interpolation=interpolation,
         **options,
     )
-    return T.Compose([to_rgb, timm_transform])
+    return _undecoded_ok(T.Compose([to_rgb, timm_transform]))
 
 
 def image_transform(
@@ -103,8 +183,13 @@ def image_transform(
     interpolation: str | None = "bicubic",
     resize_mode: str | None = "shortest",
     aug_cfg: dict | list | None = None,
+    decode: str = "full",
 ):
-    """A callable PIL.Image -> FloatTensor[3, H, W]. `aug_cfg` is a dict or key=value strings."""
+    """A callable PIL.Image -> FloatTensor[3, H, W]. `aug_cfg` is a dict or key=value strings. decode="reduced":
+    given an image PIL has opened but not decoded, a JPEG is decoded at reduced scale where the output allows."""
+    if decode not in DECODE_MODES:
+        raise UserError(f"--image-decode {decode}: choose one of {', '.join(DECODE_MODES)}")
+    reduced = decode == "reduced"
     interpolation = interpolation or "bicubic"
     resize_mode = resize_mode or "shortest"
     if interpolation not in INTERPOLATIONS:
@@ -122,12 +207,13 @@ def image_transform(
         unused = [k for k in _TIMM_ONLY if aug.get(k) is not None]
         if unused:
             logger.warning(f"--aug-cfg {', '.join(unused)} need use_timm=true; ignored")
-        steps = [to_rgb, _random_resized_crop(size, aug.get("scale") or (0.9, 1.0), aug.get("ratio"), interpolation)]
+        crop = _random_resized_crop(size, aug.get("scale") or (0.9, 1.0), aug.get("ratio"), interpolation, reduced)
+        steps = [crop] if reduced else [to_rgb, crop]
         if aug.get("color_jitter") is not None:
             steps.append(T.RandomApply([_color_jitter(aug["color_jitter"])], p=aug.get("color_jitter_prob") or 1.0))
         if aug.get("gray_scale_prob"):
             steps.append(T.RandomGrayscale(p=aug["gray_scale_prob"]))
-        return T.Compose([*steps, T.ToTensor(), normalize])
+        return _undecoded_ok(T.Compose([*steps, T.ToTensor(), normalize]))
 
     # Evaluation has no randomness: 'random' interpolation means bicubic here, as in OpenCLIP.
     mode = InterpolationMode.BILINEAR if interpolation == "bilinear" else InterpolationMode.BICUBIC
@@ -137,8 +223,18 @@ def image_transform(
         # OpenCLIP's own choice for square targets: torchvision's shortest-edge resize, which truncates the
         # long side (500x375 -> 298x224) where scaling by a ratio would round it (299): the crop, and so the
         # zero-shot numbers, would differ from OpenCLIP's by a pixel's shift.
+        if reduced:
+            resize = [ReducedResize(size[0], mode), T.CenterCrop(size)]
+            return _undecoded_ok(T.Compose([*resize, T.ToTensor(), normalize]))
         resize = [T.Resize(size[0], interpolation=mode), T.CenterCrop(size)]
     else:
         # CenterCrop pads with black where the resized image is smaller ('longest' letterboxing).
         resize = [ResizeKeepRatio(size, longest=resize_mode == "longest", interpolation=mode), T.CenterCrop(size)]
-    return T.Compose([to_rgb, *resize, T.ToTensor(), normalize])
+    return _undecoded_ok(T.Compose([to_rgb, *resize, T.ToTensor(), normalize]))
+
+
+def _undecoded_ok(transform: T.Compose) -> T.Compose:
+    """Mark a pipeline whose first step converts to RGB itself: the readers may hand it the image as PIL opened it
+    (data/decode.py), which the reduced-decoding steps need."""
+    transform.accepts_undecoded = True
+    return transform
