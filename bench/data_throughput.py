@@ -3,6 +3,7 @@
     python bench/data_throughput.py                  # 16 shards x 256 JPEGs, batch 64, 1 and 2 workers, local + S3
     python bench/data_throughput.py --shards 4 --samples-per-shard 64 --batch-size 16   # a quick check (~1 min)
     python bench/data_throughput.py --sources local --modes resampled --workers 2 --repeats 3
+    python bench/data_throughput.py --photos 1024 --bigclip-decode reduced --sources local --modes epoch  # photos
 
 What is timed: decode + augment + tokenize + batch, delivered to the training process, nothing else. Both sides
 read the same shards (written once by this script with webdataset's TarWriter: --shards x --samples-per-shard
@@ -75,6 +76,40 @@ def write_shards(folder: str, shards: int, per_shard: int, sizes: tuple[int, int
                 pixels = (smooth + rng.normal(0, 6, size=(h, w, 3))).clip(0, 255).astype(np.uint8)
                 buf = io.BytesIO()
                 Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+                caption = " ".join(rng.choice(WORDS, size=int(rng.integers(5, 16))))
+                sink.write({"__key__": f"{s:06d}_{i:06d}", "jpg": buf.getvalue(), "txt": caption})
+        paths.append(path)
+    return paths
+
+
+def write_photo_shards(folder: str, shards: int, per_shard: int, sides: list[int], seed: int) -> list[str]:
+    """Shards of real photographs: scikit-learn's two sample photos (640x427), each sample a random crop (half to
+    all of the photo's area, aspect 3:4 to 4:3) resized so its long side is one of `sides`, JPEG quality 90-95."""
+    import numpy as np
+    import webdataset as wds
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+
+    photos = [Image.fromarray(a) for a in load_sample_images().images]
+    rng = np.random.default_rng(seed)
+    paths = []
+    for s in range(shards):
+        path = os.path.join(folder, f"shard-{s:06d}.tar")
+        with wds.TarWriter(path) as sink:
+            for i in range(per_shard):
+                photo = photos[int(rng.integers(len(photos)))]
+                area = photo.width * photo.height * rng.uniform(0.5, 1.0)
+                ratio = rng.uniform(3 / 4, 4 / 3)
+                w = min(photo.width, int(round((area * ratio) ** 0.5)))
+                h = min(photo.height, int(round((area / ratio) ** 0.5)))
+                x, y = int(rng.integers(photo.width - w + 1)), int(rng.integers(photo.height - h + 1))
+                side = int(rng.choice(sides))
+                scale = side / max(w, h)
+                image = photo.crop((x, y, x + w, y + h)).resize(
+                    (max(1, round(w * scale)), max(1, round(h * scale))), Image.BICUBIC
+                )
+                buf = io.BytesIO()
+                image.save(buf, format="JPEG", quality=int(rng.integers(90, 96)))
                 caption = " ".join(rng.choice(WORDS, size=int(rng.integers(5, 16))))
                 sink.write({"__key__": f"{s:06d}_{i:06d}", "jpg": buf.getvalue(), "txt": caption})
         paths.append(path)
@@ -175,6 +210,11 @@ def child(spec: dict) -> dict:
 
     torch.manual_seed(spec["seed"])
     preprocess = open_clip.image_transform(224, is_train=True)
+    if spec["side"] == "bigclip" and spec.get("decode", "openclip") != "openclip":
+        from bigclip.data.transforms import image_transform
+
+        mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
+        preprocess = image_transform(224, True, mean, std, decode=spec["decode"])
     tokenizer = open_clip.get_tokenizer("ViT-B-32")
     build = _bigclip_loader if spec["side"] == "bigclip" else _openclip_loader
     loader, num_batches, info = build(spec, preprocess, tokenizer)
@@ -265,6 +305,19 @@ def main() -> None:
     p.add_argument("--num-samples", type=int, default=None, help="--train-num-samples (default: all samples)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--photos",
+        type=int,
+        nargs="+",
+        default=None,
+        help="shards of real photographs, long sides drawn from these (e.g. 512 1024) instead of smooth noise",
+    )
+    p.add_argument(
+        "--bigclip-decode",
+        default="openclip",
+        choices=["openclip", "reduced", "full"],
+        help="bigclip's transform: OpenCLIP's own callable (default), or bigclip's with --image-decode reduced/full",
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -275,14 +328,26 @@ def main() -> None:
     folder = tempfile.mkdtemp(prefix="bigclip-data-bench-")
     started = time.perf_counter()
     try:
-        paths = write_shards(folder, args.shards, args.samples_per_shard, tuple(args.image_sizes), args.seed)
+        if args.photos:
+            paths = write_photo_shards(folder, args.shards, args.samples_per_shard, args.photos, args.seed)
+        else:
+            paths = write_shards(folder, args.shards, args.samples_per_shard, tuple(args.image_sizes), args.seed)
         mb = sum(os.path.getsize(p) for p in paths) / 2**20
         s3 = _S3(paths) if "s3" in args.sources else None
         aws = aws_cli()
+        sides = (
+            f"photographs, long side {'/'.join(map(str, args.photos))} px"
+            if args.photos
+            else f"sides {args.image_sizes[0]}-{args.image_sizes[1]} px"
+        )
+        transforms = (
+            "open_clip.image_transform(224, is_train=True) on both sides"
+            if args.bigclip_decode == "openclip"
+            else f"bigclip: its image_transform with --image-decode {args.bigclip_decode}; OpenCLIP: its own"
+        )
         print(
-            f"{args.shards} shards x {args.samples_per_shard} JPEGs ({mb:.0f} MB, sides {args.image_sizes[0]}-"
-            f"{args.image_sizes[1]} px), batch {args.batch_size}, --train-num-samples {num_samples}, "
-            f"open_clip.image_transform(224, is_train=True) + ViT-B-32 tokenizer on both sides; "
+            f"{args.shards} shards x {args.samples_per_shard} JPEGs ({mb:.0f} MB, {sides}), batch {args.batch_size}, "
+            f"--train-num-samples {num_samples}, {transforms}, ViT-B-32 tokenizer; "
             f"{os.cpu_count()} CPU cores; aws CLI: {aws or 'not found'}; load average {_load():.2f} at start"
         )
         header = (
@@ -316,6 +381,7 @@ def main() -> None:
                             "batch_size": args.batch_size,
                             "num_samples": num_samples,
                             "seed": args.seed,
+                            "decode": args.bigclip_decode,
                         }
                         row[side] = spec
                     runs = {side: [] for side in row}
