@@ -324,3 +324,26 @@ def test_img2dataset_shards_read_unchanged(tmp_path):
     (batch,) = list(StatefulDataLoader(s, batch_size=None, num_workers=0))
     assert batch[1][:, 0].tolist() == [0, 1, 2, 3, 4]
     assert batch[0].tolist() == [[8, 6]] * 5 and not any(s.skips.snapshot().values())
+
+
+def test_the_shuffle_buffer_draws_as_webdatasets_and_packs_its_refs():
+    """The buffer behind the saved position: the same draws as webdataset's list shuffle (swap with the last, pop),
+    its refs packed into one bytes object in the items' order; older positions (lists of pairs) still read."""
+    import random
+
+    from bigclip.data.wds_stream import ShuffleBuffer, unpack_refs
+
+    buffer, plain = ShuffleBuffer(), []
+    ours, theirs = random.Random(0), random.Random(0)
+    for i in range(500):
+        item = ((i % 7, 1000 + i), {"__index__": i})
+        buffer.append(item)
+        plain.append(item)
+        if i % 3 == 0:
+            k = theirs.randrange(len(plain))
+            plain[k], plain[-1] = plain[-1], plain[k]
+            assert buffer.take(ours) == plain.pop()
+    packed = buffer.packed_refs()
+    assert isinstance(packed, bytes) and len(packed) == 16 * len(plain)
+    assert unpack_refs(packed) == [ref for ref, _ in plain] == [ref for ref, _ in buffer.items]
+    assert unpack_refs([[3, 4], [5, 6]]) == [(3, 4), (5, 6)]

@@ -21,6 +21,7 @@ import itertools
 import logging
 import multiprocessing
 import random
+from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -48,11 +49,47 @@ def _collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Te
     return torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
 
 
-def _take(buffer: list, rng: random.Random):
-    """A random element of the buffer, removed (swap with the last, pop)."""
-    k = rng.randrange(len(buffer))
-    buffer[k], buffer[-1] = buffer[-1], buffer[k]
-    return buffer.pop()
+class ShuffleBuffer:
+    """webdataset's shuffle buffer of (ref, sample) items, with the items' refs also kept packed (two int64 per
+    item, in the same order) so that the position saved with every batch is one bytes object, copied in
+    microseconds, rather than a list of thousands of small lists built and pickled for each batch (which cost
+    ~2 ms per batch at 5000 items: at batch size 1 more than the decoding)."""
+
+    def __init__(self):
+        self.items: list[tuple[Ref, dict]] = []
+        self.refs = array("q")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def append(self, item: tuple[Ref, dict]) -> None:
+        self.items.append(item)
+        self.refs.extend(item[0])
+
+    def extend(self, items) -> None:
+        for item in items:
+            self.append(item)
+
+    def take(self, rng: random.Random) -> tuple[Ref, dict]:
+        """A random item, removed (swap with the last, pop): the same draws as webdataset's shuffle."""
+        k = rng.randrange(len(self.items))
+        items, refs = self.items, self.refs
+        items[k], items[-1] = items[-1], items[k]
+        refs[2 * k : 2 * k + 2], refs[-2:] = refs[-2:], refs[2 * k : 2 * k + 2]
+        del refs[-2:]
+        return items.pop()
+
+    def packed_refs(self) -> bytes:
+        return self.refs.tobytes()
+
+
+def unpack_refs(saved) -> list[Ref]:
+    """The refs of a saved shuffle buffer: packed bytes, or the list of [shard, index] pairs older positions hold."""
+    if isinstance(saved, (bytes, bytearray)):
+        flat = array("q")
+        flat.frombytes(saved)
+        return list(zip(flat[0::2], flat[1::2]))
+    return [tuple(ref) for ref in saved]
 
 
 def _rng_state(rng: random.Random) -> list:
@@ -156,7 +193,7 @@ def leftover_items(plan: ShardPlan, epoch: int, positions: dict[int, dict[str, A
             if state["done"]:
                 continue
             picks: dict[int, list[int]] = {}
-            for shard, index in state["buffer"]:
+            for shard, index in unpack_refs(state["buffer"]):
                 picks.setdefault(shard, []).append(index)
             items += [[shard, min(indices), sorted(indices)] for shard, indices in sorted(picks.items())]
             cursor = state["cursor"]
@@ -339,7 +376,7 @@ class ShardStream(IterableDataset):
             yield from self._batches(((ref, s) for ref, s in self._raw(cursor)), None, None, 0)
             return
         rng = random.Random(f"{self.plan.seed}/{epoch}/{self.rank}/{worker}/shuffle")
-        buffer: list[tuple[Ref, dict]] = []
+        buffer = ShuffleBuffer()
         produced = 0
         if resume is not None:
             if resume.get("done"):
@@ -347,7 +384,7 @@ class ShardStream(IterableDataset):
             cursor.restore(resume["cursor"])
             _set_rng_state(rng, resume["rng"])
             produced = resume["produced"]
-            refs = [tuple(r) for r in resume["buffer"]]
+            refs = unpack_refs(resume["buffer"])
             found = self._refetch(refs)
             for ref in refs:
                 if ref in found:
@@ -363,7 +400,7 @@ class ShardStream(IterableDataset):
                 "done": done,
                 "cursor": cursor.state(),
                 "rng": _rng_state(rng),
-                "buffer": [list(ref) for ref, _ in buffer],
+                "buffer": buffer.packed_refs(),
             }
 
         quota = self.batches_per_worker - produced
@@ -380,9 +417,9 @@ class ShardStream(IterableDataset):
                 if len(buffer) < self.shuffle_buffer:
                     buffer.extend(itertools.islice(raw, 1))
                 if len(buffer) >= self.shuffle_initial:
-                    yield _take(buffer, rng)
-            while buffer:  # the slot's shards are done: empty the buffer in random order
-                yield _take(buffer, rng)
+                    yield buffer.take(rng)
+            while len(buffer):  # the slot's shards are done: empty the buffer in random order
+                yield buffer.take(rng)
 
         yield from self._batches(shuffled(), quota, snapshot, produced)
 
