@@ -59,10 +59,10 @@ WORDS = (
 
 
 # ---------------------------------------------------------------------------------------------- shards
-def write_shards(folder: str, shards: int, per_shard: int, sizes: tuple[int, int], seed: int) -> list[str]:
+def _write_tars(folder: str, shards: int, per_shard: int, seed: int, make_jpeg) -> list[str]:
+    """`shards` tar files of `per_shard` samples: a JPEG from make_jpeg(rng) and a random caption each."""
     import numpy as np
     import webdataset as wds
-    from PIL import Image
 
     rng = np.random.default_rng(seed)
     paths = []
@@ -70,50 +70,54 @@ def write_shards(folder: str, shards: int, per_shard: int, sizes: tuple[int, int
         path = os.path.join(folder, f"shard-{s:06d}.tar")
         with wds.TarWriter(path) as sink:
             for i in range(per_shard):
-                w, h = (int(v) for v in rng.integers(sizes[0], sizes[1] + 1, size=2))
-                small = rng.integers(0, 256, size=(h // 16 + 1, w // 16 + 1, 3), dtype=np.uint8)
-                smooth = np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC), dtype=np.int16)
-                pixels = (smooth + rng.normal(0, 6, size=(h, w, 3))).clip(0, 255).astype(np.uint8)
-                buf = io.BytesIO()
-                Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+                jpeg = make_jpeg(rng)
                 caption = " ".join(rng.choice(WORDS, size=int(rng.integers(5, 16))))
-                sink.write({"__key__": f"{s:06d}_{i:06d}", "jpg": buf.getvalue(), "txt": caption})
+                sink.write({"__key__": f"{s:06d}_{i:06d}", "jpg": jpeg, "txt": caption})
         paths.append(path)
     return paths
+
+
+def write_shards(folder: str, shards: int, per_shard: int, sizes: tuple[int, int], seed: int) -> list[str]:
+    """Shards of smooth random pixels plus a little noise, sides drawn from `sizes`, JPEG quality 90."""
+    import numpy as np
+    from PIL import Image
+
+    def make_jpeg(rng) -> bytes:
+        w, h = (int(v) for v in rng.integers(sizes[0], sizes[1] + 1, size=2))
+        small = rng.integers(0, 256, size=(h // 16 + 1, w // 16 + 1, 3), dtype=np.uint8)
+        smooth = np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC), dtype=np.int16)
+        pixels = (smooth + rng.normal(0, 6, size=(h, w, 3))).clip(0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+        return buf.getvalue()
+
+    return _write_tars(folder, shards, per_shard, seed, make_jpeg)
 
 
 def write_photo_shards(folder: str, shards: int, per_shard: int, sides: list[int], seed: int) -> list[str]:
     """Shards of real photographs: scikit-learn's two sample photos (640x427), each sample a random crop (half to
     all of the photo's area, aspect 3:4 to 4:3) resized so its long side is one of `sides`, JPEG quality 90-95."""
-    import numpy as np
-    import webdataset as wds
     from PIL import Image
     from sklearn.datasets import load_sample_images
 
     photos = [Image.fromarray(a) for a in load_sample_images().images]
-    rng = np.random.default_rng(seed)
-    paths = []
-    for s in range(shards):
-        path = os.path.join(folder, f"shard-{s:06d}.tar")
-        with wds.TarWriter(path) as sink:
-            for i in range(per_shard):
-                photo = photos[int(rng.integers(len(photos)))]
-                area = photo.width * photo.height * rng.uniform(0.5, 1.0)
-                ratio = rng.uniform(3 / 4, 4 / 3)
-                w = min(photo.width, int(round((area * ratio) ** 0.5)))
-                h = min(photo.height, int(round((area / ratio) ** 0.5)))
-                x, y = int(rng.integers(photo.width - w + 1)), int(rng.integers(photo.height - h + 1))
-                side = int(rng.choice(sides))
-                scale = side / max(w, h)
-                image = photo.crop((x, y, x + w, y + h)).resize(
-                    (max(1, round(w * scale)), max(1, round(h * scale))), Image.BICUBIC
-                )
-                buf = io.BytesIO()
-                image.save(buf, format="JPEG", quality=int(rng.integers(90, 96)))
-                caption = " ".join(rng.choice(WORDS, size=int(rng.integers(5, 16))))
-                sink.write({"__key__": f"{s:06d}_{i:06d}", "jpg": buf.getvalue(), "txt": caption})
-        paths.append(path)
-    return paths
+
+    def make_jpeg(rng) -> bytes:
+        photo = photos[int(rng.integers(len(photos)))]
+        area = photo.width * photo.height * rng.uniform(0.5, 1.0)
+        ratio = rng.uniform(3 / 4, 4 / 3)
+        w = min(photo.width, int(round((area * ratio) ** 0.5)))
+        h = min(photo.height, int(round((area / ratio) ** 0.5)))
+        x, y = int(rng.integers(photo.width - w + 1)), int(rng.integers(photo.height - h + 1))
+        scale = int(rng.choice(sides)) / max(w, h)
+        size = (max(1, round(w * scale)), max(1, round(h * scale)))
+        buf = io.BytesIO()
+        photo.crop((x, y, x + w, y + h)).resize(size, Image.BICUBIC).save(
+            buf, format="JPEG", quality=int(rng.integers(90, 96))
+        )
+        return buf.getvalue()
+
+    return _write_tars(folder, shards, per_shard, seed, make_jpeg)
 
 
 def brace(prefix: str, shards: int) -> str:
