@@ -17,12 +17,11 @@ from PIL import Image, UnidentifiedImageError
 
 from bigclip.build import build_tokenizer, build_transforms, model_factory
 from bigclip.data import DataConfig
+from bigclip.data.imagenet import IMAGE_EXTENSIONS
 from bigclip.dist import World
 from bigclip.errors import OneLineErrorParser, UserError
 from bigclip.model.captioning import GENERATION_TYPES, generate
 from bigclip.model.config import ModelConfig, captions, check_model
-
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
 
 
 def _parser() -> OneLineErrorParser:
@@ -44,9 +43,9 @@ def image_paths(given: list[str]) -> list[str]:
     paths = []
     for path in given:
         if os.path.isdir(path):
-            found = sorted(f for f in os.listdir(path) if f.lower().endswith(IMAGE_SUFFIXES))
+            found = sorted(f for f in os.listdir(path) if f.lower().endswith(IMAGE_EXTENSIONS))
             if not found:
-                raise UserError(f"{path}: no images ({', '.join(IMAGE_SUFFIXES)}) in this directory")
+                raise UserError(f"{path}: no images ({', '.join(IMAGE_EXTENSIONS)}) in this directory")
             paths += [os.path.join(path, f) for f in found]
         elif os.path.isfile(path):
             paths.append(path)

@@ -161,18 +161,13 @@ class CoCa(CLIP):
         features = self.text(tokens)[0]
         return F.normalize(features, dim=-1) if normalize else features
 
-    def forward(
-        self,
-        images: torch.Tensor | None = None,
-        texts: torch.Tensor | None = None,
-        image_tokens: torch.Tensor | None = None,
-    ) -> dict:
+    def forward(self, images: torch.Tensor | None = None, texts: torch.Tensor | None = None) -> dict:
         """OpenCLIP's CoCa outputs. With images and texts: the caption logits of texts[:, :-1] (each position
-        predicts the next token) and their labels texts[:, 1:]. `image_tokens` (from an earlier call on the
-        same images) skips the image tower: what caption decoding does at every step."""
+        predicts the next token) and their labels texts[:, 1:]. Caption decoding calls `decode` instead."""
         out: dict = {"logit_scale": self.logit_scale.exp()}
         if self.logit_bias is not None:
             out["logit_bias"] = self.logit_bias
+        image_tokens = None
         if images is not None:
             image_features, image_tokens = self.visual(images)
             out["image_features"] = F.normalize(image_features, dim=-1)
