@@ -47,6 +47,10 @@ def launch(
             "DS_ACCELERATOR": "cpu",
             "PYTHONPATH": repo,
             "MALLOC_MMAP_THRESHOLD_": str(mmap_threshold),
+            # Every launch compiles its kernels (torchao's 8-bit updates) afresh: a compile leaves ~30 MiB more
+            # resident than loading a cached one, and two launches compared must not differ in what the machine
+            # happened to have compiled before (measured 1.05 both cold, 1.10 with only test-tiny cached).
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor"),
         }
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
         if proc.returncode != 0:

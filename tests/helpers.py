@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -67,6 +68,33 @@ def wait_for_step(run_dir: str, step: int, proc=None, timeout: float = 240) -> b
             return True
         time.sleep(0.02)
     return False
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def sigkill_job(proc) -> None:
+    """SIGKILL a launched job whole, as a lost node would: the launcher (started with start_new_session) and, as
+    torchrun starts each rank in a session of its own, every rank's session (the rank and its loader workers).
+    Killing the launcher's group alone leaves the ranks training on."""
+    ranks = child_pids(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for pid in ranks:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:  # ended on its own meanwhile
+            pass
+    proc.wait()
 
 
 def step_losses(run_dir: str) -> dict[int, float]:

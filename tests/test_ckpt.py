@@ -90,12 +90,16 @@ def test_cadence_and_exact_mid_epoch_resume(reference, tmp_path):
     assert "waiting for checkpoint " in open(os.path.join(tmp_path, "resumed", "out.log")).read()
 
 
-def _when_step(run_dir, step, action, timeout=900):
-    """Run action() in a thread as soon as metrics.jsonl shows `step` (the run goes on in this thread)."""
+def _when_step(run_dir, step, action, stop: threading.Event) -> threading.Thread:
+    """Run action() in a thread as soon as metrics.jsonl shows `step` (the run goes on in this thread), unless
+    `stop` is set first."""
 
     def watch():
-        if wait_for_step(run_dir, step, timeout=timeout):
-            action()
+        while not stop.is_set():
+            if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and max(step_losses(run_dir), default=0) >= step:
+                action()
+                return
+            stop.wait(0.02)
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
@@ -106,11 +110,15 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_cleanly(reference, tmp_path,
     _, full = reference
     run_dir = os.path.join(tmp_path, "sig")
     # A harmless handler underneath bigclip's, in case the signal lands after the run restored it.
+    # It stays until the watcher has ended: a signal sent after the run would otherwise end this test process.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    stop = threading.Event()
+    watcher = _when_step(run_dir, 3, lambda: os.kill(os.getpid(), signal.SIGTERM), stop)
     try:
-        _when_step(run_dir, 3, lambda: os.kill(os.getpid(), signal.SIGTERM))
         code = cli.main([*FLAGS, "--save-every-n-steps", "0", "--logs", str(tmp_path), "--name", "sig"])
     finally:
+        stop.set()
+        watcher.join()
         signal.signal(signal.SIGTERM, previous)
     out = capfd.readouterr().out
     assert code == 0 and "stopped by SIGTERM" in out and "Traceback" not in out

@@ -15,7 +15,9 @@ from helpers import (
     REPO,
     TINY_SYNTHETIC,
     TRAIN_SCRIPT,
+    child_pids,
     read_metrics,
+    sigkill_job,
     subprocess_env,
     torchrun_cmd,
     wait_for_step,
@@ -29,19 +31,6 @@ from bigclip.model import create_model
 from bigclip.model.convert import bigclip_to_openclip
 
 pytestmark = pytest.mark.slow
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
 
 
 def _rank_of(pid: int) -> int | None:
@@ -102,14 +91,13 @@ def test_sigkill_one_rank_then_resume_latest_gives_the_same_losses(tmp_path, eng
     # Step 13 logged: step_12 may still be saving, so the last committed checkpoint is at most step 12 and the
     # kill lands after it (a quick machine or a loaded one alike); 27 steps are left, so it lands mid-run.
     wait_for_step(run_dir, 13, proc, timeout=900)
-    victims = [pid for pid in _children(proc.pid) if _rank_of(pid) == 1]
+    victims = [pid for pid in child_pids(proc.pid) if _rank_of(pid) == 1]
     assert victims, "rank 1 not found"
     os.kill(victims[0], signal.SIGKILL)
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # what is left of the job dies too
-        proc.wait()
+        sigkill_job(proc)  # what is left of the job dies too
     killed_out = proc.stdout.read()
     assert proc.returncode != 0, killed_out[-2000:]
     killed_at = max(r["step"] for r in read_metrics(run_dir) if "loss" in r)

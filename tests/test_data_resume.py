@@ -8,12 +8,11 @@ samples' keys; tests/data_keys_worker.py records each step's captions per rank.
 import io
 import json
 import os
-import signal
 import subprocess
 
 import pytest
 import webdataset as wds
-from helpers import read_metrics, subprocess_env, torchrun_cmd, wait_for_step
+from helpers import read_metrics, sigkill_job, subprocess_env, torchrun_cmd, wait_for_step
 from PIL import Image
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
@@ -78,8 +77,7 @@ def test_sigkill_mid_epoch_then_resume_trains_on_the_same_samples(tmp_path, wher
     run_dir = os.path.join(tmp_path, "logs", "killed")
     proc = launch(tmp_path, killed_dir, flags(shards, "killed", *extra))
     assert wait_for_step(run_dir, 8, proc, timeout=900), proc.stdout.read()[-3000:] if proc.poll() else ""
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    sigkill_job(proc)
     killed_at = max(r["step"] for r in read_metrics(run_dir) if "loss" in r)
 
     resumed = launch(tmp_path, killed_dir, flags(shards, "killed", *extra, "--resume", "latest"))
