@@ -13,7 +13,7 @@ from test_wds_stream import WORKERS, _png, loader, number_tokenizer, numbers, to
 
 from bigclip.config import resolve
 from bigclip.data.sample_keys import SampleKeys
-from bigclip.data.shards import iter_shard_samples
+from bigclip.data.shards import ShardReader
 from bigclip.data.skips import SkipCounter
 from bigclip.data.wds_plan import ShardPlan
 from bigclip.data.wds_stream import ShardStream
@@ -33,7 +33,7 @@ def write(directory, samples: list[dict], shards: int = 4) -> list[str]:
 
 def read_all(paths, keys: SampleKeys, quota=None, resampled=False):
     plan = ShardPlan.build([paths], None, resampled=resampled, seed=1)
-    s = ShardStream(plan, iter_shard_samples, to_tensor, number_tokenizer, SkipCounter("test"), batch_size=4,
+    s = ShardStream(plan, ShardReader(), to_tensor, number_tokenizer, SkipCounter("test"), batch_size=4,
                     workers=WORKERS, train=quota is not None, batches_per_worker=quota, keys=keys)  # fmt: skip
     s.shuffle_buffer, s.shuffle_initial = 20, 5
     return s
@@ -124,13 +124,13 @@ def test_max_image_pixels_skips_by_the_header_before_decoding(tmp_path):
     png = _png()
     paths = write(tmp_path, [{"jpg": big_truncated, "txt": b"99"}] + [{"png": png, "txt": str(n)} for n in range(7)])
     plan = ShardPlan.build([paths], None, resampled=False, seed=1)
-    s = ShardStream(plan, iter_shard_samples, to_tensor, number_tokenizer, SkipCounter("test"), batch_size=4,
+    s = ShardStream(plan, ShardReader(), to_tensor, number_tokenizer, SkipCounter("test"), batch_size=4,
                     workers=WORKERS, train=False, max_pixels=50_000)  # fmt: skip
     assert sorted(n for batch in loader(s) for n in numbers(batch)) == list(range(7))
     counts = s.skips.snapshot()
     assert counts["too_large"] == 1 and counts["bad_image"] == 0
     # without the limit the same sample is decoded, and fails as a bad image
-    s = ShardStream(plan, iter_shard_samples, to_tensor, number_tokenizer, SkipCounter("test"), batch_size=4,
+    s = ShardStream(plan, ShardReader(), to_tensor, number_tokenizer, SkipCounter("test"), batch_size=4,
                     workers=WORKERS, train=False)  # fmt: skip
     list(loader(s))
     assert s.skips.snapshot()["bad_image"] == 1

@@ -18,7 +18,7 @@ from PIL import Image
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from bigclip.data.shards import expand_shard_urls, iter_shard_samples
+from bigclip.data.shards import ShardReader, expand_shard_urls, iter_shard_samples
 from bigclip.data.skips import SkipCounter
 from bigclip.data.wds_plan import ShardPlan, parse_upsampling_factors
 from bigclip.data.wds_stream import ShardStream
@@ -56,7 +56,7 @@ def to_tensor(img):
 def stream(plan, rank=0, world=1, batch=4, quota=10_000, train=True, buffer=(50, 10)):
     s = ShardStream(
         plan,
-        iter_shard_samples,
+        ShardReader(),
         to_tensor,
         number_tokenizer,
         SkipCounter("test"),
@@ -182,8 +182,67 @@ def test_shards_stream_from_s3_like_local_and_prefixes_are_listed(tmp_path, s3, 
     plan_local = ShardPlan.build([local], None, resampled=False, seed=2)
     plan_s3 = ShardPlan.build([remote], None, resampled=False, seed=2)
     s_local, s_s3 = stream(plan_local), stream(plan_s3)
-    s_local.read_shard = s_s3.read_shard = iter_shard_samples
+    s_local.read_shard = s_s3.read_shard = ShardReader()
     assert [numbers(b) for b in loader(s_s3)] == [numbers(b) for b in loader(s_local)]
+
+
+@pytest.mark.parametrize("resampled", [False, True])
+def test_prefetched_s3_shards_give_the_same_batches_and_resume_exactly(tmp_path, s3, s3_bucket, resampled):
+    remote = upload(s3, s3_bucket, write_shards(tmp_path, [30, 25, 40, 35, 20, 30]))
+    plan = ShardPlan.build([remote], None, resampled=resampled, seed=7)
+
+    def prefetching(**kw):
+        s = stream(plan, **kw)
+        s.read_shard = ShardReader(prefetch_bytes=8 << 10)  # smaller than a shard: the bound is reached
+        return s
+
+    plain = [numbers(b) for b in loader(stream(plan, quota=12))]
+    whole = [numbers(b) for b in loader(prefetching(quota=12))]
+    assert whole == plain
+    for cut in (1, 7):
+        first = loader(prefetching(quota=12))
+        it = iter(first)
+        head = [numbers(next(it)) for _ in range(cut)]
+        saved = pickle.loads(pickle.dumps(first.state_dict()))
+        del it, first
+        again = loader(prefetching(quota=12))
+        again.load_state_dict(saved)
+        assert head + [numbers(b) for b in again] == whole, cut
+
+
+def test_the_next_shard_downloads_while_the_current_one_is_decoded_within_the_bound(
+    tmp_path, s3, s3_bucket, monkeypatch
+):
+    from bigclip.data import shards as shards_mod
+
+    remote = upload(s3, s3_bucket, write_shards(tmp_path, [400, 300]))  # ~1 MB and ~0.7 MB
+    opened, open_shard = [], shards_mod.open_shard
+    monkeypatch.setattr(shards_mod, "open_shard", lambda url, *a: opened.append(url) or open_shard(url, *a))
+    bound = 64 << 10
+    reader = ShardReader(prefetch_bytes=bound)
+    first = reader(remote[0], then=remote[1])
+    head = [next(first)]  # shard 0 is being read; the next one has started
+    following_url, following = reader._prefetcher.next
+    assert following_url == remote[1]
+    # The next shard fills its bound and waits there (no deadline but the test's: it happens or it hangs).
+    while not following.queue.full():
+        following.stopping.wait(0.01)
+    assert 0 < following.buffered_bytes() <= bound + following.chunk
+    rest = list(first) + list(reader(remote[1]))  # the second read takes the prefetched stream
+    assert opened == remote and reader._prefetcher.next is None  # each shard opened once
+    direct = [s for url in remote for s in iter_shard_samples(url)]
+    got = head + rest
+    assert [(s["__url__"], s["__key__"], s["png"], s["txt"]) for s in got] == [
+        (s["__url__"], s["__key__"], s["png"], s["txt"]) for s in direct
+    ]
+
+
+def test_a_prefetched_shard_that_fails_is_reported_like_a_direct_read(tmp_path, s3, s3_bucket):
+    (remote,) = upload(s3, s3_bucket, write_shards(tmp_path, [20]))
+    missing = f"s3://{s3_bucket}/shards/missing.tar"
+    reader, errors = ShardReader(prefetch_bytes=8 << 10), []
+    got = list(reader(remote, then=missing)) + list(reader(missing, on_error=lambda kind, detail: errors.append(kind)))
+    assert len(got) == 20 and errors == ["shard_failed"]
 
 
 def test_an_s3_outage_mid_shard_is_retried_and_the_shard_completes(tmp_path, s3, s3_bucket, monkeypatch):

@@ -79,6 +79,14 @@ class DataConfig:
         DATA,
         check=optional(non_negative_int),
     )
+    shard_prefetch_mb: int = flag(
+        32,
+        "WebDataset on object storage (any fsspec URL): each reader reads its shards this many MiB ahead in a "
+        "thread and starts the next shard while decoding the current one (the same samples in the same order); "
+        "0: read only as decoding asks.",
+        DATA,
+        check=non_negative_int,
+    )
     image_key: str = flag(
         DEFAULT_IMAGE_KEY,
         "WebDataset: the member suffix holding the image; ';' separates alternatives, the first present wins "

@@ -3,11 +3,9 @@ in the order data/wds_plan.py gives each (rank, worker), resumable mid-epoch for
 
 from __future__ import annotations
 
-import functools
-
 from bigclip.data.config import DataConfig
 from bigclip.data.info import DataInfo
-from bigclip.data.shards import expand_shard_urls, iter_shard_samples
+from bigclip.data.shards import ShardReader, expand_shard_urls
 from bigclip.data.skips import SkipCounter
 from bigclip.data.sources import DATA_SOURCES, DataSource, LoaderContext, Split
 from bigclip.data.wds_plan import ShardPlan, batches_per_worker, parse_upsampling_factors
@@ -39,7 +37,7 @@ def build_webdataset(cfg: DataConfig, split: Split, ctx: LoaderContext) -> DataI
     skips = SkipCounter(split.role)
     stream = ShardStream(
         plan,
-        functools.partial(iter_shard_samples, storage_options=options),
+        ShardReader(options, prefetch_bytes=cfg.shard_prefetch_mb << 20),
         split.transform,
         ctx.tokenizer,
         skips,

@@ -22,7 +22,7 @@ import logging
 import multiprocessing
 import random
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from bigclip.data.decode import ImageTooLarge, decode_rgb
 from bigclip.data.sample_keys import SampleKeys
+from bigclip.data.shards import ShardReader
 from bigclip.data.skips import SkipCounter
 from bigclip.data.wds_plan import ShardPlan, slot_of
 from bigclip.errors import UserError
@@ -42,7 +43,6 @@ UNUSABLE_BEFORE_GIVING_UP = 10_000
 SHUFFLE_BUFFER, SHUFFLE_INITIAL = 5000, 1000
 
 Ref = tuple[int, int]  # (shard index in the plan, sample index in the shard)
-ReadShard = Callable[..., Iterator[dict]]  # (url, start=, on_error=) -> samples with "__index__"
 
 
 def _collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +137,14 @@ class _Cursor:
         else:
             self.shard, self.start, self.picks = None, 0, None
 
+    def following(self) -> int | None:
+        """The shard read after the current one (without moving): for read-ahead."""
+        if self.resampled:
+            peek = random.Random()
+            peek.setstate(self.sampler.getstate())
+            return self.plan.draw(peek)
+        return self.items[self.position + 1][0] if self.position + 1 < len(self.items) else None
+
     def advance(self) -> None:
         if self.resampled:
             self.position += 1
@@ -211,7 +219,7 @@ class ShardStream(IterableDataset):
     def __init__(
         self,
         plan: ShardPlan,
-        read_shard: ReadShard,
+        read_shard: ShardReader,
         transform,
         tokenizer,
         skips: SkipCounter,
@@ -289,14 +297,15 @@ class ShardStream(IterableDataset):
     def _on_error(self, kind: str, detail: str = "") -> None:
         self.skips.count("read_error", f"{kind}: {detail}")
 
-    def _read(self, shard: int, start: int) -> Iterator[dict]:
-        return self.read_shard(self.plan.shards[shard], start=start, on_error=self._on_error)
+    def _read(self, shard: int, start: int, then: int | None = None) -> Iterator[dict]:
+        following = None if then is None else self.plan.shards[then]
+        return self.read_shard(self.plan.shards[shard], start=start, on_error=self._on_error, then=following)
 
     def _raw(self, cursor: _Cursor) -> Iterator[tuple[Ref, dict]]:
         empty_in_a_row = 0
         while cursor.shard is not None:
             got = False
-            for sample in self._read(cursor.shard, cursor.start):
+            for sample in self._read(cursor.shard, cursor.start, then=cursor.following()):
                 got = True
                 cursor.start = sample["__index__"] + 1
                 if cursor.picks is not None and sample["__index__"] not in cursor.picks:
@@ -358,6 +367,12 @@ class ShardStream(IterableDataset):
         return image, self.tokenizer([caption])[0]
 
     def __iter__(self):
+        try:
+            yield from self._iter_batches()
+        finally:
+            self.read_shard.close()  # a shard read ahead for a read that will not come
+
+    def _iter_batches(self):
         info = get_worker_info()
         worker = info.id if info is not None else 0
         epoch = self._epoch.value
