@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
-from bigclip import evaluate, export, generate, plan
+from bigclip import evaluate, export, generate, plan, report
 from bigclip.ckpt.manager import ABANDONED
 from bigclip.cli_args import build_train_parser, parse_train_args  # noqa: F401  (cli's public names)
 from bigclip.dist import where
@@ -48,6 +48,7 @@ SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "export": _cmd_export,
     "plan": _cmd_plan,
     "generate": generate.main,
+    "report": report.main,
 }
 
 

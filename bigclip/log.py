@@ -139,6 +139,12 @@ class ReportConfig:
     )
     wandb_project_name: str = flag("open-clip", "wandb project.", LOG)
     wandb_notes: str = flag("", "wandb notes.", LOG)
+    no_run_report: bool = flag(
+        False,
+        "Do not draw logs/<name>/report.html and .png (the run's plots, see `bigclip report`) at each epoch's end "
+        "and at the end.",
+        LOG,
+    )
 
 
 def _scalar_name(key: str) -> str:

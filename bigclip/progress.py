@@ -106,13 +106,16 @@ class EpochProgress:
         if self.metric_every is not None:
             summed = all_reduce_sum(torch.tensor(values, dtype=torch.float64), self.world)
             values = [float(v) / self.world.world_size for v in summed]
+        model = self.engine.model
+        bias = getattr(model, "logit_bias", None)  # SigLIP's
         return {
             "step": state.step,
             "samples_seen": state.samples_seen,
             "loss": values[0],
             **dict(zip(names, values[1:])),
             "lr": self.engine.get_lr(),
-            "logit_scale": float(self.engine.model.logit_scale.detach().float().exp().mean()),
+            "logit_scale": float(model.logit_scale.detach().float().exp().mean()),
+            **({"logit_bias": float(bias.detach().float().mean())} if bias is not None else {}),
             "grad_norm": grad_norm,
         }
 

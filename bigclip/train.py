@@ -28,6 +28,7 @@ from bigclip.model.convert import bigclip_to_openclip
 from bigclip.optim import hyperparameters
 from bigclip.preemption import NOTICE
 from bigclip.progress import EpochProgress
+from bigclip.report import RunReports
 from bigclip.schedule import build_schedule
 from bigclip.train_state import TrainState
 
@@ -113,14 +114,15 @@ def _run(cfg: TrainConfig, world: World) -> int:
         consolidated_names=bigclip_to_openclip,
     )
     sinks = MetricSinks(run.report, paths, active, config_dict, scrub_argv(sys.argv[1:]))
+    reports = RunReports(paths.root, world.is_main, run.report.no_run_report)
     try:
         checkpointer.resume(state)
         NOTICE.arm()  # from here a preemption notice saves a final checkpoint at the next step
-        metrics = _train(run, world, engine, loss_fn, data, tokenizer, state, checkpointer, sinks, teacher)
-        checkpointer.finish()
+        metrics = _train(run, world, engine, loss_fn, data, tokenizer, state, checkpointer, sinks, teacher, reports)
+        checkpointer.finish(before_last_copy=reports.write)  # the last commit in it, and in --remote-sync's copy
         if state.nonfinite_steps:
             logger.warning(f"{state.nonfinite_steps} step(s) were skipped for a non-finite loss")
-        _summarise(paths, metrics)
+        _summarise(paths, metrics, reports.page)
         return 0
     finally:
         sinks.close()
@@ -131,10 +133,11 @@ def _run(cfg: TrainConfig, world: World) -> int:
 
 
 def _train(
-    run: Sections, world, engine, loss_fn, data, tokenizer, state, checkpointer, sinks, teacher=None
+    run: Sections, world, engine, loss_fn, data, tokenizer, state, checkpointer, sinks, teacher=None, reports=None
 ) -> dict[str, float]:
-    """Epochs from state.epoch to --epochs: train, evaluate, checkpoint. Returns the last evaluation's metrics.
-    Ends early, after a final checkpoint, when SIGTERM asks the run to stop. `teacher`: --distill-model's."""
+    """Epochs from state.epoch to --epochs: train, evaluate, checkpoint, redraw the run's report. Returns the last
+    evaluation's metrics. Ends early, after a final checkpoint, when SIGTERM asks the run to stop. `teacher`:
+    --distill-model's."""
     loop = run.loop
     train_data = _training_data(loop, data, world)
     steps_per_epoch = train_data.num_batches // loop.accum_freq
@@ -172,6 +175,8 @@ def _train(
         _report_eval(new, state, sinks)
         metrics.update(new)
         checkpointer.after_epoch(state)
+        if reports is not None and state.epoch < loop.epochs:  # the last epoch's is drawn at the end
+            reports.write()
     return metrics
 
 
@@ -204,7 +209,7 @@ def _announce_config(config_dict: dict, paths, world: World, copy_codebase: bool
         )
 
 
-def _summarise(paths, metrics: dict[str, float]) -> None:
+def _summarise(paths, metrics: dict[str, float], report: str | None = None) -> None:
     if "zeroshot_top1" in metrics:
         logger.info(
             f"zero-shot top-1 accuracy on {metrics['zeroshot_samples']} held-out images: "
@@ -214,3 +219,5 @@ def _summarise(paths, metrics: dict[str, float]) -> None:
     logger.info(f"metrics:     {os.path.abspath(paths.metrics)}")
     logger.info(f"checkpoints: {os.path.abspath(paths.checkpoints)}")
     logger.info(f"config:      {os.path.abspath(paths.params)}")
+    if report is not None:
+        logger.info(f"report:      {os.path.abspath(report)}")

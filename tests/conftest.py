@@ -1,4 +1,5 @@
-"""Suite-wide set-up: DeepSpeed's C++ ops are built in the machine's idle time.
+"""Suite-wide set-up: runs draw no report of their own unless a test asks (BIGCLIP_RUN_REPORT=1: tests/test_report.py,
+the demo), as drawing one costs seconds a run; DeepSpeed's C++ ops are built in the machine's idle time.
 
 In a fresh environment DeepSpeed JIT-builds three ops on first use: its shared-memory collectives
 (deepspeed_shm_comm, ~30 s, the first DeepSpeed run), CPU Adam (cpu_adam, ~45 s, ds_configs/zero3_offload.json)
@@ -17,6 +18,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+
+os.environ["BIGCLIP_RUN_REPORT"] = "0"  # in-process runs, and every subprocess the tests start (they copy os.environ)
 
 _BUILD_OPS = """
 from deepspeed.accelerator import get_accelerator

@@ -253,6 +253,7 @@ LAZY_IMPORTS = {
     "transformers": "optional extra, seconds to import; only Hugging Face text towers (hf_model_name)",
     "torchao": "seconds to import (torch.compile's machinery); only --opt adamw8bit and bf16 stochastic rounding",
     "bigclip.torchao_optim": "imports torchao at module level",
+    "matplotlib": "optional extra, a second to import; only run reports (bigclip report, report.html)",
 }
 
 

@@ -12,11 +12,11 @@ from helpers import python_train
 pytestmark = pytest.mark.slow
 
 
-def run_demo(tmp_path, flags: list[str]) -> tuple[dict, str]:
+def run_demo(tmp_path, flags: list[str], **env: str) -> tuple[dict, str]:
     """The demo's last evaluation record and its console output."""
     os.makedirs(tmp_path, exist_ok=True)
     start = time.monotonic()
-    out = python_train(flags, cwd=str(tmp_path), timeout=600)
+    out = python_train(flags, cwd=str(tmp_path), timeout=600, **env)
     elapsed = time.monotonic() - start
     assert out.returncode == 0, out.stderr[-3000:]
     (run_dir,) = os.listdir(tmp_path / "logs")
@@ -28,7 +28,7 @@ def run_demo(tmp_path, flags: list[str]) -> tuple[dict, str]:
 
 @pytest.fixture(scope="module")
 def fp32_demo(tmp_path_factory) -> tuple[dict, str]:
-    return run_demo(tmp_path_factory.mktemp("demo"), [])
+    return run_demo(tmp_path_factory.mktemp("demo"), [], BIGCLIP_RUN_REPORT="1")  # as a user runs it: with its report
 
 
 def test_demo_learns_digits_zero_shot(fp32_demo):
@@ -36,6 +36,9 @@ def test_demo_learns_digits_zero_shot(fp32_demo):
     assert "zero-shot top-1 accuracy on 360 held-out images" in text and "(chance 0.100)" in text
     for what in ("logs:", "metrics:", "checkpoints:", "config:"):
         assert what in text
+    last = [line for line in text.splitlines() if " | " in line][-1]  # the last log line names the page of plots
+    assert last.split(" | ", 1)[1].startswith("report:") and last.endswith("report.html")
+    assert os.path.isfile(last.split()[-1]) and os.path.isfile(last.split()[-1].replace(".html", ".png"))
     assert final["eval/zeroshot_top1"] >= 0.8, final
     assert final["epoch"] == 24
 

@@ -24,6 +24,10 @@ def test_int8_switchback_experiment_runs_its_arms_and_summarises(tmp_path):
     for line in rows:  # final loss, zero-shot top-1, samples/s: numbers
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert float(cells[2]) > 0 and 0 <= float(cells[3]) <= 1 and float(cells[4]) > 0, line
+    # and one page overlays every arm's plots
+    page = open(tmp_path / "report.html").read()
+    assert all(f"<td>{arm}</td>" in page for arm in arms) and os.path.exists(tmp_path / "report.png")
+    assert f"report: {tmp_path / 'report.html'} and {tmp_path / 'report.png'} (2 runs)" in out.stdout
     # a second call keeps finished arms and only summarises
     again = subprocess.run(["bash", "launch/experiments/int8_switchback.sh", str(tmp_path), "--", "--epochs", "1"],
                            cwd=REPO, capture_output=True, text=True, timeout=900,

@@ -23,6 +23,7 @@ import getpass
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
@@ -238,11 +239,14 @@ class Checkpointer:
         return {"ckpt/skipped": self.skipped} if self.skipped else {}
 
     # -- the end
-    def finish(self) -> None:
-        """Wait for the last checkpoint to commit, copy the logs one last time, restore SIGTERM."""
+    def finish(self, before_last_copy: Callable[[], None] | None = None) -> None:
+        """Wait for the last checkpoint to commit, call `before_last_copy` (files written then are in the last
+        copy of the logs), copy the logs one last time, restore SIGTERM."""
         self.preemption.training_over()  # (unless a notice stopped training) a notice now ends the waits below
         try:
             self._wait_for_last_save()
+            if before_last_copy is not None:
+                before_last_copy()
             last = self.manager.results[-1] if self.manager.results else None
             if self._stopped_at is not None:
                 committed = (

@@ -45,6 +45,8 @@ class RemoteSync:
             if dirpath == self.local_root:
                 dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")]
             for name in files:
+                if name.startswith("."):  # a file being written beside its final name (report.html's)
+                    continue
                 path = os.path.join(dirpath, name)
                 rel = os.path.relpath(path, self.local_root).replace(os.sep, "/")
                 try:

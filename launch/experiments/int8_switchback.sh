@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The int8 SwitchBack ablation in small (Wortsman, Dettmers et al. 2023): the same model and data trained with
 # nn.Linear in fp32 and bf16, and with each SwitchBack variant, each with AdamW and with StableAdamW; one run
-# folder (metrics.jsonl) per arm, then a table of final loss, zero-shot accuracy, samples/s and peak memory.
+# folder (metrics.jsonl) per arm, then a table of final loss, zero-shot accuracy, samples/s and peak memory, and
+# one page of all arms' plots overlaid (OUT_DIR/report.html and .png, by `bigclip report`).
 #
 #   launch/experiments/int8_switchback.sh [OUT_DIR] [-- TRAINING FLAGS]
 #
@@ -48,3 +49,11 @@ for opt in $OPTS; do
     done
 done
 python launch/experiments/summarize_runs.py "$out"
+# One page of every arm's plots, overlaid on the same axes (bigclip report; needs matplotlib: bigclip[report]).
+runs=()
+for opt in $OPTS; do
+    for arm in $ARMS; do
+        if [ -e "$out/$arm-$opt/metrics.jsonl" ]; then runs+=("$out/$arm-$opt"); fi
+    done
+done
+python -m bigclip report "${runs[@]}" -o "$out/report.html" || echo "int8_switchback.sh: no overlaid report (above: why)" >&2
