@@ -202,6 +202,7 @@ def _bigclip_loader(spec: dict, preprocess, tokenizer):
         workers=spec["workers"],
         dataset_resampled=spec["resampled"],
         seed=spec["seed"],
+        shard_prefetch_mb=spec.get("prefetch_mb", DataConfig().shard_prefetch_mb),
     )
     info = get_data(cfg, preprocess, preprocess, tokenizer, rank=0, world_size=1, epoch=0)["train"]
     return info.dataloader, info.num_batches, info
