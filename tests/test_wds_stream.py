@@ -249,19 +249,30 @@ def test_an_s3_outage_mid_shard_is_retried_and_the_shard_completes(tmp_path, s3,
     import threading
     import time
 
+    from tcp_proxy import TcpProxy
+
     from bigclip.data import shards as shards_mod
 
-    (local,) = write_shards(tmp_path, [400])  # ~ 1 MB: read in 64 KiB blocks, the outage lands mid-shard
+    # ~1.6 MB, read in 1 MiB requests: the outage lands before the second. It is the proxy's (every connection
+    # reset, new ones refused): stopping the server itself left keep-alive connections served by their threads,
+    # so the second request could still succeed, as it once did under load.
+    (local,) = write_shards(tmp_path, [400])
     (remote,) = upload(s3, s3_bucket, [local])
     monkeypatch.setattr(shards_mod, "_BLOCK", 64 << 10)
-    samples, errors = [], []
-    reader = iter_shard_samples(remote, on_error=lambda kind, detail: errors.append(kind))
-    samples.append(next(reader))
-    s3.stop()
-    threading.Timer(3.0, s3.start).start()  # back on the same port after 3 s
-    started = time.monotonic()
-    samples += list(reader)
-    assert time.monotonic() - started >= 2.5 and errors == []
+    proxy = TcpProxy(("127.0.0.1", s3.port))
+    try:
+        samples, errors = [], []
+        reader = iter_shard_samples(
+            remote, {"endpoint_url": proxy.endpoint}, on_error=lambda kind, detail: errors.append(kind)
+        )
+        samples.append(next(reader))
+        proxy.refuse()
+        threading.Timer(3.0, proxy.accept).start()  # back on the same port after 3 s
+        started = time.monotonic()
+        samples += list(reader)
+        assert time.monotonic() - started >= 2.5 and errors == []
+    finally:
+        proxy.close()
     assert [s["__index__"] for s in samples] == list(range(400))
 
 
