@@ -212,19 +212,36 @@ def base_lr(groups: list[dict]) -> float:
     return group["lr"] / group.get("lr_scale", 1.0)
 
 
+# --opt-kwargs keys that set what flags also set: OpenCLIP main merges --opt-kwargs last, so they win
+_HYPERPARAMETER_KWARGS = ("lr", "betas", "eps")
+
+
 def opt_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
-    """--opt-kwargs for the optimizer's constructor (fallback_list, a parameter-group setting, taken out)."""
+    """--opt-kwargs for the optimizer's constructor, less fallback_list (a parameter-group setting) and lr, betas,
+    eps (folded into hyperparameters())."""
     kwargs = parse_key_values("--opt-kwargs", cfg.opt_kwargs, "amsgrad=true")
-    kwargs.pop("fallback_list", None)
+    for key in ("fallback_list", *_HYPERPARAMETER_KWARGS):
+        kwargs.pop(key, None)
     return kwargs
 
 
 def hyperparameters(cfg: OptimizerConfig) -> dict:
+    """lr, betas, eps, wd from the flags (OpenCLIP's defaults where unset), then --opt-kwargs lr/betas/eps over
+    them, as OpenCLIP main applies --opt-kwargs last."""
+    given = parse_key_values("--opt-kwargs", cfg.opt_kwargs, "amsgrad=true")
+    betas = given.get("betas")
+    if betas is not None and not (
+        isinstance(betas, tuple) and len(betas) == 2 and all(isinstance(b, int | float) for b in betas)
+    ):
+        raise UserError(f"--opt-kwargs betas={betas}: expected two numbers, e.g. betas=(0.9,0.95)")
+    for key in ("lr", "eps"):
+        if key in given and (isinstance(given[key], bool) or not isinstance(given[key], int | float)):
+            raise UserError(f"--opt-kwargs {key}={given[key]}: expected a number")
     return {
-        "lr": cfg.lr if cfg.lr is not None else DEFAULT_LR,
-        "beta1": cfg.beta1 if cfg.beta1 is not None else ADAM_DEFAULTS["beta1"],
-        "beta2": cfg.beta2 if cfg.beta2 is not None else ADAM_DEFAULTS["beta2"],
-        "eps": cfg.eps if cfg.eps is not None else ADAM_DEFAULTS["eps"],
+        "lr": given.get("lr", cfg.lr if cfg.lr is not None else DEFAULT_LR),
+        "beta1": betas[0] if betas else cfg.beta1 if cfg.beta1 is not None else ADAM_DEFAULTS["beta1"],
+        "beta2": betas[1] if betas else cfg.beta2 if cfg.beta2 is not None else ADAM_DEFAULTS["beta2"],
+        "eps": given.get("eps", cfg.eps if cfg.eps is not None else ADAM_DEFAULTS["eps"]),
         "wd": cfg.wd,
     }
 
@@ -242,6 +259,7 @@ def check_optimizer(cfg: OptimizerConfig) -> None:
             f"--opt-fallback-list: only Muon-family timm optimizers (e.g. --opt timm/muon) have a fallback; "
             f"--opt {cfg.opt} has none"
         )
+    hyperparameters(cfg)  # --opt-kwargs lr/betas/eps well formed
     if opt_kwargs(cfg):
         create_optimizer(cfg, [{"params": [nn.Parameter(torch.zeros(1))]}])
 
@@ -313,11 +331,12 @@ def _timm(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
     hp = hyperparameters(cfg)
     name = cfg.opt.split("/", 1)[1]
     kwargs = {}
+    given = parse_key_values("--opt-kwargs", cfg.opt_kwargs, "amsgrad=true")
     if cfg.momentum is not None:
         kwargs["momentum"] = cfg.momentum
-    if cfg.beta1 is not None or cfg.beta2 is not None:
+    if cfg.beta1 is not None or cfg.beta2 is not None or "betas" in given:
         kwargs["betas"] = (hp["beta1"], hp["beta2"])
-    if cfg.eps is not None:
+    if cfg.eps is not None or "eps" in given:
         kwargs["eps"] = hp["eps"]
     kwargs.update(opt_kwargs(cfg))
     try:

@@ -153,6 +153,20 @@ def test_groups_and_lr_under_an_engine_and_the_flags():
     )
 
 
+@pytest.mark.parametrize("opt", ["adamw", "nadamw", "stableadamw", "adamw8bit", "timm/lamb"])
+def test_opt_kwargs_betas_eps_and_lr_override_the_flags_as_in_openclip_main(opt):
+    """OpenCLIP main merges --opt-kwargs last: betas/eps/lr given there win over --beta1/--beta2/--eps/--lr."""
+    model = CLIP(**VIT_CFG)
+    kwargs = ["betas=(0.85,0.95)", "eps=1e-8", "lr=0.002"]
+    cfg = optim.OptimizerConfig(opt=opt, beta1=0.5, beta2=0.6, eps=1e-3, lr=0.1, opt_kwargs=kwargs)
+    optim.check_optimizer(cfg)
+    assert optim.hyperparameters(cfg) == {"lr": 0.002, "beta1": 0.85, "beta2": 0.95, "eps": 1e-8, "wd": cfg.wd}
+    optimizer = optim.create_optimizer(cfg, optim.param_groups(model, cfg))
+    for group in optimizer.param_groups:
+        assert tuple(group["betas"]) == (0.85, 0.95) and group["eps"] == 1e-8, group
+        assert float(group["lr"]) == pytest.approx(0.002)
+
+
 def test_bad_optimizer_flags_are_one_line():
     with pytest.raises(UserError, match=r"--opt-kwargs nonsense=1: --opt adamw refused them"):
         optim.check_optimizer(optim.OptimizerConfig(opt_kwargs=["nonsense=1"]))
@@ -165,7 +179,8 @@ def test_bad_optimizer_flags_are_one_line():
     [
         (["--image-layer-decay", "1.5"], "--image-layer-decay 1.5: must be in (0, 1]"),
         (["--visual-layer-decay", "0"], "--image-layer-decay 0.0: must be in (0, 1]"),
-        (["--opt-kwargs", "betas=1"], "--opt-kwargs betas=1: --opt adamw refused them"),
+        (["--opt-kwargs", "betas=1"], "--opt-kwargs betas=1: expected two numbers, e.g. betas=(0.9,0.95)"),
+        (["--opt-kwargs", "nonsense=1"], "--opt-kwargs nonsense=1: --opt adamw refused them"),
     ],
 )
 def test_bad_flags_stop_the_run_in_one_line(tmp_path, flags, message):
