@@ -97,6 +97,10 @@ def test_precedence_defaults_yaml_flags(tmp_path):
         (["--bucket-pool=4"], "--bucket-pool: NaFlex"),
         (["--audio-fusion"], "--audio-fusion: audio towers (CLAP) are not supported"),
         (["--pretrained-audio", "x"], "--pretrained-audio: audio towers"),
+        (
+            ["--dataset-type", "synthetic-audio"],
+            "--dataset-type synthetic-audio: audio towers (CLAP) are not supported",
+        ),
         (["--fsdp-checkpoint", "whole"], "--fsdp-checkpoint 'whole': choose one of sharded, full"),
         (["--fsdp", "--ds_config", "ds_configs/zero2.json"], "--fsdp selects the fsdp engine but --ds_config"),
         (["--fsdp", "--engine", "ddp"], "--fsdp selects the fsdp engine but --engine is ddp"),
@@ -111,12 +115,14 @@ def test_precedence_defaults_yaml_flags(tmp_path):
         (["--ema-warmup"], "--ema-warmup: only applies with --ema-decay"),
     ],
 )
-def test_bad_values_fail_with_one_line(argv, expected, capsys):
-    code = cli.main(argv)
+def test_bad_values_fail_with_one_line(argv, expected, capsys, tmp_path):
+    logs = tmp_path / "logs"
+    code = cli.main([*argv, "--logs", str(logs)])
     err = capsys.readouterr().err
     assert code == 2
     assert err.count("\n") == 1, err  # exactly one line
     assert expected in err, err
+    assert not logs.exists()  # refused before anything was written
 
 
 def test_yaml_errors_name_the_file_and_line(tmp_path):

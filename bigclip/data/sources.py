@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from PIL import Image
 
 from bigclip.data.config import DATA_SOURCES, DataConfig, sources
+from bigclip.data.device_decode import collate_samples
 from bigclip.data.info import DataInfo
 from bigclip.data.sampler import ShardedBatchSampler
 from bigclip.data.skips import SkipCounter
@@ -68,6 +70,11 @@ def reads_without_path(dataset_type: str) -> bool:
 
 
 def check_dataset_type(dataset_type: str) -> None:
+    if "audio" in dataset_type:  # OpenCLIP main's synthetic-audio (CLAP)
+        raise UserError(
+            f"--dataset-type {dataset_type}: audio towers (CLAP) are not supported: bigclip trains image-text "
+            f"models; choose one of {', '.join(dataset_type_names())}"
+        )
     if dataset_type != AUTO and dataset_type not in DATA_SOURCES:
         raise UserError(f"--dataset-type {dataset_type!r}: choose one of {', '.join(dataset_type_names())}")
 
@@ -127,7 +134,8 @@ def map_style_loader(
     dataset, sampler: ShardedBatchSampler, workers: int, skips: SkipCounter | None, flag: str, cfg: DataConfig, ctx
 ) -> DataInfo:
     """A map-style dataset's loader; `flag` names what to change when it makes no full batch."""
-    loader = worker_loader(dataset, workers, batch_sampler=sampler)
+    collate = partial(collate_samples, skips_key=skips.key if skips is not None else None)
+    loader = worker_loader(dataset, workers, batch_sampler=sampler, collate_fn=collate)
     info = DataInfo(loader, num_samples=len(dataset), num_batches=sampler.num_batches, sampler=sampler, skips=skips)
     if info.num_batches == 0:
         raise UserError(
