@@ -5,7 +5,8 @@
     python bench/data_throughput.py --sources local --modes resampled --workers 2 --repeats 3
     python bench/data_throughput.py --photos 1024 --bigclip-decode reduced --sources local --modes epoch  # photos
 
-What is timed: decode + augment + tokenize + batch, delivered to the training process, nothing else. Both sides
+What is timed: decode + augment + tokenize + batch, delivered to the training process and moved to the device
+(CUDA if present, else the CPU: where --image-decode device decodes), nothing else. Both sides
 read the same shards (written once by this script with webdataset's TarWriter: --shards x --samples-per-shard
 JPEGs of smooth random pixels plus a little noise, sides drawn from --image-sizes, about 20 KB each, and a
 random caption as .txt), apply the same callables (open_clip.image_transform(224, is_train=True), OpenCLIP's
@@ -227,13 +228,18 @@ def child(spec: dict) -> dict:
     cpu_start, t_start = _cpu_tree(), time.perf_counter()
     batches = samples = 0
     t0 = cpu0 = None
+    # delivered where training reads it: --image-decode device decodes in this step (on CPU, in this process)
+    target = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for images, texts in loader:
+        images = images.to(target, non_blocking=True)
         assert images.shape[1:] == (3, 224, 224) and len(texts) == len(images), (images.shape, texts.shape)
         batches += 1
         if batches == warm:
             cpu0, t0 = _cpu_tree(), time.perf_counter()
         elif batches > warm:
             samples += len(images)
+    if target.type == "cuda":
+        torch.cuda.synchronize()
     t1, cpu1 = time.perf_counter(), _cpu_tree()
     if info is not None:
         info.close()
@@ -320,8 +326,9 @@ def main() -> None:
     p.add_argument(
         "--bigclip-decode",
         default="openclip",
-        choices=["openclip", "reduced", "full"],
-        help="bigclip's transform: OpenCLIP's own callable (default), or bigclip's with --image-decode reduced/full",
+        choices=["openclip", "reduced", "full", "device"],
+        help="bigclip's transform: OpenCLIP's own callable (default), or bigclip's with --image-decode "
+        "reduced/full/device (device: decoded where the batch is delivered, the GPU if there is one, else this CPU)",
     )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -16,7 +16,7 @@ import pytest
 from helpers import REPO, subprocess_env
 
 KIT = os.path.join(REPO, "bench", "gpu")
-PARTS = ("env", "losses", "int8", "train", "engines", "ckpt", "giant")
+PARTS = ("env", "losses", "int8", "train", "engines", "ckpt", "giant", "decode")
 
 
 @pytest.mark.slow
@@ -53,6 +53,10 @@ def test_smoke_run_reports_every_part_with_its_figures(tmp_path):
     saves = {r["writer"]: r for r in tables["ckpt"]["saves"]}
     assert set(saves) == {"thread", "process"} and all(r["commit_s"] > 0 for r in saves.values()), saves
     assert tables["giant"]["giant"][0]["model"] == "test-tiny"
+
+    assert all(r["mean_grey_levels"] < 0.3 for r in tables["decode"]["pixels"])  # the device path vs PIL's full decode
+    loaders = {r["decode"]: r for r in tables["decode"]["loader"]}
+    assert set(loaders) == {"device", "reduced", "openclip"} and all(r["samples"] > 0 for r in loaders.values())
 
     report = (out / "report.md").read_text()
     for name in PARTS[1:]:

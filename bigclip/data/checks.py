@@ -7,6 +7,7 @@ import os
 from bigclip.data.aug_cfg import validate_aug_cfg
 from bigclip.data.config import DataConfig, sources
 from bigclip.data.imagenet import class_folders
+from bigclip.data.transforms import check_image_decode
 from bigclip.data.wds_plan import parse_upsampling_factors
 from bigclip.errors import UserError
 
@@ -24,7 +25,7 @@ def check_data(cfg: DataConfig) -> None:
         value = getattr(cfg, name)
         if value is not None and len(value) not in (1, 3):
             raise UserError(f"--{name.replace('_', '-')} {value!r}: give one value or three (R G B)")
-    validate_aug_cfg(cfg.aug_cfg)
+    check_image_decode(cfg.image_decode, validate_aug_cfg(cfg.aug_cfg))
     cfg.sample_keys()  # --image-key, --text-key, --json-text-key(-probs) well formed
     if cfg.train_data_upsampling_factors is not None:  # OpenCLIP's rules, before any shard is listed
         parse_upsampling_factors(

@@ -131,7 +131,8 @@ class DataConfig:
         "reduced",
         "reduced: JPEGs decoded at the smallest DCT scale (1/2, 1/4, 1/8) that still covers the crop at the output "
         "size, the crop drawn as OpenCLIP draws it (new in bigclip; resampling differs slightly); full: every pixel, "
-        "as OpenCLIP.",
+        "as OpenCLIP; device: the loader workers ship JPEGs undecoded (with their crops) and the batch is decoded on "
+        "the training device (nvJPEG through torchvision on a GPU; other formats decoded as reduced).",
         DATA,
         choices=DECODE_MODES,
     )

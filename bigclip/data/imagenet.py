@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 
 from bigclip.data.config import DataConfig
 from bigclip.data.decode import decode_rgb
+from bigclip.data.device_decode import collate_samples
 from bigclip.data.info import DataInfo
 from bigclip.data.sampler import ShardedBatchSampler
 from bigclip.data.workers import worker_loader
@@ -79,6 +80,6 @@ def build_zeroshot_sets(cfg: DataConfig, preprocess_val, rank: int, world_size: 
             continue
         dataset = ImageFolderDataset(root, flag, preprocess_val)
         sampler = ShardedBatchSampler(len(dataset), cfg.batch_size, rank, world_size, train=False)
-        loader = worker_loader(dataset, cfg.workers, batch_sampler=sampler)
+        loader = worker_loader(dataset, cfg.workers, batch_sampler=sampler, collate_fn=collate_samples)
         out[prefix] = DataInfo(loader, num_samples=len(dataset), num_batches=sampler.num_batches, sampler=sampler)
     return out

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import uuid
+import weakref
 import zlib
 
 logger = logging.getLogger(__name__)
@@ -31,11 +33,21 @@ _WARN_FIRST = 5
 
 
 class SkipCounter:
+    # By key, the counters of this process: a batch that is decoded in the training process (data/device_decode.py)
+    # carries its loader's key from the worker, not the counter.
+    _by_key: weakref.WeakValueDictionary[str, SkipCounter] = weakref.WeakValueDictionary()
+
     def __init__(self, name: str):
         self.name = name
+        self.key = uuid.uuid4().hex
+        SkipCounter._by_key[self.key] = self
         self._counts = multiprocessing.Array("q", len(SKIP_REASONS), lock=True)
         # [how many said, then the CRC-32 of each line said]: shared like the counts
         self._said = multiprocessing.Array("q", _WARN_FIRST + 1, lock=True)
+
+    @classmethod
+    def find(cls, key: str | None) -> SkipCounter | None:
+        return cls._by_key.get(key) if key is not None else None
 
     def count(self, reason: str, detail: str = "", n: int = 1) -> None:
         slot = SKIP_REASONS.index(reason)

@@ -13,6 +13,9 @@ same random numbers), then mapped exactly (a fractional box) onto the reduced im
 resize likewise. What changes is
 resampling only (libjpeg's DCT downscale before the bicubic resize): tests/test_data.py bounds the difference on
 photographs. Other formats, and --image-decode full, decode every pixel as OpenCLIP does.
+
+--image-decode device: the workers ship JPEGs' bytes with their crops and the batch is decoded on the training
+device (data/device_decode.py); what cannot go there is decoded as `reduced` decodes it.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from torchvision import transforms as T
 from torchvision.transforms import InterpolationMode
 
 from bigclip.data.aug_cfg import validate_aug_cfg
+from bigclip.data.device_decode import DeviceDecodeTransform, OutputGeometry
 from bigclip.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 INTERPOLATIONS = ("bicubic", "bilinear", "random")
-DECODE_MODES = ("reduced", "full")
+DECODE_MODES = ("reduced", "full", "device")
 DRAFT_SCALES = (8, 4, 2)  # libjpeg's DCT scaling: 1/8, 1/4, 1/2
 RESIZE_MODES = ("shortest", "longest", "squash")
 _TIMM_ONLY = ("re_prob", "re_count")
@@ -175,6 +179,25 @@ def _timm_train_transform(size, mean, std, interpolation: str, aug: dict[str, An
     return _undecoded_ok(T.Compose([to_rgb, timm_transform]))
 
 
+def check_image_decode(decode: str, aug: dict[str, Any]) -> None:
+    """--image-decode device crops and resizes on the device, after the loader: the augmentations that work on the
+    worker's decoded image cannot follow it there."""
+    cpu_only = [
+        name
+        for name, used in (
+            ("color_jitter", aug.get("color_jitter") is not None),
+            ("gray_scale_prob", bool(aug.get("gray_scale_prob"))),
+            ("use_timm", bool(aug.get("use_timm"))),
+        )
+        if used
+    ]
+    if decode == "device" and cpu_only:
+        raise UserError(
+            f"--image-decode device crops and resizes on the device; --aug-cfg {', '.join(cpu_only)} works on "
+            "images decoded in the loader: use --image-decode reduced with it"
+        )
+
+
 def image_transform(
     image_size: int | Sequence[int],
     is_train: bool,
@@ -186,10 +209,11 @@ def image_transform(
     decode: str = "full",
 ):
     """A callable PIL.Image -> FloatTensor[3, H, W]. `aug_cfg` is a dict or key=value strings. decode="reduced":
-    given an image PIL has opened but not decoded, a JPEG is decoded at reduced scale where the output allows."""
+    given an image PIL has opened but not decoded, a JPEG is decoded at reduced scale where the output allows;
+    "device": a DeviceDecodeTransform, which ships JPEGs to be decoded on the training device."""
     if decode not in DECODE_MODES:
         raise UserError(f"--image-decode {decode}: choose one of {', '.join(DECODE_MODES)}")
-    reduced = decode == "reduced"
+    reduced = decode in ("reduced", "device")
     interpolation = interpolation or "bicubic"
     resize_mode = resize_mode or "shortest"
     if interpolation not in INTERPOLATIONS:
@@ -202,6 +226,7 @@ def image_transform(
 
     if is_train:
         aug = validate_aug_cfg(aug_cfg)
+        check_image_decode(decode, aug)
         if aug.get("use_timm"):
             return _timm_train_transform(size, mean, std, interpolation, aug)
         unused = [k for k in _TIMM_ONLY if aug.get(k) is not None]
@@ -213,7 +238,10 @@ def image_transform(
             steps.append(T.RandomApply([_color_jitter(aug["color_jitter"])], p=aug.get("color_jitter_prob") or 1.0))
         if aug.get("gray_scale_prob"):
             steps.append(T.RandomGrayscale(p=aug["gray_scale_prob"]))
-        return _undecoded_ok(T.Compose([*steps, T.ToTensor(), normalize]))
+        cpu = _undecoded_ok(T.Compose([*steps, T.ToTensor(), normalize]))
+        if decode == "device":
+            return DeviceDecodeTransform(cpu, OutputGeometry(size, mean, std), crops=crop)
+        return cpu
 
     # Evaluation has no randomness: 'random' interpolation means bicubic here, as in OpenCLIP.
     mode = InterpolationMode.BILINEAR if interpolation == "bilinear" else InterpolationMode.BICUBIC
@@ -225,7 +253,10 @@ def image_transform(
         # zero-shot numbers, would differ from OpenCLIP's by a pixel's shift.
         if reduced:
             resize = [ReducedResize(size[0], mode), T.CenterCrop(size)]
-            return _undecoded_ok(T.Compose([*resize, T.ToTensor(), normalize]))
+            cpu = _undecoded_ok(T.Compose([*resize, T.ToTensor(), normalize]))
+            if decode == "device":
+                return DeviceDecodeTransform(cpu, OutputGeometry(size, mean, std, shortest=size[0]), interpolation=mode)
+            return cpu
         resize = [T.Resize(size[0], interpolation=mode), T.CenterCrop(size)]
     else:
         # CenterCrop pads with black where the resized image is smaller ('longest' letterboxing).

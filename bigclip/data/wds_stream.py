@@ -25,10 +25,10 @@ from array import array
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from bigclip.data.decode import ImageTooLarge, decode_rgb
+from bigclip.data.device_decode import collate_samples
 from bigclip.data.sample_keys import SampleKeys
 from bigclip.data.shards import ShardReader
 from bigclip.data.skips import SkipCounter
@@ -43,10 +43,6 @@ UNUSABLE_BEFORE_GIVING_UP = 10_000
 SHUFFLE_BUFFER, SHUFFLE_INITIAL = 5000, 1000
 
 Ref = tuple[int, int]  # (shard index in the plan, sample index in the shard)
-
-
-def _collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
 
 
 class ShuffleBuffer:
@@ -460,13 +456,13 @@ class ShardStream(IterableDataset):
                 made += 1
                 if snapshot is not None:
                     snapshot(produced + made, done=quota is not None and made == quota)
-                yield _collate(batch)
+                yield collate_samples(batch, self.skips.key)
                 batch = []
                 if quota is not None and made == quota:
                     return
         if quota is None:
             if batch:  # evaluation: the last, partial batch counts
-                yield _collate(batch)
+                yield collate_samples(batch, self.skips.key)
             return
         if not usable and not produced:
             # This reader's shards held not one usable sample (all failed, or all bad): counted, not fatal; the

@@ -1,0 +1,219 @@
+"""--image-decode device: JPEGs decoded on the training device (nvJPEG, through torchvision), a batch at a time.
+
+A loader worker opens each image with PIL as before, which reads the header only. For a JPEG it then draws the
+random crop exactly as the CPU transform would (torchvision's RandomResizedCrop.get_params on the full image's
+size: the same random numbers, so the same crops and the same generator state after each sample) and ships the
+file's bytes with the crop box instead of pixels: the worker decodes nothing. The batch (EncodedImages) is decoded
+when the training loop moves it to the device (`.to(device, dtype)`, which loop.py and eval.py already call):
+torchvision.io.decode_jpeg on the whole list at once, then each crop resized (antialiased: what PIL's resize does)
+to the output size, rounded to 8 bits as PIL's output is, and normalised. Evaluation's shortest-side resize and
+centre crop run there likewise.
+
+What stays on the CPU, decoded by the worker as --image-decode reduced does and carried in the same batch: images
+that are not JPEGs, CMYK JPEGs, and evaluation geometries other than the square shortest-side one. A JPEG the
+device cannot decode is decoded on the CPU; one that no decoder can read (its header parsed, its data corrupt) is
+counted as a bad image and its place in the batch taken by the next image of the batch, as the map-style
+datasets replace a bad sample by a neighbour (a batch must keep its size: ranks need equal batches). On a machine
+without a GPU the same code decodes on the CPU in the training process (the tests run it so).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import random
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import functional as TF
+
+from bigclip.data.skips import SkipCounter
+from bigclip.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+_SHIPPABLE_MODES = ("RGB", "L")  # decode_jpeg(mode=RGB) expands greyscale as PIL's convert("RGB") does
+
+
+@dataclass(frozen=True)
+class OutputGeometry:
+    """What every image of a loader becomes: size (height, width), normalisation, and for evaluation the
+    shortest-side length it is resized to before the centre crop."""
+
+    size: tuple[int, int]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    shortest: int | None = None
+
+
+@dataclass
+class EncodedJpeg:
+    """One sample's image as the worker ships it: the file's bytes, the crop (top, left, height, width) on the full
+    image (None: evaluation's resize and centre crop), the resampling filter, the output geometry."""
+
+    data: torch.Tensor  # uint8, the whole file
+    box: tuple[int, int, int, int] | None
+    interpolation: InterpolationMode
+    geometry: OutputGeometry
+
+
+class DeviceDecodeTransform:
+    """The worker-side half of --image-decode device. Called on an image (PIL, opened) it is the CPU transform
+    (`cpu`: reduced decoding, for what does not go to the device); `encode` ships a JPEG instead."""
+
+    accepts_undecoded = True  # see data/decode.py: it takes the image as PIL opened it
+
+    def __init__(self, cpu, geometry: OutputGeometry, crops=None, interpolation=InterpolationMode.BICUBIC):
+        self.cpu = cpu
+        self.geometry = geometry
+        # training: the RandomResizedCrop (or torchvision's RandomChoice of them, for 'random' interpolation) whose
+        # draws the CPU transform would make; evaluation: None
+        self.crops = crops
+        self.interpolation = interpolation
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        return self.cpu(image)
+
+    def ships(self, image: Image.Image) -> bool:
+        return image.format == "JPEG" and image.mode in _SHIPPABLE_MODES
+
+    def encode(self, image: Image.Image, data: bytes) -> EncodedJpeg:
+        """`image`'s crop drawn as the CPU transform draws it (its header's size only), shipped with `data`."""
+        box, interpolation = None, self.interpolation
+        if self.crops is not None:
+            crop = self.crops
+            if hasattr(crop, "transforms"):  # RandomChoice: the same draw as its forward makes
+                crop = crop.transforms[random.choices(range(len(crop.transforms)), weights=crop.p)[0]]
+            box = tuple(crop.get_params(image, crop.scale, crop.ratio))
+            interpolation = crop.interpolation
+        return EncodedJpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), box, interpolation, self.geometry)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(geometry={self.geometry}, cpu={self.cpu})"
+
+
+class EncodedImages:
+    """A batch whose JPEGs are still encoded; `.to(device, dtype)` decodes them there and returns the image batch
+    as the CPU path would have made it: float [B, 3, H, W], normalised, in `dtype`."""
+
+    def __init__(self, items: list, skips_key: str | None = None):
+        self.items = items  # EncodedJpeg, or a CPU-decoded image tensor
+        self.skips_key = skips_key  # the loader's SkipCounter's key
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def pin_memory(self) -> EncodedImages:
+        return self  # the bytes are small; decode_jpeg copies them to the device itself
+
+    def to(self, device, dtype: torch.dtype | None = None, non_blocking: bool = False) -> torch.Tensor:
+        device = torch.device(device)
+        _say_once_if_cpu(device)
+        out: list[torch.Tensor | None] = [None] * len(self.items)
+        jpegs = [i for i, item in enumerate(self.items) if isinstance(item, EncodedJpeg)]
+        for i, pixels in zip(jpegs, _decode_all([self.items[i].data for i in jpegs], device), strict=True):
+            if pixels is not None:
+                out[i] = _finish(pixels, self.items[i])
+        for i, item in enumerate(self.items):
+            if isinstance(item, torch.Tensor):
+                out[i] = item.to(device, non_blocking=non_blocking)
+        self._replace_unreadable(out)
+        batch = torch.stack(out)
+        return batch if dtype is None else batch.to(dtype)
+
+    def _replace_unreadable(self, out: list) -> None:
+        bad = [i for i, x in enumerate(out) if x is None]
+        if not bad:
+            return
+        if len(bad) == len(out):
+            raise UserError(
+                f"no JPEG of a batch of {len(out)} could be decoded (on the device or the CPU): the data is corrupt; "
+                "check the shards, or decode in the loader with --image-decode reduced to skip bad images there"
+            )
+        skips = SkipCounter.find(self.skips_key)
+        for i in bad:
+            out[i] = next(out[(i + k) % len(out)] for k in range(1, len(out)) if out[(i + k) % len(out)] is not None)
+            detail = "(a JPEG no decoder could read; replaced by its batch's next image)"
+            if skips is not None:
+                skips.count("bad_image", detail)
+            else:
+                logger.warning(f"skipped an image {detail}")
+
+
+_SAID_CPU = False
+
+
+def _say_once_if_cpu(device: torch.device) -> None:
+    global _SAID_CPU
+    if device.type == "cpu" and not _SAID_CPU:
+        _SAID_CPU = True
+        logger.warning(
+            "--image-decode device on a CPU: every JPEG is decoded whole in the training process; on a machine "
+            "without a GPU --image-decode reduced (the default) is faster"
+        )
+
+
+def _decode_jpeg(data, device: torch.device):
+    with warnings.catch_warnings():
+        # torchvision 0.29 deprecates its image decoders in favour of TorchCodec's; the call is the same there (see
+        # docs/architecture.md), and the warning, on every batch, is nothing a user can act on
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+
+
+def _decode_all(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    """uint8 [3, h, w] images on `device`, one per JPEG (None: unreadable). The whole list in one call; where that
+    fails (one bad image fails the list), image by image, then on the CPU."""
+    if not datas:
+        return []
+    try:
+        return list(_decode_jpeg(datas, device))
+    except RuntimeError:
+        return [_decode_one(data, device) for data in datas]
+
+
+def _decode_one(data: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    try:
+        return _decode_jpeg(data, device)
+    except RuntimeError:
+        pass
+    try:  # the device's decoder may refuse what libjpeg reads (PIL tolerates more than torchvision's CPU decoder)
+        with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
+            pixels = torch.from_numpy(_rgb_array(image)).permute(2, 0, 1)
+        return pixels.to(device)
+    except Exception:  # no decoder reads it: the caller counts and replaces it
+        return None
+
+
+def _rgb_array(image: Image.Image) -> np.ndarray:
+    return np.asarray(image.convert("RGB")).copy()
+
+
+def _finish(pixels: torch.Tensor, item: EncodedJpeg) -> torch.Tensor:
+    """The decoded image cropped and resized as the CPU transform would (8-bit rounding included), normalised."""
+    geometry = item.geometry
+    if item.box is not None:
+        pixels = TF.resized_crop(pixels, *item.box, list(geometry.size), item.interpolation, antialias=True)
+    else:
+        pixels = TF.resize(pixels, geometry.shortest, item.interpolation, antialias=True)
+        pixels = TF.center_crop(pixels, list(geometry.size))
+    image = pixels.to(torch.float32).div_(255)
+    return TF.normalize(image, list(geometry.mean), list(geometry.std), inplace=True)
+
+
+def collate_samples(samples: list[tuple], skips_key: str | None = None) -> tuple:
+    """A loader's batch from (image, *rest) samples: the images stacked, or an EncodedImages batch where some are
+    shipped encoded (--image-decode device; `skips_key`: the loader's SkipCounter, which counts the images no
+    decoder can read); the rest as torch's default collate makes it."""
+    from torch.utils.data import default_collate
+
+    images = [s[0] for s in samples]
+    rest = default_collate([s[1:] for s in samples])
+    if any(isinstance(image, EncodedJpeg) for image in images):
+        return EncodedImages(images, skips_key), *rest
+    return torch.stack(images), *rest
