@@ -131,14 +131,16 @@ def python_train(args: list[str], timeout: int = 300, cwd: str | None = None, **
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=subprocess_env(**env))
 
 
-def tiny_hf_clip(directory, kind: str = "roberta", embed_dim: int = 16) -> str:
+def tiny_hf_clip(directory, kind: str = "roberta", embed_dim: int = 16, coca: bool = False) -> str:
     """An OpenCLIP local-dir: model whose text tower is a tiny Hugging Face model created here (no hub): its
     weights in DIRECTORY/hf (transformers' save_pretrained), a word-level tokenizer trained on a few captions
-    beside open_clip_config.json (where OpenCLIP's local-dir: looks for it). kind: roberta or mt5. Returns the
-    --model name."""
+    beside open_clip_config.json (where OpenCLIP's local-dir: looks for it). kind: roberta (mean pooler, mlp
+    projection), mt5 (mean pooler, mlp), or m2m_100 (NLLB's encoder; cls pooler, linear projection, as OpenCLIP's
+    nllb-clip configs). coca: a CoCa (OpenCLIP's coca_roberta layout: no attentional pooler, the ViT's tokens and
+    the text states as wide as the decoder). Returns the --model name."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import AutoModel, MT5Config, PreTrainedTokenizerFast, RobertaConfig
+    from transformers import AutoModel, M2M100Config, MT5Config, PreTrainedTokenizerFast, RobertaConfig
 
     directory = str(directory)
     words = Tokenizer(models.WordLevel(unk_token="<unk>"))
@@ -152,6 +154,11 @@ def tiny_hf_clip(directory, kind: str = "roberta", embed_dim: int = 16) -> str:
         config = RobertaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
                                num_attention_heads=2, intermediate_size=64, max_position_embeddings=80,
                                pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    elif kind == "m2m_100":
+        config = M2M100Config(vocab_size=tokenizer.vocab_size, d_model=32, encoder_layers=2, decoder_layers=1,
+                              encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                              decoder_ffn_dim=64, max_position_embeddings=80, pad_token_id=tokenizer.pad_token_id,
+                              dropout=0.0)  # fmt: skip
     else:
         config = MT5Config(vocab_size=tokenizer.vocab_size, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
@@ -161,9 +168,15 @@ def tiny_hf_clip(directory, kind: str = "roberta", embed_dim: int = 16) -> str:
     text = {
         "hf_model_name": os.path.join(directory, "hf"),
         "hf_tokenizer_name": directory,
-        "hf_pooler_type": "mean_pooler",
+        "hf_pooler_type": "cls_pooler" if kind == "m2m_100" else "mean_pooler",
     }
+    if kind == "m2m_100":
+        text["hf_proj_type"] = "linear"
     model_cfg = {"embed_dim": embed_dim, "vision_cfg": vision, "text_cfg": text}
+    if coca:  # the vocabulary given, as OpenCLIP 3.3 would otherwise size the decoder for its own (49408)
+        vision["output_tokens"] = text["output_tokens"] = True
+        text.update(width=32, vocab_size=tokenizer.vocab_size, context_length=12, hf_proj_type="linear")
+        model_cfg["multimodal_cfg"] = {"width": 32, "heads": 2, "layers": 1, "context_length": 12}
     with open(os.path.join(directory, "open_clip_config.json"), "w") as f:
         json.dump({"model_cfg": model_cfg, "preprocess_cfg": {}}, f)
     return f"local-dir:{directory}"

@@ -83,7 +83,7 @@ def test_openclips_coca_weights_give_openclips_outputs_and_convert_back_exactly(
 
 
 def test_coca_architectures_match_openclips_on_meta():
-    for name in ("coca_ViT-B-32", "coca_ViT-L-14"):
+    for name in ("coca_ViT-B-32", "coca_ViT-L-14", "coca_base"):  # coca_base: no attentional pooler
         cfg = {k: v for k, v in open_clip.get_model_config(name).items() if k != "custom_text"}
         with torch.device("meta"):
             theirs = open_clip.CoCa(**cfg)

@@ -293,8 +293,10 @@ def test_a_hugging_face_text_tower_trains_alike_under_every_engine(tmp_path):
     """OpenCLIP's HFTextEncoder layout (a tiny RoBERTa made here, its weights loaded as hf_model_pretrained): DDP,
     FSDP2, ZeRO-1/2/3 give the same losses, also with Hugging Face's activation checkpointing; built on meta and
     initialised shard by shard, from a whole-model file (equal to DDP's run from it) and from the Hugging Face
-    weights (FSDP2 and ZeRO-3 alike)."""
+    weights (FSDP2 and ZeRO-3 alike). A CoCa on that tower (OpenCLIP's coca_roberta layout) likewise under FSDP2
+    and ZeRO-3."""
     name = tiny_hf_clip(tmp_path / "hf")
+    coca = tiny_hf_clip(tmp_path / "hf_coca", coca=True)
     weights = str(tmp_path / "clip.pt")
     torch.manual_seed(5)
     torch.save(create_model(name).state_dict(), weights)
@@ -306,9 +308,14 @@ def test_a_hugging_face_text_tower_trains_alike_under_every_engine(tmp_path):
               "zero3_meta_file": {"ds_config": DS[3], "sharded_init": "always", "pretrained": weights},
               "fsdp_meta": {"engine": "fsdp", "sharded_init": "always"},
               "zero3_meta": {"ds_config": DS[3], "sharded_init": "always"}}  # fmt: skip
+    setups.update({"coca_ddp": {"model": coca}, "coca_fsdp": {"model": coca, "engine": "fsdp"},
+                   "coca_zero3": {"model": coca, "ds_config": DS[3], "grad_checkpointing": True}})  # fmt: skip
     runs = [{"name": n, "steps": 6, "text_vocab": 20, "pad_texts": True, "config": {**base, **flags}}
             for n, flags in setups.items()]  # fmt: skip
     r = run_worker(tmp_path, runs, name="hf")
+    assert r["coca_ddp"]["losses"][-1] < r["coca_ddp"]["losses"][0]
+    for n in ("coca_fsdp", "coca_zero3"):
+        assert_same_run(r[n], r["coca_ddp"], FP32_RTOL)
     assert r["ddp"]["losses"][-1] < r["ddp"]["losses"][0]
     for n in ("fsdp", "zero1", "zero2", "zero3", "fsdp_ckpt", "zero3_ckpt"):
         assert_same_run(r[n], r["ddp"], FP32_RTOL)

@@ -85,6 +85,24 @@ def test_big_configs_dimensions():
     assert set(list_models()) >= {*OPENCLIP_PARAMS_M, TINY}
 
 
+def test_openclips_hugging_face_and_coca_configs_are_built_in_as_openclip_writes_them():
+    """Every OpenCLIP config with a Hugging Face text tower (RoBERTa, XLM-RoBERTa, mT5, NLLB) and every CoCa config:
+    bigclip's copy is OpenCLIP's, with the image normalisation OpenCLIP applies by default written out."""
+    import open_clip
+
+    names = [n for n in open_clip.list_models() if "hf_model_name" in open_clip.get_model_config(n)["text_cfg"]]
+    names += [n for n in open_clip.list_models() if n.startswith("coca")]
+    assert {"nllb-clip-base", "nllb-clip-large-siglip", "coca_base", "coca_roberta-ViT-B-32"} <= set(names)
+    for name in names:
+        theirs = open_clip.get_model_config(name)
+        ours = get_model_config(name)
+        vision = {k: v for k, v in ours["vision_cfg"].items() if k not in ("image_mean", "image_std")}
+        ours = {k: v for k, v in ours.items() if k in theirs or k == "quick_gelu" and v}  # False: the default
+        assert {**ours, "vision_cfg": vision} == theirs, name
+        assert tuple(ours["vision_cfg"]["image_mean"]) == open_clip.OPENAI_DATASET_MEAN, name
+    assert set(names) <= set(list_models())
+
+
 def test_unknown_model_is_a_user_error():
     with pytest.raises(UserError, match="--model ViT-Q-99: unknown architecture; choose one of .*ViT-B-32"):
         create_model("ViT-Q-99")

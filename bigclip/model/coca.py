@@ -129,23 +129,30 @@ class CoCa(CLIP):
         image_size: int | tuple[int, int] | None = None,
         pad_id: int = 0,
     ):
+        hf_text = "hf_model_name" in text_cfg  # a Hugging Face text tower pads as its tokenizer says
         super().__init__(
             embed_dim,
             {**vision_cfg, "output_tokens": True},
-            {**text_cfg, "output_tokens": True, "pad_id": pad_id},
+            {**text_cfg, "output_tokens": True, **({} if hf_text else {"pad_id": pad_id})},
             quick_gelu=quick_gelu,
             init_logit_scale=init_logit_scale,
             init_logit_bias=init_logit_bias,
             image_size=image_size,
         )
         self.pad_id = pad_id
-        widths = {"embed_dim": embed_dim, "text_cfg width": text_cfg["width"]}
+        # the decoder reads the image tokens (embed_dim wide after an attentional pooler, else the ViT's width)
+        # and the text states (the text tower's width) as its own width
+        pooled = vision_cfg.get("attentional_pool", False)
+        widths = {"embed_dim" if pooled else "vision_cfg width": embed_dim if pooled else vision_cfg["width"]}
+        widths["text width"] = self.text.width
         widths["multimodal_cfg width"] = multimodal_cfg["width"]
         if len(set(widths.values())) > 1:
-            # the decoder reads the image tokens (embed_dim wide) and the text states (the text width) as its own
             raise ValueError(f"CoCa needs one width for {', '.join(f'{k} {v}' for k, v in widths.items())}")
-        # OpenCLIP sizes the decoder's output by the text tower's vocabulary, whatever multimodal_cfg says
-        decoder_cfg = {**multimodal_cfg, "vocab_size": text_cfg["vocab_size"]}
+        # OpenCLIP sizes the decoder's output by the text_cfg's vocabulary, whatever multimodal_cfg says; a Hugging
+        # Face tower's text_cfg may leave it out, and then it is the model's (OpenCLIP 3.3 takes its own default,
+        # 49408, which RoBERTa's 50265 token ids overflow)
+        vocab_size = text_cfg.get("vocab_size") or self.text.config.vocab_size if hf_text else text_cfg["vocab_size"]
+        decoder_cfg = {**multimodal_cfg, "vocab_size": vocab_size}
         self.text_decoder = MultimodalDecoder(quick_gelu=quick_gelu, **decoder_cfg)
 
     def init_weights(self) -> None:

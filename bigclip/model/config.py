@@ -13,7 +13,7 @@ from bigclip.model.registry import get_model_config, is_schema_name, list_models
 from bigclip.model.switchback import SWITCHBACK_VARIANTS
 
 # OpenCLIP families whose towers bigclip does not build yet: named as such, not as unknown architectures.
-NOT_YET_BUILT = ("convnext", "coca_roberta", "coca_base", "EVA")
+NOT_YET_BUILT = ("convnext", "EVA")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Hugging Face text towers: OpenCLIP's HFTextEncoder (text_cfg with `hf_model_name`: RoBERTa, XLM-RoBERTa, mT5,
+"""Hugging Face text towers: OpenCLIP's HFTextEncoder (text_cfg with `hf_model_name`: RoBERTa, XLM-RoBERTa, mT5, NLLB,
 BERT) built through `transformers` (the optional `hf` extra).
 
 The tower is OpenCLIP's, with its names: `transformer` (the Hugging Face model; an encoder-decoder's encoder only),
@@ -53,6 +53,14 @@ def _parameters_on_meta():
         nn.Module.register_parameter = register
 
 
+# Where OpenCLIP's arch_dict does not say where an architecture keeps its layers and token embeddings (OpenCLIP's
+# own lock() then fails on it), the attributes Hugging Face's model has: NLLB's M2M100 encoder, BERT
+_LAYOUT_FALLBACKS = {
+    "m2m_100": {"layer_attr": "layers", "token_embeddings_attr": "embed_tokens"},
+    "bert": {"layer_attr": "layer", "token_embeddings_attr": "embeddings"},
+}
+
+
 class HFTextTower(nn.Module):
     def __init__(
         self,
@@ -79,6 +87,9 @@ class HFTextTower(nn.Module):
         self.output_tokens = output_tokens
         self.config = transformers.AutoConfig.from_pretrained(hf_model_name)
         self.arch = arch_dict.get(self.config.model_type)
+        if self.arch is not None:
+            names = {**_LAYOUT_FALLBACKS.get(self.config.model_type, {}), **self.arch["config_names"]}
+            self.arch = {**self.arch, "config_names": names}
         if self.arch is None:
             raise ValueError(f"hf_model_name {hf_model_name}: model type {self.config.model_type!r} is not one of "
                              f"OpenCLIP's ({', '.join(arch_dict)})")  # fmt: skip
@@ -206,4 +217,10 @@ class HFTextTower(nn.Module):
         mask = (tokens != self.config.pad_token_id).long()
         out = self.transformer(input_ids=tokens, attention_mask=mask)
         features = self.proj(self.pooler(out, mask))
-        return (features, out.last_hidden_state) if self.output_tokens else features
+        if not self.output_tokens:
+            return features
+        states = out.last_hidden_state
+        position = getattr(self.pooler, "cls_token_position", None)
+        if type(self.pooler).__name__ == "ClsPooler":  # OpenCLIP hands on every token but the pooled one
+            states = states[:, torch.arange(states.shape[1], device=states.device) != position]
+        return features, states

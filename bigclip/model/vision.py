@@ -71,8 +71,9 @@ class VisionTower(nn.Module):
             mlp_ratio=mlp_ratio,
             class_token=True,
             pre_norm=True,
-            # CoCa's pooler reads every token, and normalises after it instead
-            global_pool="" if attentional_pool else "token",
+            # CoCa's pooler reads every token, and normalises after it instead; CoCa without a pooler (OpenCLIP's
+            # coca_base) reads the normalised tokens beside the class token
+            global_pool="" if attentional_pool or output_tokens else "token",
             final_norm=not attentional_pool,
             num_classes=0,
             patch_drop_rate=patch_dropout,
@@ -151,10 +152,13 @@ class VisionTower(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """(B, 3, H, W) -> (B, embed_dim) features; with output_tokens, (features, image tokens)."""
-        if self.attn_pool is None:
+        if self.attn_pool is None and not self.output_tokens:
             # The trunk returns the class token after ln_post (global_pool="token", no head).
             pooled = self.trunk(images)
             tokens = None
+        elif self.attn_pool is None:
+            x = self.trunk(images)  # every token after ln_post (global_pool="", no head): OpenCLIP's 'tok' pool
+            pooled, tokens = x[:, 0], x[:, 1:]
         else:
             # (the trunk's own forward, not forward_features: engines gather its parameters in its forward hooks)
             x = self.ln_post(self.attn_pool(self.trunk(images)))  # every token (global_pool="", no norm)
