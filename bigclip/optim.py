@@ -113,8 +113,8 @@ class OptimizerConfig:
     )
     text_pooler_own_group: bool = flag(
         False,
-        "OpenCLIP main: a Hugging Face text tower's pooler as a layer group of its own. bigclip's text towers "
-        "have no pooler, so it changes nothing (as in OpenCLIP for its own text tower).",
+        "OpenCLIP main: a Hugging Face text tower's pooler as a layer group of its own. Accepted; it changes "
+        "nothing: bigclip keeps a Hugging Face pooler layer in the last layer's group (OpenCLIP 3.3's lock groups).",
         TRAIN,
     )
     bf16_round_to_nearest: bool = flag(

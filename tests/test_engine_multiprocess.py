@@ -294,12 +294,13 @@ def test_a_hugging_face_text_tower_trains_alike_under_every_engine(tmp_path):
     FSDP2, ZeRO-1/2/3 give the same losses, also with Hugging Face's activation checkpointing; built on meta and
     initialised shard by shard, from a whole-model file (equal to DDP's run from it) and from the Hugging Face
     weights (FSDP2 and ZeRO-3 alike). A CoCa on that tower (OpenCLIP's coca_roberta layout) likewise under FSDP2
-    and ZeRO-3."""
+    and ZeRO-3, built on meta and its file streamed into the shards (the caption decoder's blocks included)."""
     name = tiny_hf_clip(tmp_path / "hf")
     coca = tiny_hf_clip(tmp_path / "hf_coca", coca=True)
-    weights = str(tmp_path / "clip.pt")
+    weights, coca_weights = str(tmp_path / "clip.pt"), str(tmp_path / "coca.pt")
     torch.manual_seed(5)
     torch.save(create_model(name).state_dict(), weights)
+    torch.save(create_model(coca).state_dict(), coca_weights)
     base = {"model": name, "batch_size": 8}
     setups = {**engines(), "fsdp_ckpt": {"engine": "fsdp", "grad_checkpointing": True},
               "zero3_ckpt": {"ds_config": DS[3], "grad_checkpointing": True},
@@ -308,8 +309,10 @@ def test_a_hugging_face_text_tower_trains_alike_under_every_engine(tmp_path):
               "zero3_meta_file": {"ds_config": DS[3], "sharded_init": "always", "pretrained": weights},
               "fsdp_meta": {"engine": "fsdp", "sharded_init": "always"},
               "zero3_meta": {"ds_config": DS[3], "sharded_init": "always"}}  # fmt: skip
-    setups.update({"coca_ddp": {"model": coca}, "coca_fsdp": {"model": coca, "engine": "fsdp"},
-                   "coca_zero3": {"model": coca, "ds_config": DS[3], "grad_checkpointing": True}})  # fmt: skip
+    coca_file = {"model": coca, "pretrained": coca_weights}
+    setups.update({"coca_ddp": coca_file, "coca_fsdp": {**coca_file, "engine": "fsdp", "sharded_init": "always"},
+                   "coca_zero3": {**coca_file, "ds_config": DS[3], "sharded_init": "always",
+                                  "grad_checkpointing": True}})  # fmt: skip
     runs = [{"name": n, "steps": 6, "text_vocab": 20, "pad_texts": True, "config": {**base, **flags}}
             for n, flags in setups.items()]  # fmt: skip
     r = run_worker(tmp_path, runs, name="hf")
