@@ -113,8 +113,8 @@ class OptimizerConfig:
     )
     text_pooler_own_group: bool = flag(
         False,
-        "OpenCLIP main: a Hugging Face text tower's pooler as a layer group of its own. Accepted; it changes "
-        "nothing: bigclip keeps a Hugging Face pooler layer in the last layer's group (OpenCLIP 3.3's lock groups).",
+        "With --text-layer-decay: a Hugging Face text tower's pooler layer (BERT-like models under cls_pooler) as a "
+        "layer group of its own below the projection, instead of in the projection's group (OpenCLIP main's flag).",
         TRAIN,
     )
     bf16_round_to_nearest: bool = flag(
@@ -154,7 +154,8 @@ def _lr_scales(model: nn.Module, cfg: OptimizerConfig) -> dict[int, float]:
     for tower, decay in (("image", cfg.image_layer_decay), ("text", cfg.text_layer_decay)):
         if decay is None or decay == 1:
             continue
-        depth_of = getattr(model, "layer_depths", dict)().get(tower)
+        layer_depths = getattr(model, "layer_depths", None)
+        depth_of = layer_depths(not cfg.text_pooler_own_group).get(tower) if layer_depths else None
         if depth_of is None:
             raise UserError(f"--{tower}-layer-decay: this model's {tower} tower has no layer groups")
         scales.update({param_id: decay**depth for param_id, depth in depth_of.items()})

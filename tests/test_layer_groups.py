@@ -167,6 +167,41 @@ def test_opt_kwargs_betas_eps_and_lr_override_the_flags_as_in_openclip_main(opt)
         assert float(group["lr"]) == pytest.approx(0.002)
 
 
+def test_layer_decay_places_poolers_and_final_norms_as_openclip_main(tmp_path):
+    """Where OpenCLIP 3.3 has no lock group to go by, main's layer_decay_param_groups (bench/openclip_main_parity.py
+    compares every parameter's scale with main's own code, given its sources): a Hugging Face pooler layer rides in the projection's
+    group (scale 1), or with --text-pooler-own-group is its own group below it (the layers one deeper); what follows
+    a Hugging Face model's layers (mT5's final norm) and CoCa's attentional pooler are in no group (scale 1); CoCa's
+    ln_post, after its pooler, is in the last block's group."""
+    import json
+
+    from helpers import tiny_hf_clip
+
+    from bigclip.model import create_model
+
+    def scales(name: str, **flags) -> dict[str, float]:
+        model = create_model(name, device="meta")
+        cfg = optim.OptimizerConfig(text_layer_decay=0.5, image_layer_decay=0.5, **flags)
+        names = {id(p): n for n, p in model.named_parameters()}
+        return {names[id(p)]: g["lr_scale"] for g in optim.param_groups(model, cfg) for p in g["params"]}
+
+    roberta = tiny_hf_clip(tmp_path / "roberta", "roberta")
+    config_file = tmp_path / "roberta" / "open_clip_config.json"
+    config = json.loads(config_file.read_text())
+    config["model_cfg"]["text_cfg"]["hf_pooler_type"] = "cls_pooler"  # BERT-like: the model's pooler.dense
+    config_file.write_text(json.dumps(config))
+    head, own = scales(roberta), scales(roberta, text_pooler_own_group=True)
+    pooler, last = "text.transformer.pooler.dense.weight", "text.transformer.encoder.layer.1.output.dense.weight"
+    assert (head[pooler], head[last], head["text.proj.0.weight"]) == (1.0, 0.5, 1.0)
+    assert (own[pooler], own[last], own["text.proj.0.weight"]) == (0.5, 0.25, 1.0)
+    mt5 = scales(tiny_hf_clip(tmp_path / "mt5", "mt5"))
+    assert mt5["text.transformer.final_layer_norm.weight"] == 1.0
+    assert mt5["text.transformer.block.1.layer.0.layer_norm.weight"] == 0.5
+    coca = scales("test-tiny-coca")
+    assert coca["visual.ln_post.weight"] == coca["visual.trunk.blocks.1.norm1.weight"] == 0.5
+    assert coca["visual.attn_pool.query"] == coca["visual.proj"] == 1.0
+
+
 def test_bad_optimizer_flags_are_one_line():
     with pytest.raises(UserError, match=r"--opt-kwargs nonsense=1: --opt adamw refused them"):
         optim.check_optimizer(optim.OptimizerConfig(opt_kwargs=["nonsense=1"]))

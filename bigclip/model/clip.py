@@ -125,10 +125,11 @@ class CLIP(nn.Module):
         """Every transformer block of both towers: the units engines shard and checkpoint."""
         return [*self.visual.blocks, *self.text.blocks]
 
-    def layer_depths(self) -> dict[str, dict[int, int]]:
+    def layer_depths(self, pooler_in_head: bool = True) -> dict[str, dict[int, int]]:
         """By the tower its flags name (image, text): id(parameter) -> the depth of its layer group below the
-        tower's head (model/layer_groups.py), what layer-wise lr decay scales by."""
-        return {"image": depths(self.visual.layer_groups()), "text": depths(self.text.layer_groups())}
+        tower's head (model/layer_groups.py), what layer-wise lr decay scales by. pooler_in_head=False: a Hugging
+        Face text tower's pooler layer is a group of its own (--text-pooler-own-group)."""
+        return {"image": depths(self.visual.layer_groups()), "text": depths(self.text.layer_groups(pooler_in_head))}
 
     def no_weight_decay(self) -> set[str]:
         """Parameters never decayed although their shape would be (timm's convention), as state-dict names."""

@@ -186,17 +186,19 @@ class HFTextTower(nn.Module):
     def _embeddings(self) -> nn.Module:
         return getattr(self.transformer, self.arch["config_names"].get("token_embeddings_attr", "embeddings"))
 
-    def layer_groups(self) -> LayerGroups:
-        """OpenCLIP's groups of a Hugging Face tower: the embeddings, each layer (the last with what follows the
-        layers: a final norm, the model's pooler), then the projection."""
-        embeddings, blocks, encoder = self._embeddings, self.blocks, self._encoder
-        rest = [m for m in self.transformer.children() if m is not embeddings and m is not encoder and m is not blocks]
-        if encoder is not self.transformer:
-            rest += [m for m in encoder.children() if m is not blocks]
-        groups: LayerGroups = [("embeddings", [embeddings])]
-        groups += [(f"layer.{i}", [layer]) for i, layer in enumerate(blocks)]
-        groups[-1][1].extend(rest)
-        groups.append(("proj", [self.proj]))
+    def layer_groups(self, pooler_in_head: bool = True) -> LayerGroups:
+        """OpenCLIP main's groups of a Hugging Face tower (what layer-wise lr decay scales by): the embeddings, each
+        layer, then the projection head; the model's own pooler layer (BERT-like models under cls_pooler) rides in
+        the head, or with pooler_in_head=False (--text-pooler-own-group) is a group of its own below it. What follows
+        the layers (a final norm) is in no group, as in OpenCLIP main: lr scale 1. (--lock-text keeps OpenCLIP 3.3's
+        rule: `lock`.)"""
+        pooler = getattr(self.transformer, "pooler", None)
+        pooler = [pooler] if pooler is not None and next(pooler.parameters(), None) is not None else []
+        groups: LayerGroups = [("embeddings", [self._embeddings])]
+        groups += [(f"layer.{i}", [layer]) for i, layer in enumerate(self.blocks)]
+        if pooler and not pooler_in_head:
+            groups.append(("pooler", pooler))
+        groups.append(("proj", [*pooler, self.proj] if pooler_in_head else [self.proj]))
         return groups
 
     def lock(self, unlocked_layers: int = 0, freeze_layer_norm: bool = True) -> None:

@@ -188,9 +188,9 @@ class TextTransformer(nn.Module):
         init_blocks(self.blocks, self.width, self.ls_init_value)
         nn.init.normal_(self.text_projection, std=self.width**-0.5)
 
-    def layer_groups(self) -> LayerGroups:
+    def layer_groups(self, pooler_in_head: bool = True) -> LayerGroups:
         """OpenCLIP's groups of its text tower (model/layer_groups.py): embeddings, each block (the last with
-        ln_final), proj."""
+        ln_final), proj. (`pooler_in_head`: for the Hugging Face towers' signature; this tower has no pooler.)"""
         embeddings = [self.token_embedding, self.positional_embedding]
         if self.cls_emb is not None:
             embeddings.append(self.cls_emb)

@@ -130,14 +130,14 @@ class VisionTower(nn.Module):
         nn.init.normal_(self.proj, std=self.width**-0.5)
 
     def layer_groups(self) -> LayerGroups:
-        """OpenCLIP's groups of a ViT (model/layer_groups.py): embeddings, each block (the last with ln_post),
-        proj."""
+        """OpenCLIP's groups of a ViT (model/layer_groups.py): embeddings, each block (the last with ln_post, also
+        CoCa's, which follows the pooler), proj (with CoCa's attentional pooler, which OpenCLIP leaves out of every
+        group: never frozen by --lock-image with groups unlocked, lr scale 1 under layer decay)."""
         trunk = self.trunk
         groups: LayerGroups = [("embeddings", [trunk.patch_embed, trunk.cls_token, trunk.pos_embed, trunk.norm_pre])]
         groups += [(f"layer.{i}", [block]) for i, block in enumerate(trunk.blocks)]
-        groups[-1][1].append(trunk.norm)
-        head = [self.proj] if self.attn_pool is None else [self.attn_pool, self.ln_post, self.proj]
-        groups.append(("proj", head))
+        groups[-1][1].append(trunk.norm if self.attn_pool is None else self.ln_post)
+        groups.append(("proj", [self.proj] if self.attn_pool is None else [self.attn_pool, self.proj]))
         return groups
 
     def no_weight_decay(self) -> set[str]:
