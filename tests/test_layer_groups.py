@@ -169,8 +169,9 @@ def test_opt_kwargs_betas_eps_and_lr_override_the_flags_as_in_openclip_main(opt)
 
 def test_layer_decay_places_poolers_and_final_norms_as_openclip_main(tmp_path):
     """Where OpenCLIP 3.3 has no lock group to go by, main's layer_decay_param_groups (bench/openclip_main_parity.py
-    compares every parameter's scale with main's own code, given its sources): a Hugging Face pooler layer rides in the projection's
-    group (scale 1), or with --text-pooler-own-group is its own group below it (the layers one deeper); what follows
+    compares every parameter's scale with main's own code, given its sources): a Hugging Face pooler layer rides in
+    the projection's group (scale 1), or with --text-pooler-own-group is its own group below it (the layers one
+    deeper); what follows
     a Hugging Face model's layers (mT5's final norm) and CoCa's attentional pooler are in no group (scale 1); CoCa's
     ln_post, after its pooler, is in the last block's group."""
     import json
