@@ -43,21 +43,29 @@ def test_demo_learns_digits_zero_shot(fp32_demo):
     assert final["epoch"] == 24
 
 
-def test_demo_with_int8_switchback_learns_as_well_as_fp32(tmp_path):
+@pytest.fixture(scope="module")
+def fp32_8_epochs(tmp_path_factory) -> dict:
+    return run_demo(tmp_path_factory.mktemp("fp32-8"), ["--epochs", "8"])[0]
+
+
+# The two tests below share their fp32 run: one test process runs both (pytest-xdist's loadgroup)
+@pytest.mark.xdist_group("demo-8-epochs")
+def test_demo_with_int8_switchback_learns_as_well_as_fp32(fp32_8_epochs, tmp_path):
     """8 of the demo's 24 epochs, int8 and fp32 side by side (int8 matmuls on CPU are ~4x slower than fp32,
     so the whole demo in int8 would cost minutes). After 8 epochs the accuracy still climbs steeply and
     moves with the thread count (measured: int8 0.350, fp32 0.436 with OMP_NUM_THREADS=1 as here; 0.453 and
     0.433 with 2 threads), hence the margin; the whole int8 demo reaches 0.931 (fp32: ~0.93)."""
-    fp32, _ = run_demo(tmp_path / "fp32", ["--epochs", "8"])
     int8, _ = run_demo(tmp_path / "int8", ["--epochs", "8", "--use-bnb-linear", "SwitchBackLinearGlobal"])
-    assert int8["epoch"] == fp32["epoch"] == 8
-    assert int8["eval/zeroshot_top1"] >= max(fp32["eval/zeroshot_top1"] - 0.15, 0.25), (int8, fp32)
+    assert int8["epoch"] == fp32_8_epochs["epoch"] == 8
+    assert int8["eval/zeroshot_top1"] >= max(fp32_8_epochs["eval/zeroshot_top1"] - 0.15, 0.25), (int8, fp32_8_epochs)
 
 
-def test_demo_with_bf16_weights_and_8bit_adamw_learns_as_well_as_fp32(fp32_demo, tmp_path):
+@pytest.mark.xdist_group("demo-8-epochs")
+def test_demo_with_bf16_weights_and_8bit_adamw_learns_as_well_as_fp32(fp32_8_epochs, tmp_path):
     """The leanest state bigclip has (bf16 weights rounded stochastically, bf16 gradients, 8-bit Adam moments:
-    about 6 bytes per parameter against fp32 AdamW's 16) reaches the fp32 demo's accuracy within 0.05
-    (measured: 0.922; fp32 about 0.93)."""
-    lean, _ = run_demo(tmp_path, ["--precision", "pure_bf16", "--opt", "adamw8bit"])
-    assert lean["epoch"] == 24
-    assert lean["eval/zeroshot_top1"] >= fp32_demo[0]["eval/zeroshot_top1"] - 0.05, (lean, fp32_demo[0])
+    about 6 bytes per parameter against fp32 AdamW's 16), 8 of the demo's 24 epochs beside fp32 (bf16 matmuls
+    are slow on this CPU): within 0.1 of fp32's accuracy, well above chance (measured 0.394 vs 0.436; the whole
+    demo: 0.922 vs ~0.93)."""
+    lean, _ = run_demo(tmp_path, ["--epochs", "8", "--precision", "pure_bf16", "--opt", "adamw8bit"])
+    assert lean["epoch"] == 8
+    assert lean["eval/zeroshot_top1"] >= max(fp32_8_epochs["eval/zeroshot_top1"] - 0.1, 0.25), (lean, fp32_8_epochs)

@@ -45,7 +45,7 @@ from bigclip.ckpt.storage import (
     Storage,
     StorageError,
     StorageUnavailable,
-    _write_durably,
+    write_durably,
 )
 from bigclip.ckpt.upload import FileSink, lower_priority
 from bigclip.dist import World, raise_together
@@ -356,10 +356,10 @@ class CheckpointManager:
         if self._agree(error is None):
             try:
                 self.layout.write(handle, partial, sink)
-                _write_durably(os.path.join(partial, rng_file(self.world.rank)), rng)
+                write_durably(os.path.join(partial, rng_file(self.world.rank)), rng)
                 sink.submit(os.path.join(partial, rng_file(self.world.rank)))
                 if record is not None:
-                    _write_durably(os.path.join(partial, TRAIN_STATE), record)
+                    write_durably(os.path.join(partial, TRAIN_STATE), record)
                     sink.submit(os.path.join(partial, TRAIN_STATE))
                 files: dict[str, dict] | BaseException = sink.wait()
             except BaseException as e:  # noqa: BLE001

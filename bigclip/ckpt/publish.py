@@ -12,7 +12,7 @@ import time
 
 from bigclip.ckpt.catalog import CheckpointCatalog, basename, is_numbered
 from bigclip.ckpt.manifest import MANIFEST, Manifest
-from bigclip.ckpt.storage import Storage, _write_durably, fsync_dir
+from bigclip.ckpt.storage import Storage, fsync_dir, write_durably
 
 logger = logging.getLogger("bigclip")
 
@@ -47,7 +47,7 @@ class Publisher:
     def publish(self, tag: str, manifest: Manifest) -> str:
         """Write the manifest: after it, and only after it, the checkpoint exists."""
         partial, final = self.partial(tag), os.path.join(self.directory, tag)
-        _write_durably(os.path.join(partial, MANIFEST), manifest.to_bytes())
+        write_durably(os.path.join(partial, MANIFEST), manifest.to_bytes())
         if self.keep_local:
             _replace_dir(partial, final)
             fsync_dir(self.directory)
@@ -77,7 +77,7 @@ class Publisher:
             for rel in manifest.files:
                 os.makedirs(os.path.dirname(os.path.join(partial, rel)), exist_ok=True)
                 os.link(os.path.join(src, rel), os.path.join(partial, rel))  # same bytes, no copy
-            _write_durably(os.path.join(partial, MANIFEST), copy.to_bytes())
+            write_durably(os.path.join(partial, MANIFEST), copy.to_bytes())
             _replace_dir(partial, os.path.join(self.directory, alias))
             fsync_dir(self.directory)
         if self.remote is not None:

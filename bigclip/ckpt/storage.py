@@ -276,7 +276,7 @@ class Storage:
     def put_bytes(self, rel: str, data: bytes) -> None:
         target = self.url(rel)
         if not self.remote:
-            self.retry(f"write {rel}", lambda: _write_durably(target, data))
+            self.retry(f"write {rel}", lambda: write_durably(target, data))
             return
         self.retry(f"upload {rel}", lambda: self.fs.pipe_file(target, data))
 
@@ -428,9 +428,17 @@ def _answer_within(fn: Callable[[], T], seconds: float) -> T:
     return box["value"]
 
 
-def _write_durably(path: str, data: bytes) -> None:
+def _hidden_temp(path: str) -> str:
+    """Where `path` is written before it is renamed into place: beside it, hidden (--remote-sync and listings of
+    the folder skip dotfiles), unique to this process."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}.tmp{os.getpid()}")
+
+
+def write_durably(path: str, data: bytes) -> None:
+    """`data` at `path` whole or not at all, on disk before this returns (written beside, synced, renamed)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = _hidden_temp(path)
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -440,7 +448,7 @@ def _write_durably(path: str, data: bytes) -> None:
 
 def _copy_durably(src: str, dst: str) -> None:
     os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
-    tmp = f"{dst}.tmp{os.getpid()}"
+    tmp = _hidden_temp(dst)
     with open(src, "rb") as fin, open(tmp, "wb") as fout:
         shutil.copyfileobj(fin, fout, 1 << 22)
         fout.flush()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from PIL import Image
+from torch.utils.data import default_collate
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
@@ -210,8 +211,6 @@ def collate_samples(samples: list[tuple], skips_key: str | None = None) -> tuple
     """A loader's batch from (image, *rest) samples: the images stacked, or an EncodedImages batch where some are
     shipped encoded (--image-decode device; `skips_key`: the loader's SkipCounter, which counts the images no
     decoder can read); the rest as torch's default collate makes it."""
-    from torch.utils.data import default_collate
-
     images = [s[0] for s in samples]
     rest = default_collate([s[1:] for s in samples])
     if any(isinstance(image, EncodedJpeg) for image in images):

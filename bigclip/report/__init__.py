@@ -15,6 +15,7 @@ import posixpath
 
 import fsspec
 
+from bigclip.ckpt.storage import write_durably
 from bigclip.errors import OneLineErrorParser, UserError
 from bigclip.report.figure import build_figure
 from bigclip.report.page import html_page, png_bytes
@@ -38,12 +39,7 @@ def _write(url: str, data: bytes, storage_options: dict) -> None:
     """Whole or not at all: a local file is written beside and renamed into place (a report being replaced
     stays readable); object stores make an upload visible only once complete."""
     if "://" not in url:
-        folder, name = os.path.split(os.path.abspath(url))
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")  # hidden: --remote-sync skips it
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, url)
+        write_durably(os.path.abspath(url), data)
         return
     with fsspec.open(url, "wb", **storage_options) as f:
         f.write(data)
