@@ -34,6 +34,20 @@ def resumed_from_epoch_1(run, tmp_path, common: list[str], name: str = "whole", 
     assert rest.returncode == 0, rest.stderr[-3000:]
 
 
+def two_ranks_resume_the_average_exactly(tmp_path, common: list[str], **env) -> dict[str, torch.Tensor]:
+    """Two ranks train 2 epochs ("whole") and resume from its epoch-1 checkpoint ("cut"): the epoch-2 averages are
+    equal bit for bit and are not the weights. Returns the average."""
+    whole = torchrun(2, [*common, "--name", "whole", "--epochs", "2"], **env)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    resumed_from_epoch_1(lambda args, **e: torchrun(2, args, **e), tmp_path, common, **env)
+    average, resumed = export(tmp_path, "whole", "epoch_2", "--ema"), export(tmp_path, "cut", "epoch_2", "--ema")
+    assert average.keys() == resumed.keys() and all(torch.equal(average[k], resumed[k]) for k in average)
+    weights = export(tmp_path, "whole", "epoch_2")
+    assert weights.keys() == average.keys()
+    assert max(float((weights[k] - average[k]).abs().max()) for k in weights) > 1e-4  # not the weights
+    return average
+
+
 def test_the_average_resumes_exactly_reshards_and_exports(tmp_path):
     base = [*TINY_SYNTHETIC, *EMA, "--logs", str(tmp_path), "--save-frequency", "1"]
     common = [*base, "--ema-warmup"]
@@ -69,14 +83,7 @@ def test_deepspeed_keeps_the_average_of_its_partitions_resumes_reshards_and_eval
     # --batch-size 4 per rank: the global batch of the one-process runs; --eval-ema swaps the average in on 2 ranks
     common = [*base, "--ema-warmup", "--batch-size", "4", "--eval-ema", "--val-num-samples", "16"]
     env = {"DS_ACCELERATOR": "cpu"}
-    whole = torchrun(2, [*common, "--name", "whole", "--epochs", "2"], **env)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    resumed_from_epoch_1(lambda args, **e: torchrun(2, args, **e), tmp_path, common, **env)
-    average, resumed = export(tmp_path, "whole", "epoch_2", "--ema"), export(tmp_path, "cut", "epoch_2", "--ema")
-    assert average.keys() == resumed.keys() and all(torch.equal(average[k], resumed[k]) for k in average)
-    weights = export(tmp_path, "whole", "epoch_2")
-    assert weights.keys() == average.keys()
-    assert max(float((weights[k] - average[k]).abs().max()) for k in weights) > 1e-4  # not the weights
+    two_ranks_resume_the_average_exactly(tmp_path, common, **env)
     evaluated = [r for r in read_metrics(str(tmp_path / "whole")) if "eval/val_loss" in r]
     assert len(evaluated) == 2 and all(r["eval/ema_val_loss"] != r["eval/val_loss"] for r in evaluated)
 
@@ -103,14 +110,7 @@ def test_fsdp2_and_zero2_averages_resume_exactly_on_two_ranks(tmp_path, engine):
     from the epoch-1 checkpoint on the same two ranks, the epoch-2 average equals the uninterrupted run's bit for
     bit."""
     common = [*TINY_SYNTHETIC, *EMA, "--logs", str(tmp_path), "--save-frequency", "1", "--batch-size", "4", *engine]
-    env = {"DS_ACCELERATOR": "cpu"}
-    whole = torchrun(2, [*common, "--name", "whole", "--epochs", "2"], **env)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    resumed_from_epoch_1(lambda args, **e: torchrun(2, args, **e), tmp_path, common, **env)
-    average, resumed = export(tmp_path, "whole", "epoch_2", "--ema"), export(tmp_path, "cut", "epoch_2", "--ema")
-    assert average.keys() == resumed.keys() and all(torch.equal(average[k], resumed[k]) for k in average)
-    weights = export(tmp_path, "whole", "epoch_2")
-    assert max(float((weights[k] - average[k]).abs().max()) for k in weights) > 1e-4  # not the weights
+    two_ranks_resume_the_average_exactly(tmp_path, common, DS_ACCELERATOR="cpu")
 
 
 def test_an_average_added_on_resume_starts_from_the_resumed_weights(tmp_path):
