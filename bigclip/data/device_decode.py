@@ -25,7 +25,6 @@ import random
 import warnings
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import default_collate
@@ -185,14 +184,9 @@ def _decode_one(data: torch.Tensor, device: torch.device) -> torch.Tensor | None
         pass
     try:  # the device's decoder may refuse what libjpeg reads (PIL tolerates more than torchvision's CPU decoder)
         with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
-            pixels = torch.from_numpy(_rgb_array(image)).permute(2, 0, 1)
-        return pixels.to(device)
+            return TF.pil_to_tensor(image.convert("RGB")).to(device)
     except Exception:  # no decoder reads it: the caller counts and replaces it
         return None
-
-
-def _rgb_array(image: Image.Image) -> np.ndarray:
-    return np.asarray(image.convert("RGB")).copy()
 
 
 def _finish(pixels: torch.Tensor, item: EncodedJpeg) -> torch.Tensor:
