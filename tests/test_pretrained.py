@@ -18,7 +18,7 @@ import open_clip
 import pytest
 import torch
 from helpers import subprocess_env
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from bigclip import cli
 from bigclip.build import build_model
@@ -52,10 +52,8 @@ def openclip_vit_b_32(tmp_path_factory):
     torch.manual_seed(0)
     model = open_clip.create_model("ViT-B-32").eval()
     cache = str(tmp_path_factory.mktemp("hub"))
-    path = str(tmp_path_factory.mktemp("w") / "w.safetensors")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
-    with open(path, "rb") as f:
-        blob = build_hub_cache(cache, REPO_ID, "open_clip_model.safetensors", f.read())
+    data = save({k: v.contiguous() for k, v in model.state_dict().items()})
+    blob = build_hub_cache(cache, REPO_ID, "open_clip_model.safetensors", data)
     return model, cache, blob
 
 
