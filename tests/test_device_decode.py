@@ -15,6 +15,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from bigclip.data.decode import decode_rgb
 from bigclip.data.device_decode import EncodedImages, EncodedJpeg, collate_samples
+from bigclip.data.pixels import PixelBatch
 from bigclip.data.shards import ShardReader
 from bigclip.data.skips import SkipCounter
 from bigclip.data.transforms import image_transform
@@ -187,6 +188,26 @@ def test_loader_batches_keep_their_samples_and_order_and_resume_exactly(tmp_path
     rest = _epoch(again)
     assert [t[:, 0].tolist() for _, t in head] + [n for n, _ in rest] == [n for n, _ in device]
     assert all(image.shape == (4, 3, 224, 224) for _, image in rest)
+
+
+def test_reduced_training_batches_cross_the_loader_in_8_bits_and_are_normalised_where_moved(tmp_path):
+    """--image-decode reduced as a run builds it (defer_normalization): two workers hand over PixelBatches of uint8
+    pixels (a quarter of the float batch's bytes), and `.to()` gives the float batches of the transform that
+    normalises in the worker (float32 rounding apart), in the weights' dtype when asked; a PNG among them."""
+    plan = ShardPlan.build([_photo_shards(tmp_path)], None, resampled=False, seed=5)
+
+    def loader(defer: bool) -> StatefulDataLoader:
+        transform = image_transform(224, True, MEAN, STD, decode="reduced", defer_normalization=defer)
+        stream = _stream(plan, transform, quota=3)
+        return StatefulDataLoader(stream, batch_size=None, num_workers=2, generator=torch.Generator().manual_seed(1))
+
+    shipped, floats = list(loader(True)), _epoch(loader(False))
+    assert len(shipped) == len(floats) == 5
+    for (images, texts), (numbers, reference) in zip(shipped, floats, strict=True):
+        assert isinstance(images, PixelBatch) and images.pixels.dtype == torch.uint8 and len(images) == 4
+        assert texts[:, 0].tolist() == numbers
+        assert torch.allclose(images.to("cpu"), reference, rtol=0, atol=1e-6)
+        assert images.to("cpu", torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_a_run_with_device_decoding_trains_and_evaluates_like_full_decoding(tmp_path):

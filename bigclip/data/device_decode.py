@@ -22,22 +22,27 @@ from __future__ import annotations
 import io
 import logging
 import random
-import warnings
 from dataclasses import dataclass
 
 import torch
 from PIL import Image
 from torch.utils.data import default_collate
-from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
+from bigclip.data.pixels import (
+    TORCH_DECODABLE_MODES,
+    PixelBatch,
+    Pixels,
+    decode_jpegs,
+    jpeg_bytes,
+    normalized,
+    resized_crop,
+)
 from bigclip.data.skips import SkipCounter
 from bigclip.errors import UserError
 
 logger = logging.getLogger(__name__)
-
-_SHIPPABLE_MODES = ("RGB", "L")  # decode_jpeg(mode=RGB) expands greyscale as PIL's convert("RGB") does
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,7 @@ class DeviceDecodeTransform:
         return self.cpu(image)
 
     def ships(self, image: Image.Image) -> bool:
-        return image.format == "JPEG" and image.mode in _SHIPPABLE_MODES
+        return image.format == "JPEG" and image.mode in TORCH_DECODABLE_MODES
 
     def encode(self, image: Image.Image, data: bytes) -> EncodedJpeg:
         """`image`'s crop drawn as the CPU transform draws it (its header's size only), shipped with `data`."""
@@ -91,7 +96,7 @@ class DeviceDecodeTransform:
                 crop = crop.transforms[random.choices(range(len(crop.transforms)), weights=crop.p)[0]]
             box = tuple(crop.get_params(image, crop.scale, crop.ratio))
             interpolation = crop.interpolation
-        return EncodedJpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), box, interpolation, self.geometry)
+        return EncodedJpeg(jpeg_bytes(data), box, interpolation, self.geometry)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(geometry={self.geometry}, cpu={self.cpu})"
@@ -102,7 +107,7 @@ class EncodedImages:
     as the CPU path would have made it: float [B, 3, H, W], normalised, in `dtype`."""
 
     def __init__(self, items: list, skips_key: str | None = None):
-        self.items = items  # EncodedJpeg, or a CPU-decoded image tensor
+        self.items = items  # EncodedJpeg, or a CPU-decoded image (a float tensor, or 8-bit Pixels)
         self.skips_key = skips_key  # the loader's SkipCounter's key
 
     def __len__(self) -> int:
@@ -122,6 +127,8 @@ class EncodedImages:
         for i, item in enumerate(self.items):
             if isinstance(item, torch.Tensor):
                 out[i] = item.to(device, non_blocking=non_blocking)
+            elif isinstance(item, Pixels):  # decoded by the worker, normalised here
+                out[i] = normalized(item.pixels.to(device, non_blocking=non_blocking), item.mean, item.std)
         self._replace_unreadable(out)
         batch = torch.stack(out)
         return batch if dtype is None else batch.to(dtype)
@@ -158,28 +165,20 @@ def _say_once_if_cpu(device: torch.device) -> None:
         )
 
 
-def _decode_jpeg(data, device: torch.device):
-    with warnings.catch_warnings():
-        # torchvision 0.29 deprecates its image decoders in favour of TorchCodec's; the call is the same there (see
-        # docs/architecture.md), and the warning, on every batch, is nothing a user can act on
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
-
-
 def _decode_all(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
     """uint8 [3, h, w] images on `device`, one per JPEG (None: unreadable). The whole list in one call; where that
     fails (one bad image fails the list), image by image, then on the CPU."""
     if not datas:
         return []
     try:
-        return list(_decode_jpeg(datas, device))
+        return list(decode_jpegs(datas, device))
     except RuntimeError:
         return [_decode_one(data, device) for data in datas]
 
 
 def _decode_one(data: torch.Tensor, device: torch.device) -> torch.Tensor | None:
     try:
-        return _decode_jpeg(data, device)
+        return decode_jpegs(data, device)
     except RuntimeError:
         pass
     try:  # the device's decoder may refuse what libjpeg reads (PIL tolerates more than torchvision's CPU decoder)
@@ -193,20 +192,23 @@ def _finish(pixels: torch.Tensor, item: EncodedJpeg) -> torch.Tensor:
     """The decoded image cropped and resized as the CPU transform would (8-bit rounding included), normalised."""
     geometry = item.geometry
     if item.box is not None:
-        pixels = TF.resized_crop(pixels, *item.box, list(geometry.size), item.interpolation, antialias=True)
+        pixels = resized_crop(pixels, item.box, geometry.size, item.interpolation)
     else:
         pixels = TF.resize(pixels, geometry.shortest, item.interpolation, antialias=True)
         pixels = TF.center_crop(pixels, list(geometry.size))
-    image = pixels.to(torch.float32).div_(255)
-    return TF.normalize(image, list(geometry.mean), list(geometry.std), inplace=True)
+    return normalized(pixels, geometry.mean, geometry.std)
 
 
 def collate_samples(samples: list[tuple], skips_key: str | None = None) -> tuple:
-    """A loader's batch from (image, *rest) samples: the images stacked, or an EncodedImages batch where some are
-    shipped encoded (--image-decode device; `skips_key`: the loader's SkipCounter, which counts the images no
-    decoder can read); the rest as torch's default collate makes it."""
+    """A loader's batch from (image, *rest) samples: the images stacked; a PixelBatch of 8-bit Pixels; or an
+    EncodedImages batch where some are shipped encoded (--image-decode device; `skips_key`: the loader's
+    SkipCounter, which counts the images no decoder can read); the rest as torch's default collate makes it."""
     images = [s[0] for s in samples]
     rest = default_collate([s[1:] for s in samples])
     if any(isinstance(image, EncodedJpeg) for image in images):
         return EncodedImages(images, skips_key), *rest
-    return torch.stack(images), *rest
+    if isinstance(images[0], Pixels):  # a run's reduced training transform: 8-bit, normalised on the device
+        return PixelBatch(default_collate([image.pixels for image in images]), images[0].mean, images[0].std), *rest
+    # default_collate stacks a loader worker's batch straight into shared memory: torch.stack would make a batch
+    # that pickling copies there again (a whole batch's copy per batch; 0.2 ms a sample at 224 px)
+    return default_collate(images), *rest

@@ -12,7 +12,9 @@ drawn on the full image's size with torchvision's own RandomResizedCrop.get_para
 same random numbers), then mapped exactly (a fractional box) onto the reduced image; evaluation's shortest-side
 resize likewise. What changes is
 resampling only (libjpeg's DCT downscale before the bicubic resize): tests/test_data.py bounds the difference on
-photographs. Other formats, and --image-decode full, decode every pixel as OpenCLIP does.
+photographs. A training crop at whole scale is decoded and resized with torch (data/pixels.py: PIL's pixels, the
+resize's rounding aside, in a third of the time); evaluation, other formats, and --image-decode full, decode and
+resize as OpenCLIP does.
 
 --image-decode device: the workers ship JPEGs' bytes with their crops and the batch is decoded on the training
 device (data/device_decode.py); what cannot go there is decoded as `reduced` decodes it.
@@ -24,13 +26,16 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from PIL import Image
 from timm.data import create_transform
 from torchvision import transforms as T
 from torchvision.transforms import InterpolationMode
 
 from bigclip.data.aug_cfg import validate_aug_cfg
+from bigclip.data.decode import OpenedJpeg
 from bigclip.data.device_decode import DeviceDecodeTransform, OutputGeometry
+from bigclip.data.pixels import Pixels, decode_jpegs, jpeg_bytes, normalized, pil_pixels, resized_crop
 from bigclip.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -70,17 +75,50 @@ class ReducedRandomResizedCrop(T.RandomResizedCrop):
     """RandomResizedCrop whose crop is drawn on the full image's size (the same random numbers and scale/ratio
     semantics) and cut from a JPEG decoded at reduced scale where the crop still covers the output size."""
 
-    def forward(self, image: Image.Image) -> Image.Image:
+    def forward(self, image: Image.Image) -> torch.Tensor:
+        """uint8 [3, H, W]. A crop of the full-size image (whole pixels) is resized by torch (data/pixels.py: a third
+        of PIL's time, most of the saving at 512 px); one on a reduced JPEG lands on fractional pixels, which PIL
+        resamples exactly (rounding it to whole reduced pixels shifts the image by up to half of one: measured 3.7
+        grey levels from full decoding instead of 2)."""
+        data = None
+        if isinstance(image, OpenedJpeg):  # data/decode.py: a JPEG torchvision can decode, with its bytes
+            image, data = image.image, image.data
         top, left, height, width = self.get_params(image, self.scale, self.ratio)  # reads the header's size only
         factor = _largest_factor(width, height, self.size[1], self.size[0])
         scale = reduce_jpeg(image, factor) if factor > 1 else 1.0
-        image = to_rgb(image)
         if scale == 1.0:
-            return T.functional.resized_crop(image, top, left, height, width, self.size, self.interpolation)
-        # the crop's exact place on the reduced image (fractional: PIL resamples from a float box, as torchvision's
-        # crop-then-resize does from an integer one on the full image)
+            pixels = _torch_decoded(data) if data is not None else None
+            if pixels is None:
+                pixels = pil_pixels(to_rgb(image))
+            return resized_crop(pixels, (top, left, height, width), self.size, self.interpolation)
+        image = to_rgb(image)
         box = (left * scale, top * scale, (left + width) * scale, (top + height) * scale)
-        return image.resize((self.size[1], self.size[0]), _PIL_FILTERS[self.interpolation], box=box)
+        return pil_pixels(image.resize((self.size[1], self.size[0]), _PIL_FILTERS[self.interpolation], box=box))
+
+
+def _torch_decoded(data: bytes) -> torch.Tensor | None:
+    """A whole JPEG decoded by torchvision (PIL's pixels, without PIL's copy into an array); None where it cannot
+    (torchvision's libjpeg refuses some files PIL reads: PIL decodes those, or says what is wrong)."""
+    try:
+        return decode_jpegs(jpeg_bytes(data))
+    except RuntimeError:
+        return None
+
+
+class Normalized:
+    """uint8 [3, H, W] -> normalised float32: ToTensor then Normalize, in one step. `deferred`: the pixels stay 8-bit
+    (data/pixels.py's Pixels) and the batch is normalised where it is moved to the training device."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], deferred: bool = False):
+        self.mean, self.std, self.deferred = tuple(mean), tuple(std), deferred
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor | Pixels:
+        if self.deferred:
+            return Pixels(pixels, self.mean, self.std)
+        return normalized(pixels, self.mean, self.std)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mean={self.mean}, std={self.std}, deferred={self.deferred})"
 
 
 _PIL_FILTERS = {
@@ -207,10 +245,13 @@ def image_transform(
     resize_mode: str | None = "shortest",
     aug_cfg: dict | list | None = None,
     decode: str = "full",
+    defer_normalization: bool = False,
 ):
     """A callable PIL.Image -> FloatTensor[3, H, W]. `aug_cfg` is a dict or key=value strings. decode="reduced":
     given an image PIL has opened but not decoded, a JPEG is decoded at reduced scale where the output allows;
-    "device": a DeviceDecodeTransform, which ships JPEGs to be decoded on the training device."""
+    "device": a DeviceDecodeTransform, which ships JPEGs to be decoded on the training device.
+    `defer_normalization` (training, reduced/device: what a run's loader uses): the transform returns 8-bit Pixels,
+    which the loader batches as a PixelBatch, normalised by its `.to(device, dtype)`."""
     if decode not in DECODE_MODES:
         raise UserError(f"--image-decode {decode}: choose one of {', '.join(DECODE_MODES)}")
     reduced = decode in ("reduced", "device")
@@ -234,11 +275,14 @@ def image_transform(
             logger.warning(f"--aug-cfg {', '.join(unused)} need use_timm=true; ignored")
         crop = _random_resized_crop(size, aug.get("scale") or (0.9, 1.0), aug.get("ratio"), interpolation, reduced)
         steps = [crop] if reduced else [to_rgb, crop]
+        # (reduced: jitter and grayscale work on the crop's uint8 tensor, as torchvision's tensor versions do)
         if aug.get("color_jitter") is not None:
             steps.append(T.RandomApply([_color_jitter(aug["color_jitter"])], p=aug.get("color_jitter_prob") or 1.0))
         if aug.get("gray_scale_prob"):
             steps.append(T.RandomGrayscale(p=aug["gray_scale_prob"]))
-        cpu = _undecoded_ok(T.Compose([*steps, T.ToTensor(), normalize]))
+        finish = [Normalized(mean, std, deferred=defer_normalization)] if reduced else [T.ToTensor(), normalize]
+        cpu = _undecoded_ok(T.Compose([*steps, *finish]))
+        cpu.takes_jpeg_bytes = reduced  # its crop decodes a whole-scale JPEG with torchvision (data/decode.py)
         if decode == "device":
             return DeviceDecodeTransform(cpu, OutputGeometry(size, mean, std), crops=crop)
         return cpu

@@ -1,0 +1,96 @@
+"""8-bit pixels decoded, cropped, resized and normalised with torch: the steps that reduced decoding in the loader
+workers and device decoding on the training device share.
+
+On the CPU both are cheaper than PIL's, for the same pixels: torchvision's JPEG decoder (libjpeg-turbo, as PIL's)
+gives PIL's pixels bit for bit but straight into a tensor (PIL's copy of its pixels into an array costs a third of
+its decode), and torch's antialiased resize of uint8 images (vectorised) is what PIL's resize computes up to its
+own rounding (at most 1 grey level on a pixel; tests/test_data.py bounds it) at about a third of PIL's time.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import functional as TF
+
+TORCH_DECODABLE_MODES = ("RGB", "L")  # JPEG modes torchvision decodes to PIL's RGB; CMYK/YCCK stay with PIL
+
+
+def decode_jpegs(data, device: torch.device | str = "cpu"):
+    """uint8 [3, H, W] RGB pixels of a JPEG's bytes (a uint8 tensor), or of a list of them (decoded together: on a
+    GPU, one nvJPEG batch). Greyscale is expanded as PIL's convert("RGB") expands it. RuntimeError: unreadable."""
+    with warnings.catch_warnings():
+        # torchvision 0.29 deprecates its image decoders in favour of TorchCodec's; the call is the same there (see
+        # docs/architecture.md), and the warning, on every image, is nothing a user can act on
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+
+
+def jpeg_bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)  # a writable copy: torch refuses read-only buffers
+
+
+def pil_pixels(image: Image.Image) -> torch.Tensor:
+    """An RGB PIL image as uint8 [3, H, W] (a view of height x width x channel memory, the layout torch's
+    vectorised resize reads)."""
+    return TF.pil_to_tensor(image)
+
+
+def resized_crop(
+    pixels: torch.Tensor, box: tuple[int, int, int, int], size: Sequence[int], interpolation: InterpolationMode
+) -> torch.Tensor:
+    """uint8 [3, h, w] -> the (top, left, height, width) crop resized to `size` (antialiased, rounded to 8 bits as
+    PIL's output is), as torchvision's resized_crop computes it."""
+    if pixels.device.type != "cpu":  # torchvision resamples a float copy there, rounded back
+        return TF.resized_crop(pixels, *box, list(size), interpolation, antialias=True)
+    # on the CPU torch resamples uint8 itself (vectorised, fixed-point); torchvision would go through float for bicubic
+    top, left, height, width = box
+    crop = pixels[:, top : top + height, left : left + width].unsqueeze(0)
+    mode = "bicubic" if interpolation == InterpolationMode.BICUBIC else "bilinear"
+    return F.interpolate(crop, size=list(size), mode=mode, align_corners=False, antialias=True)[0]
+
+
+def normalized(pixels: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """uint8 [3, H, W] (or a batch [B, 3, H, W]) -> contiguous float32 (x / 255 - mean) / std, as ToTensor then
+    Normalize make it (to float32 rounding: within 5e-7), in one pass: x * (1 / (255 std)) - mean / std. Five
+    passes (convert, scale, subtract, divide, make contiguous) cost 0.43 ms an image at 224 px here, this one 0.12."""
+    std_ = torch.tensor(std, dtype=torch.float32, device=pixels.device).view(-1, 1, 1)
+    mean_ = torch.tensor(mean, dtype=torch.float32, device=pixels.device).view(-1, 1, 1)
+    out = torch.empty(pixels.shape, dtype=torch.float32, device=pixels.device)
+    return torch.addcmul(-mean_ / std_, pixels, 1 / (255 * std_), out=out)
+
+
+@dataclass
+class Pixels:
+    """One training image as a loader worker ships it when normalisation is left to the training device: uint8
+    [3, H, W] and the normalisation. A quarter of the float image's bytes through the worker's shared memory and the
+    host-to-device copy; the float image is made where the batch is moved (PixelBatch.to)."""
+
+    pixels: torch.Tensor
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+class PixelBatch:
+    """A batch of Pixels: uint8 [B, 3, H, W]. `.to(device, dtype)` — the call loop.py makes — moves the 8-bit batch
+    and normalises it there, returning the float batch the worker would have made (the same values)."""
+
+    def __init__(self, pixels: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]):
+        self.pixels, self.mean, self.std = pixels, mean, std
+
+    def __len__(self) -> int:
+        return len(self.pixels)
+
+    def pin_memory(self) -> PixelBatch:
+        return PixelBatch(self.pixels.pin_memory(), self.mean, self.std)
+
+    def to(self, device, dtype: torch.dtype | None = None, non_blocking: bool = False) -> torch.Tensor:
+        batch = normalized(self.pixels.to(device, non_blocking=non_blocking), self.mean, self.std)
+        return batch if dtype is None else batch.to(dtype)
