@@ -610,33 +610,6 @@ def test_reduced_decoding_leaves_small_jpegs_and_other_formats_as_openclip_up_to
             )
 
 
-def test_reduced_training_crops_decode_whole_jpegs_with_torchvision_and_get_pils_pixels(monkeypatch):
-    """A JPEG cropped at whole scale (RGB or greyscale, 512 px) reaches the crop with its bytes (data/decode.py) and
-    is decoded by torchvision, giving exactly the tensor that decoding it with PIL gives; a truncated one fails
-    with PIL's error, which the readers count as a bad image."""
-    from bigclip.data import transforms as transforms_module
-    from bigclip.data.decode import decode_rgb
-
-    calls = []
-    real = transforms_module.decode_jpegs
-    monkeypatch.setattr(transforms_module, "decode_jpegs", lambda data: calls.append(1) or real(data))
-    mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
-    transform = transforms_module.image_transform(224, True, mean, std, decode="reduced")
-    grey = io.BytesIO()
-    Image.open(io.BytesIO(_photo_jpeg(1, 512))).convert("L").save(grey, "JPEG", quality=92)
-    for data in (_photo_jpeg(0, 512), grey.getvalue()):
-        torch.manual_seed(0)
-        with_bytes = decode_rgb(io.BytesIO(data), transform)
-        torch.manual_seed(0)
-        with Image.open(io.BytesIO(data)) as image:
-            with_pil = transform(image)
-        assert torch.equal(with_bytes, with_pil)
-    assert len(calls) == 2
-    data = _photo_jpeg(0, 512)
-    with pytest.raises(OSError, match="truncated"):
-        decode_rgb(io.BytesIO(data[: len(data) // 2]), transform)
-
-
 def test_reduced_crops_take_color_jitter_and_grayscale_on_their_8_bit_tensor():
     """--aug-cfg color_jitter and gray_scale_prob follow a reduced crop as torchvision's tensor versions (the same
     random draws as full decoding's PIL versions): measured 0.18 and 0.49 grey levels from full decoding on

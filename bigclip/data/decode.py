@@ -8,11 +8,8 @@ as skipped (`data/skipped_too_large`) rather than decoded only to be shrunk to t
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 from PIL import Image
-
-from bigclip.data.pixels import TORCH_DECODABLE_MODES
 
 
 class ImageTooLarge(Exception):
@@ -22,9 +19,8 @@ class ImageTooLarge(Exception):
 def decode_rgb(source, transform, max_pixels: int | None = None):
     """`transform` of the RGB image at `source` (a path or a binary file object). A transform that says it takes
     images undecoded (`accepts_undecoded`: bigclip's, which convert to RGB themselves, after choosing a JPEG's DCT
-    scale when decoding reduced) gets the image as PIL opened it, and with its bytes where it `takes_jpeg_bytes`
-    (reduced training crops: torchvision decodes those faster, data/pixels.py); one that decodes on the training
-    device (data/device_decode.py) gets a JPEG's bytes and returns them to be decoded there."""
+    scale when decoding reduced) gets the image as PIL opened it; one that decodes on the training device
+    (data/device_decode.py) gets a JPEG's bytes and returns them to be decoded there."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PIL's per-file warnings (EXIF, palettes) would flood logs
         with Image.open(source) as img:
@@ -32,23 +28,7 @@ def decode_rgb(source, transform, max_pixels: int | None = None):
                 raise ImageTooLarge(f"{img.width}x{img.height} exceeds --max-image-pixels {max_pixels}")
             if hasattr(transform, "ships") and transform.ships(img):
                 return transform.encode(img, _file_bytes(source))
-            if not getattr(transform, "accepts_undecoded", False):
-                return transform(img.convert("RGB"))
-            if getattr(transform, "takes_jpeg_bytes", False) and _torch_decodable(img):
-                return transform(OpenedJpeg(img, _file_bytes(source)))
-            return transform(img)
-
-
-@dataclass
-class OpenedJpeg:
-    """A JPEG as PIL opened it (header read) with its file's bytes, for a transform that may decode them itself."""
-
-    image: Image.Image
-    data: bytes
-
-
-def _torch_decodable(image: Image.Image) -> bool:
-    return image.format == "JPEG" and image.mode in TORCH_DECODABLE_MODES
+            return transform(img if getattr(transform, "accepts_undecoded", False) else img.convert("RGB"))
 
 
 def _file_bytes(source) -> bytes:

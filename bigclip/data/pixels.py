@@ -1,10 +1,11 @@
 """8-bit pixels decoded, cropped, resized and normalised with torch: the steps that reduced decoding in the loader
-workers and device decoding on the training device share.
+workers and device decoding on the training device share, and the 8-bit batch a run's loader hands over on a GPU.
 
-On the CPU both are cheaper than PIL's, for the same pixels: torchvision's JPEG decoder (libjpeg-turbo, as PIL's)
-gives PIL's pixels bit for bit but straight into a tensor (PIL's copy of its pixels into an array costs a third of
-its decode), and torch's antialiased resize of uint8 images (vectorised) is what PIL's resize computes up to its
-own rounding (at most 1 grey level on a pixel; tests/test_data.py bounds it) at about a third of PIL's time.
+torch's antialiased resize of uint8 images (vectorised) is what PIL's resize computes, up to its own rounding (at
+most 1 grey level on a pixel; tests/test_data.py bounds it), at about a third of PIL's time on this CPU.
+torchvision's JPEG decoder gives PIL's pixels bit for bit, straight into a tensor (PIL's copy of its pixels into an
+array costs a third of its decode), but its libjpeg prints a line to stderr for each slightly corrupt JPEG that PIL
+reads silently: the loader workers decode with PIL, device decoding (opt-in) with torchvision.
 """
 
 from __future__ import annotations

@@ -12,9 +12,8 @@ drawn on the full image's size with torchvision's own RandomResizedCrop.get_para
 same random numbers), then mapped exactly (a fractional box) onto the reduced image; evaluation's shortest-side
 resize likewise. What changes is
 resampling only (libjpeg's DCT downscale before the bicubic resize): tests/test_data.py bounds the difference on
-photographs. A training crop at whole scale is decoded and resized with torch (data/pixels.py: PIL's pixels, the
-resize's rounding aside, in a third of the time); evaluation, other formats, and --image-decode full, decode and
-resize as OpenCLIP does.
+photographs. A training crop at whole scale is resized with torch (data/pixels.py: PIL's result, up to the
+rounding, in a third of the time); evaluation, other formats, and --image-decode full, resize as OpenCLIP does.
 
 --image-decode device: the workers ship JPEGs' bytes with their crops and the batch is decoded on the training
 device (data/device_decode.py); what cannot go there is decoded as `reduced` decodes it.
@@ -33,9 +32,8 @@ from torchvision import transforms as T
 from torchvision.transforms import InterpolationMode
 
 from bigclip.data.aug_cfg import validate_aug_cfg
-from bigclip.data.decode import OpenedJpeg
 from bigclip.data.device_decode import DeviceDecodeTransform, OutputGeometry
-from bigclip.data.pixels import Pixels, decode_jpegs, jpeg_bytes, normalized, pil_pixels, resized_crop
+from bigclip.data.pixels import Pixels, normalized, pil_pixels, resized_crop
 from bigclip.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -79,30 +77,17 @@ class ReducedRandomResizedCrop(T.RandomResizedCrop):
         """uint8 [3, H, W]. A crop of the full-size image (whole pixels) is resized by torch (data/pixels.py: a third
         of PIL's time, most of the saving at 512 px); one on a reduced JPEG lands on fractional pixels, which PIL
         resamples exactly (rounding it to whole reduced pixels shifts the image by up to half of one: measured 3.7
-        grey levels from full decoding instead of 2)."""
-        data = None
-        if isinstance(image, OpenedJpeg):  # data/decode.py: a JPEG torchvision can decode, with its bytes
-            image, data = image.image, image.data
+        grey levels from full decoding instead of 2). PIL decodes: torchvision's decoder would be faster (no copy
+        into an array) but its libjpeg prints a line to stderr for every slightly corrupt JPEG, which PIL reads
+        silently."""
         top, left, height, width = self.get_params(image, self.scale, self.ratio)  # reads the header's size only
         factor = _largest_factor(width, height, self.size[1], self.size[0])
         scale = reduce_jpeg(image, factor) if factor > 1 else 1.0
-        if scale == 1.0:
-            pixels = _torch_decoded(data) if data is not None else None
-            if pixels is None:
-                pixels = pil_pixels(to_rgb(image))
-            return resized_crop(pixels, (top, left, height, width), self.size, self.interpolation)
         image = to_rgb(image)
+        if scale == 1.0:
+            return resized_crop(pil_pixels(image), (top, left, height, width), self.size, self.interpolation)
         box = (left * scale, top * scale, (left + width) * scale, (top + height) * scale)
         return pil_pixels(image.resize((self.size[1], self.size[0]), _PIL_FILTERS[self.interpolation], box=box))
-
-
-def _torch_decoded(data: bytes) -> torch.Tensor | None:
-    """A whole JPEG decoded by torchvision (PIL's pixels, without PIL's copy into an array); None where it cannot
-    (torchvision's libjpeg refuses some files PIL reads: PIL decodes those, or says what is wrong)."""
-    try:
-        return decode_jpegs(jpeg_bytes(data))
-    except RuntimeError:
-        return None
 
 
 class Normalized:
@@ -282,7 +267,6 @@ def image_transform(
             steps.append(T.RandomGrayscale(p=aug["gray_scale_prob"]))
         finish = [Normalized(mean, std, deferred=defer_normalization)] if reduced else [T.ToTensor(), normalize]
         cpu = _undecoded_ok(T.Compose([*steps, *finish]))
-        cpu.takes_jpeg_bytes = reduced  # its crop decodes a whole-scale JPEG with torchvision (data/decode.py)
         if decode == "device":
             return DeviceDecodeTransform(cpu, OutputGeometry(size, mean, std), crops=crop)
         return cpu
