@@ -210,6 +210,35 @@ def test_reduced_training_batches_cross_the_loader_in_8_bits_and_are_normalised_
         assert images.to("cpu", torch.bfloat16).dtype == torch.bfloat16
 
 
+def test_a_gpu_runs_training_loader_hands_over_8_bit_batches_and_a_cpu_runs_float_ones(tmp_path):
+    """build_data, as a run calls it: for a rank on a GPU the reduced training batches are PixelBatches (nothing is
+    put on the GPU here: the loader only reads the rank's device), for a rank on a CPU float tensors; the same
+    images either way once moved. Validation stays float."""
+    import dataclasses
+
+    from bigclip.build import build_data
+    from bigclip.data.config import DataConfig
+    from bigclip.dist import World
+    from bigclip.model.config import ModelConfig
+
+    _photo_shards(tmp_path, shards=2, per_shard=4)
+    shards = f"{tmp_path}/p-{{0..1}}.tar"
+    data = dataclasses.replace(
+        DataConfig(), train_data=shards, val_data=shards, train_num_samples=8, val_num_samples=8,
+        dataset_type="webdataset", batch_size=4, workers=0, seed=3,
+    )  # fmt: skip
+    batches = {}
+    for device in ("cuda", "cpu"):
+        torch.manual_seed(0)
+        loaders, _ = build_data(ModelConfig(model="test-tiny"), data, World(device=torch.device(device)), epoch=0)
+        batches[device] = [images for images, _ in loaders["train"].dataloader]
+        assert all(isinstance(images, torch.Tensor) for images, _ in loaders["val"].dataloader)
+    assert len(batches["cuda"]) == len(batches["cpu"]) == 2
+    for shipped, floats in zip(batches["cuda"], batches["cpu"], strict=True):
+        assert isinstance(shipped, PixelBatch) and isinstance(floats, torch.Tensor)
+        assert torch.allclose(shipped.to("cpu"), floats, rtol=0, atol=1e-6)
+
+
 def test_a_run_with_device_decoding_trains_and_evaluates_like_full_decoding(tmp_path):
     """Training and validation shards, two workers: every step's loss and the validation loss within resampling
     noise of --image-decode full."""
