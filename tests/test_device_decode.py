@@ -15,7 +15,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from bigclip.data.decode import decode_rgb
 from bigclip.data.device_decode import EncodedImages, EncodedJpeg, collate_samples
-from bigclip.data.pixels import PixelBatch
+from bigclip.data.pixels import PixelBatch, Pixels
 from bigclip.data.shards import ShardReader
 from bigclip.data.skips import SkipCounter
 from bigclip.data.transforms import image_transform
@@ -101,6 +101,15 @@ def test_other_formats_are_decoded_by_the_worker_and_ride_in_the_same_batch():
         assert ((pixels[i].float() - expected[i]).abs() * GREY_LEVELS).mean() < 3  # reduced vs device: resampling
     grey = pixels[3] * torch.tensor(STD, dtype=torch.float64)[:, None, None] + torch.tensor(MEAN)[:, None, None]
     assert torch.allclose(grey[0], grey[1], atol=1e-6) and torch.allclose(grey[1], grey[2], atol=1e-6)
+    # on a GPU rank the worker-decoded ones ride 8-bit (Pixels) and are normalised on the device with the rest
+    deferred = image_transform(224, True, MEAN, STD, decode="device", defer_normalization=True)
+    shipped = []
+    for i, data in enumerate(images):
+        torch.manual_seed(i)
+        shipped.append((decode_rgb(io.BytesIO(data), deferred), torch.tensor([i])))
+    assert [type(s[0]) for s in shipped] == [EncodedJpeg, Pixels, Pixels, EncodedJpeg]
+    again = collate_samples(shipped)[0].to("cpu", dtype=torch.float64)
+    assert torch.allclose(again, pixels, rtol=0, atol=1e-6)
 
 
 def test_a_jpeg_no_decoder_reads_is_counted_and_replaced_by_the_next_image_of_its_batch(caplog):
