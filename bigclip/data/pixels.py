@@ -81,7 +81,7 @@ class Pixels:
 
 class PixelBatch:
     """A batch of Pixels: uint8 [B, 3, H, W]. `.to(device, dtype)` — the call loop.py makes — moves the 8-bit batch
-    and normalises it there, returning the float batch the worker would have made (the same values)."""
+    and normalises it there, returning the float batch the worker would have made (to float32 rounding)."""
 
     def __init__(self, pixels: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]):
         self.pixels, self.mean, self.std = pixels, mean, std
