@@ -33,7 +33,7 @@ from torchvision.transforms import InterpolationMode
 
 from bigclip.data.aug_cfg import validate_aug_cfg
 from bigclip.data.device_decode import DeviceDecodeTransform, OutputGeometry
-from bigclip.data.pixels import Pixels, normalized, pil_pixels, resized_crop
+from bigclip.data.pixels import Pixels, normalized, resized_crop
 from bigclip.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -85,9 +85,13 @@ class ReducedRandomResizedCrop(T.RandomResizedCrop):
         scale = reduce_jpeg(image, factor) if factor > 1 else 1.0
         image = to_rgb(image)
         if scale == 1.0:
-            return resized_crop(pil_pixels(image), (top, left, height, width), self.size, self.interpolation)
+            return resized_crop(
+                T.functional.pil_to_tensor(image), (top, left, height, width), self.size, self.interpolation
+            )
         box = (left * scale, top * scale, (left + width) * scale, (top + height) * scale)
-        return pil_pixels(image.resize((self.size[1], self.size[0]), _PIL_FILTERS[self.interpolation], box=box))
+        return T.functional.pil_to_tensor(
+            image.resize((self.size[1], self.size[0]), _PIL_FILTERS[self.interpolation], box=box)
+        )
 
 
 class Normalized:
