@@ -220,9 +220,10 @@ def child(spec: dict) -> dict:
         from bigclip.data.transforms import image_transform
 
         mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
-        # as a run builds it (bigclip/build.py): with a GPU, batches leave the workers in 8 bits, normalised by .to()
-        defer = torch.cuda.is_available()
-        preprocess = image_transform(224, True, mean, std, decode=spec["decode"], defer_normalization=defer)
+        # as a run builds it (bigclip/build.py): with a GPU, batches leave the workers in 8 bits, normalised by .to();
+        # without, the workers normalise into the batch
+        at = "device" if torch.cuda.is_available() else "batch"
+        preprocess = image_transform(224, True, mean, std, decode=spec["decode"], normalize_at=at)
     tokenizer = open_clip.get_tokenizer("ViT-B-32")
     build = _bigclip_loader if spec["side"] == "bigclip" else _openclip_loader
     loader, num_batches, info = build(spec, preprocess, tokenizer)

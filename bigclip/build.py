@@ -131,10 +131,10 @@ def build_tokenizer(cfg: ModelConfig):
     return get_tokenizer(cfg.model, context_length=cfg.force_context_length, cache_dir=cfg.cache_dir)
 
 
-def build_transforms(model: ModelConfig, data: DataConfig, defer_normalization: bool = False):
+def build_transforms(model: ModelConfig, data: DataConfig, normalize_at: str = "image"):
     """(train transform, eval transform, geometry {'size', 'mean', 'std'}) for the model and the image flags.
-    `defer_normalization`: reduced/device training batches leave the loader in 8 bits and are normalised where the
-    training loop moves them (data/pixels.py's PixelBatch)."""
+    `normalize_at`: where reduced/device training images are normalised (data/pixels.py's NORMALIZE_AT): by the
+    transform, into the loader's batch, or where the training loop moves the 8-bit batch (PixelBatch)."""
     pp = preprocess_cfg(model.model, model.image_size, cache_dir=model.cache_dir)
     mean = tuple(data.image_mean) if data.image_mean else pp["mean"]
     std = tuple(data.image_std) if data.image_std else pp["std"]
@@ -142,7 +142,7 @@ def build_transforms(model: ModelConfig, data: DataConfig, defer_normalization: 
     interpolation = data.image_interpolation or pp["interpolation"]
     resize_mode = data.image_resize_mode or pp["resize_mode"]
     preprocess_train = image_transform(
-        pp["size"], True, mean, std, interpolation, resize_mode, data.aug_cfg, data.image_decode, defer_normalization
+        pp["size"], True, mean, std, interpolation, resize_mode, data.aug_cfg, data.image_decode, normalize_at
     )
     preprocess_val = image_transform(pp["size"], False, mean, std, interpolation, resize_mode, None, data.image_decode)
     return preprocess_train, preprocess_val, {"size": pp["size"], "mean": mean, "std": std}
@@ -151,8 +151,10 @@ def build_transforms(model: ModelConfig, data: DataConfig, defer_normalization: 
 def build_data(model: ModelConfig, data: DataConfig, world: World, epoch: int):
     """(the run's loaders by name, the tokenizer) for this rank."""
     # On a GPU the batch crosses the loader's shared memory and the host-to-device copy in 8 bits (a quarter of the
-    # bytes) and is normalised there for free; on a CPU the workers normalise, in parallel with the training step.
-    preprocess_train, preprocess_val, geometry = build_transforms(model, data, world.device.type != "cpu")
+    # bytes) and is normalised there for free; on a CPU the workers normalise, into the batch they hand over, in
+    # parallel with the training step.
+    normalize_at = "batch" if world.device.type == "cpu" else "device"
+    preprocess_train, preprocess_val, geometry = build_transforms(model, data, normalize_at)
     tokenizer = build_tokenizer(model)
     loaders = get_data(
         data,

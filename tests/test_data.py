@@ -12,7 +12,9 @@ import numpy as np
 import open_clip
 import pytest
 import torch
+import torchvision
 from PIL import Image
+from torchvision.transforms import InterpolationMode
 
 from bigclip.data import (
     DIGIT_CLASSNAMES,
@@ -608,6 +610,109 @@ def test_reduced_decoding_leaves_small_jpegs_and_other_formats_as_openclip_up_to
                 levels.max(),
                 levels.mean(),
             )
+
+
+def test_jpegs_decode_through_libjpeg_turbo_to_pils_own_pixels_at_every_dct_scale(capfd):
+    """data/decode.py's Jpeg (libjpeg-turbo through simplejpeg) gives PIL's pixels bit for bit, whole and at 1/2,
+    1/4, 1/8 (PIL's draft), for colour, greyscale and progressive JPEGs. What it does not read as PIL would stays
+    with PIL: CMYK (PIL converts it differently), PNG, a JPEG with stray bytes (libjpeg-turbo refuses its header; PIL
+    reads it), a truncated one (PIL's error, as before). Nothing is printed to stderr."""
+    from bigclip.data.decode import read_jpeg
+
+    def pil(data: bytes, factor: int) -> np.ndarray:
+        with Image.open(io.BytesIO(data)) as image:
+            if factor > 1:
+                image.draft("RGB", (image.width // factor, image.height // factor))
+            return np.array(image.convert("RGB"))
+
+    def encoded(image: Image.Image, **options) -> bytes:
+        out = io.BytesIO()
+        image.save(out, "JPEG", quality=92, **options)
+        return out.getvalue()
+
+    photo = Image.open(io.BytesIO(_photo_jpeg(1, 1024)))
+    kinds = {
+        "colour 4:2:0": _photo_jpeg(0, 1024),
+        "colour 4:4:4, odd size": encoded(photo.crop((0, 0, 1001, 677)), subsampling=0),
+        "greyscale": encoded(photo.convert("L")),
+        "progressive": encoded(photo, progressive=True),
+    }
+    for kind, data in kinds.items():
+        jpeg = read_jpeg(data)
+        assert jpeg is not None and jpeg.size == Image.open(io.BytesIO(data)).size, kind
+        for factor in (1, 2, 4, 8):
+            assert np.array_equal(jpeg.decode(factor), pil(data, factor)), (kind, factor)
+
+    good = kinds["colour 4:2:0"]
+    scan = good.index(b"\xff\xda")
+    stray = good[:scan] + b"\x00\x00\x00" + good[scan:]  # "Corrupt JPEG data: 3 extraneous bytes before marker"
+    png = io.BytesIO()
+    photo.save(png, "PNG")
+    for data in (encoded(photo.convert("CMYK")), png.getvalue(), stray):
+        assert read_jpeg(data) is None
+    assert read_jpeg(good[: len(good) // 2]).decode() is None  # truncated: PIL's turn (it raises)
+    mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
+    from bigclip.data.decode import decode_rgb
+
+    for train in (True, False):
+        full, reduced = (image_transform(224, train, mean, std, decode=d) for d in ("full", "reduced"))
+        torch.manual_seed(0)
+        expected = full(Image.open(io.BytesIO(stray)).convert("RGB"))
+        torch.manual_seed(0)
+        assert decode_rgb(io.BytesIO(stray), full).equal(expected)
+        torch.manual_seed(0)
+        assert decode_rgb(io.BytesIO(stray), reduced).shape == expected.shape
+    with pytest.raises(OSError, match="truncated"):
+        decode_rgb(io.BytesIO(good[: len(good) // 2]), image_transform(224, True, mean, std, decode="reduced"))
+    assert capfd.readouterr().err == ""
+
+
+def test_a_jpeg_is_transformed_as_the_pil_opened_image_was_bit_for_bit():
+    """The reduced transforms on a Jpeg (libjpeg-turbo) give what they gave on the image PIL opened: the same
+    pixels, the same crops, the same random numbers drawn; the DCT reduction chosen alike (1/2 and 1/4 at 1024
+    and 2048 px)."""
+    from bigclip.data.decode import read_jpeg
+    from bigclip.data.transforms import ReducedResize, decode_reduced
+
+    mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
+    for long_side in (512, 1024, 2048):
+        for index, square in ((0, False), (1, True)):
+            data = _photo_jpeg(index, long_side, square)
+            for train in (True, False):
+                transform = image_transform(224, train, mean, std, decode="reduced")
+                out, states = [], []
+                for image in (Image.open(io.BytesIO(data)), read_jpeg(data)):
+                    torch.manual_seed(1)
+                    out.append(transform(image))
+                    states.append(torch.get_rng_state())
+                assert torch.equal(*out) and torch.equal(*states), (long_side, index, square, train)
+    data = _photo_jpeg(0, 2048)
+    width, height = Image.open(io.BytesIO(data)).size
+    pixels, scale = decode_reduced(read_jpeg(data), 4)
+    assert scale == 0.25 and pixels.shape == (3, -(-height // 4), -(-width // 4))
+    assert ReducedResize(224, InterpolationMode.BICUBIC)(read_jpeg(data)).size == (width * 224 // height, 224)
+
+
+def test_crop_boxes_are_torchvisions_draws():
+    """ReducedRandomResizedCrop.box (the header's size only) draws torchvision's RandomResizedCrop.get_params crops
+    with the same random numbers, leaving the generator where get_params leaves it; its centre fallback too."""
+    from bigclip.data.transforms import ReducedRandomResizedCrop
+
+    rng = np.random.default_rng(0)
+    for scale, ratio in (((0.9, 1.0), (3 / 4, 4 / 3)), ((0.08, 1.0), (3 / 4, 4 / 3)), ((0.95, 1.0), (0.5, 0.6))):
+        crop = ReducedRandomResizedCrop(224, scale=scale, ratio=ratio)
+        for trial in range(60):
+            width, height = (int(x) for x in rng.integers(16, 2048, size=2))
+            if trial % 10 == 0:
+                width, height = 2000, 40  # no draw fits: the centre fallback
+            torch.manual_seed(trial)
+            expected = torchvision.transforms.RandomResizedCrop.get_params(
+                torch.empty(3, height, width), list(scale), list(ratio)
+            )
+            state = torch.get_rng_state()
+            torch.manual_seed(trial)
+            assert crop.box(width, height) == tuple(expected), (scale, ratio, width, height)
+            assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_reduced_crops_take_color_jitter_and_grayscale_on_their_8_bit_tensor():

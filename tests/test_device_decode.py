@@ -102,7 +102,7 @@ def test_other_formats_are_decoded_by_the_worker_and_ride_in_the_same_batch():
     grey = pixels[3] * torch.tensor(STD, dtype=torch.float64)[:, None, None] + torch.tensor(MEAN)[:, None, None]
     assert torch.allclose(grey[0], grey[1], atol=1e-6) and torch.allclose(grey[1], grey[2], atol=1e-6)
     # on a GPU rank the worker-decoded ones ride 8-bit (Pixels) and are normalised on the device with the rest
-    deferred = image_transform(224, True, MEAN, STD, decode="device", defer_normalization=True)
+    deferred = image_transform(224, True, MEAN, STD, decode="device", normalize_at="device")
     shipped = []
     for i, data in enumerate(images):
         torch.manual_seed(i)
@@ -199,20 +199,22 @@ def test_loader_batches_keep_their_samples_and_order_and_resume_exactly(tmp_path
     assert all(image.shape == (4, 3, 224, 224) for _, image in rest)
 
 
-def test_reduced_training_batches_cross_the_loader_in_8_bits_and_are_normalised_where_moved(tmp_path):
-    """--image-decode reduced as a run builds it (defer_normalization): two workers hand over PixelBatches of uint8
-    pixels (a quarter of the float batch's bytes), and `.to()` gives the float batches of the transform that
-    normalises in the worker (float32 rounding apart), in the weights' dtype when asked; a PNG among them."""
+def test_reduced_training_batches_are_normalised_into_the_batch_or_where_moved(tmp_path):
+    """--image-decode reduced as a run builds it: two workers normalise their 8-bit images straight into the batch
+    (a CPU run: the same floats as the transform that normalises each image, bit for bit), or hand over PixelBatches
+    of uint8 pixels (a GPU run: a quarter of the float batch's bytes), whose `.to()` gives those floats (float32
+    rounding apart), in the weights' dtype when asked; a PNG among them."""
     plan = ShardPlan.build([_photo_shards(tmp_path)], None, resampled=False, seed=5)
 
-    def loader(defer: bool) -> StatefulDataLoader:
-        transform = image_transform(224, True, MEAN, STD, decode="reduced", defer_normalization=defer)
+    def loader(at: str) -> StatefulDataLoader:
+        transform = image_transform(224, True, MEAN, STD, decode="reduced", normalize_at=at)
         stream = _stream(plan, transform, quota=3)
         return StatefulDataLoader(stream, batch_size=None, num_workers=2, generator=torch.Generator().manual_seed(1))
 
-    shipped, floats = list(loader(True)), _epoch(loader(False))
-    assert len(shipped) == len(floats) == 5
-    for (images, texts), (numbers, reference) in zip(shipped, floats, strict=True):
+    floats, batched, shipped = _epoch(loader("image")), list(loader("batch")), list(loader("device"))
+    assert len(shipped) == len(batched) == len(floats) == 5
+    for (images, texts), (batch, _), (numbers, reference) in zip(shipped, batched, floats, strict=True):
+        assert torch.equal(batch, reference)
         assert isinstance(images, PixelBatch) and images.pixels.dtype == torch.uint8 and len(images) == 4
         assert texts[:, 0].tolist() == numbers
         assert torch.allclose(images.to("cpu"), reference, rtol=0, atol=1e-6)

@@ -30,6 +30,7 @@ from torch.utils.data import default_collate
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
+from bigclip.data.decode import Jpeg, read_jpeg
 from bigclip.data.pixels import (
     TORCH_DECODABLE_MODES,
     PixelBatch,
@@ -37,6 +38,7 @@ from bigclip.data.pixels import (
     decode_jpegs,
     jpeg_bytes,
     normalized,
+    normalized_batch,
     resized_crop,
 )
 from bigclip.data.skips import SkipCounter
@@ -84,17 +86,17 @@ class DeviceDecodeTransform:
     def __call__(self, image: Image.Image) -> torch.Tensor:
         return self.cpu(image)
 
-    def ships(self, image: Image.Image) -> bool:
+    def ships(self, image: Image.Image | Jpeg) -> bool:
         return image.format == "JPEG" and image.mode in TORCH_DECODABLE_MODES
 
-    def encode(self, image: Image.Image, data: bytes) -> EncodedJpeg:
+    def encode(self, image: Image.Image | Jpeg, data: bytes) -> EncodedJpeg:
         """`image`'s crop drawn as the CPU transform draws it (its header's size only), shipped with `data`."""
         box, interpolation = None, self.interpolation
         if self.crops is not None:
             crop = self.crops
             if hasattr(crop, "transforms"):  # RandomChoice: the same draw as its forward makes
                 crop = crop.transforms[random.choices(range(len(crop.transforms)), weights=crop.p)[0]]
-            box = tuple(crop.get_params(image, crop.scale, crop.ratio))
+            box = crop.box(*image.size)
             interpolation = crop.interpolation
         return EncodedJpeg(jpeg_bytes(data), box, interpolation, self.geometry)
 
@@ -166,10 +168,14 @@ def _say_once_if_cpu(device: torch.device) -> None:
 
 
 def _decode_all(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
-    """uint8 [3, h, w] images on `device`, one per JPEG (None: unreadable). The whole list in one call; where that
-    fails (one bad image fails the list), image by image, then on the CPU."""
+    """uint8 [3, h, w] images on `device`, one per JPEG (None: unreadable). On a GPU the whole list in one call;
+    where that fails (one bad image fails the list), image by image, then on the CPU. On the CPU libjpeg-turbo
+    through simplejpeg (data/decode.py), which reads a slightly corrupt JPEG silently where torchvision's libjpeg
+    prints a line to stderr for it."""
     if not datas:
         return []
+    if device.type == "cpu":
+        return [_decode_on_cpu(data) for data in datas]
     try:
         return list(decode_jpegs(datas, device))
     except RuntimeError:
@@ -179,12 +185,23 @@ def _decode_all(datas: list[torch.Tensor], device: torch.device) -> list[torch.T
 def _decode_one(data: torch.Tensor, device: torch.device) -> torch.Tensor | None:
     try:
         return decode_jpegs(data, device)
-    except RuntimeError:
-        pass
-    try:  # the device's decoder may refuse what libjpeg reads (PIL tolerates more than torchvision's CPU decoder)
-        with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
-            return TF.pil_to_tensor(image.convert("RGB")).to(device)
-    except Exception:  # no decoder reads it: the caller counts and replaces it
+    except RuntimeError:  # the device's decoder may refuse what libjpeg reads
+        pixels = _decode_on_cpu(data)
+        return None if pixels is None else pixels.to(device)
+
+
+def _decode_on_cpu(data: torch.Tensor) -> torch.Tensor | None:
+    """PIL's pixels of a JPEG: libjpeg-turbo's where it reads the file cleanly, else PIL's (it tolerates more);
+    None where no decoder reads it (the caller counts and replaces it)."""
+    encoded = data.numpy().tobytes()
+    jpeg = read_jpeg(encoded)
+    pixels = None if jpeg is None else jpeg.decode()
+    if pixels is not None:
+        return torch.from_numpy(pixels).permute(2, 0, 1)
+    try:
+        with Image.open(io.BytesIO(encoded)) as image:
+            return TF.pil_to_tensor(image.convert("RGB"))
+    except Exception:
         return None
 
 
@@ -200,14 +217,17 @@ def _finish(pixels: torch.Tensor, item: EncodedJpeg) -> torch.Tensor:
 
 
 def collate_samples(samples: list[tuple], skips_key: str | None = None) -> tuple:
-    """A loader's batch from (image, *rest) samples: the images stacked; a PixelBatch of 8-bit Pixels; or an
+    """A loader's batch from (image, *rest) samples: the images stacked; 8-bit Pixels normalised into the batch, or
+    batched as a PixelBatch (normalised on the device: data/pixels.py's NORMALIZE_AT); or an
     EncodedImages batch where some are shipped encoded (--image-decode device; `skips_key`: the loader's
     SkipCounter, which counts the images no decoder can read); the rest as torch's default collate makes it."""
     images = [s[0] for s in samples]
     rest = default_collate([s[1:] for s in samples])
     if any(isinstance(image, EncodedJpeg) for image in images):
         return EncodedImages(images, skips_key), *rest
-    if isinstance(images[0], Pixels):  # a run's reduced training transform: 8-bit, normalised on the device
+    if isinstance(images[0], Pixels):  # a run's reduced training transform: 8-bit, normalised here or on the device
+        if images[0].at == "batch":
+            return normalized_batch(images), *rest
         return PixelBatch(default_collate([image.pixels for image in images]), images[0].mean, images[0].std), *rest
     # default_collate stacks a loader worker's batch straight into shared memory: torch.stack would make a batch
     # that pickling copies there again (measured with one worker and 224-px float images: 0.3-0.5 ms a sample)

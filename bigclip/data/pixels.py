@@ -1,26 +1,33 @@
-"""8-bit pixels decoded, cropped, resized and normalised with torch: the steps that reduced decoding in the loader
-workers and device decoding on the training device share, and the 8-bit batch a run's loader hands over on a GPU.
+"""8-bit pixels cropped, resized and normalised with torch: the steps that reduced decoding in the loader workers
+and device decoding on the training device share, and how a run's loader batches 8-bit images.
 
 torch's antialiased resize of uint8 images (vectorised) is what PIL's resize computes, up to its own rounding (at
-most 1 grey level on a pixel; tests/test_data.py bounds it), at about a third of PIL's time on this CPU.
-torchvision's JPEG decoder gives PIL's pixels bit for bit, straight into a tensor (PIL's copy of its pixels into an
-array costs a third of its decode), but its libjpeg prints a line to stderr for each slightly corrupt JPEG that PIL
-reads silently: the loader workers decode with PIL, device decoding (opt-in) with torchvision.
+most 1 grey level on a pixel; tests/test_data.py bounds it), at about a third of PIL's time on this CPU. A GPU
+decodes JPEGs with torchvision (nvJPEG); the CPU with libjpeg-turbo through simplejpeg (data/decode.py), which reads
+slightly corrupt files silently where torchvision's libjpeg prints a line to stderr for each.
+
+Where a run's training images are normalised (`NORMALIZE_AT`, chosen by bigclip/build.py): "image", by the
+transform (a standalone transform's float image); "batch", by the loader worker's collate, straight into the
+shared memory the batch crosses to the training process in (a CPU run); "device", where the batch is moved to the
+training device (a GPU run: the 8-bit batch is a quarter of the bytes through shared memory and the copy).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import get_worker_info
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
+NORMALIZE_AT = ("image", "batch", "device")
 TORCH_DECODABLE_MODES = ("RGB", "L")  # JPEG modes torchvision decodes to PIL's RGB; CMYK/YCCK stay with PIL
 
 
@@ -71,13 +78,31 @@ def _affine(mean: tuple[float, ...], std: tuple[float, ...], device: torch.devic
 
 @dataclass
 class Pixels:
-    """One training image as a loader worker ships it when normalisation is left to the training device: uint8
-    [3, H, W] and the normalisation. A quarter of the float image's bytes through the worker's shared memory and the
-    host-to-device copy; the float image is made where the batch is moved (PixelBatch.to)."""
+    """One training image as a run's transform leaves it: uint8 [3, H, W] and its normalisation, made into the float
+    image in the loader's batch (`at` "batch": normalized_batch) or on the training device ("device": PixelBatch)."""
 
     pixels: torch.Tensor
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    at: str = "device"
+
+
+def normalized_batch(images: list[Pixels]) -> torch.Tensor:
+    """float32 [B, 3, H, W]: each image normalised (as `normalized`) straight into its slot of the batch — in a loader
+    worker, in the shared memory the batch crosses to the training process in, where torch's default_collate would
+    put it. One write of the float batch where normalising each image, then stacking them, wrote it twice (0.2 ms a
+    sample at 224 px on this CPU)."""
+    first = images[0]
+    shape = (len(images), *first.pixels.shape)
+    if get_worker_info() is not None:  # default_collate's own way to allocate a batch in shared memory
+        storage = torch.empty(0)._typed_storage()._new_shared(math.prod(shape))
+        out = torch.empty(0).new(storage).view(shape)
+    else:
+        out = torch.empty(shape)
+    bias, scale = _affine(first.mean, first.std, first.pixels.device)
+    for slot, image in zip(out, images, strict=True):
+        torch.addcmul(bias, image.pixels, scale, out=slot)
+    return out
 
 
 class PixelBatch:

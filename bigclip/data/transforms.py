@@ -22,6 +22,7 @@ device (data/device_decode.py); what cannot go there is decoded as `reduced` dec
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,8 +33,9 @@ from torchvision import transforms as T
 from torchvision.transforms import InterpolationMode
 
 from bigclip.data.aug_cfg import validate_aug_cfg
+from bigclip.data.decode import Jpeg
 from bigclip.data.device_decode import DeviceDecodeTransform, OutputGeometry
-from bigclip.data.pixels import Pixels, normalized, resized_crop
+from bigclip.data.pixels import NORMALIZE_AT, Pixels, normalized, resized_crop
 from bigclip.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -45,7 +47,11 @@ RESIZE_MODES = ("shortest", "longest", "squash")
 _TIMM_ONLY = ("re_prob", "re_count")
 
 
-def to_rgb(image: Image.Image) -> Image.Image:
+def to_rgb(image: Image.Image | Jpeg) -> Image.Image:
+    """A PIL image in RGB (a Jpeg decoded by libjpeg-turbo: PIL's own pixels)."""
+    if isinstance(image, Jpeg):
+        pixels = image.decode()
+        return Image.fromarray(pixels) if pixels is not None else image.opened().convert("RGB")
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
@@ -64,6 +70,23 @@ def reduce_jpeg(image: Image.Image, factor: int) -> float:
     return box[2] / width
 
 
+def decode_reduced(image: Image.Image | Jpeg, factor: int) -> tuple[torch.Tensor | Image.Image, float]:
+    """The image's RGB pixels, a JPEG's decoded at 1/`factor` (1: whole), and the scale from full-size to decoded
+    coordinates: a uint8 [3, H, W] tensor (channels-last in memory: what torch's uint8 resize is fastest on) where
+    libjpeg-turbo decoded it, else a PIL image in RGB (other formats; JPEGs it calls damaged, which PIL reads)."""
+    if isinstance(image, Jpeg):
+        pixels = image.decode(factor)
+        if pixels is not None:
+            return torch.from_numpy(pixels).permute(2, 0, 1), 1.0 / factor
+        image = image.opened()
+    scale = reduce_jpeg(image, factor) if factor > 1 else 1.0
+    return to_rgb(image), scale
+
+
+def _as_pil(decoded: torch.Tensor | Image.Image) -> Image.Image:
+    return Image.fromarray(decoded.permute(1, 2, 0).numpy()) if isinstance(decoded, torch.Tensor) else decoded
+
+
 def _largest_factor(width: float, height: float, out_width: int, out_height: int) -> int:
     """The largest DCT reduction that keeps a width x height region at least out_width x out_height (1: none)."""
     return next((f for f in DRAFT_SCALES if width / f >= out_width and height / f >= out_height), 1)
@@ -73,41 +96,77 @@ class ReducedRandomResizedCrop(T.RandomResizedCrop):
     """RandomResizedCrop whose crop is drawn on the full image's size (the same random numbers and scale/ratio
     semantics) and cut from a JPEG decoded at reduced scale where the crop still covers the output size."""
 
-    def forward(self, image: Image.Image) -> torch.Tensor:
-        """uint8 [3, H, W]. A crop of the full-size image (whole pixels) is resized by torch (data/pixels.py: a third
-        of PIL's time, most of the saving at 512 px); one on a reduced JPEG lands on fractional pixels, which PIL
-        resamples exactly (rounding it to whole reduced pixels shifts the image by up to half of one: measured 3.7
-        grey levels from full decoding instead of 2). PIL decodes: torchvision's decoder would be faster (no copy
-        into an array) but its libjpeg prints a line to stderr for every slightly corrupt JPEG, which PIL reads
-        silently."""
-        top, left, height, width = self.get_params(image, self.scale, self.ratio)  # reads the header's size only
+    def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), interpolation=InterpolationMode.BILINEAR):
+        super().__init__(size, scale=scale, ratio=ratio, interpolation=interpolation)
+        # torchvision's get_params takes log(ratio) as float32 on every call: the same numbers, once
+        self._log_ratio = tuple(float(x) for x in torch.log(torch.tensor(self.ratio)))
+        self._draw = torch.empty(1)  # each draw into one float32 element, as get_params's torch.empty(1)
+
+    def box(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """(top, left, height, width): torchvision's RandomResizedCrop.get_params for a width x height image, the
+        same random numbers drawn the same way (tests/test_data.py), on the header's size alone. (Its ten tries
+        run about five times an image at OpenCLIP's scale (0.9, 1): drawing into one tensor halves their cost.)"""
+        area = height * width
+        draw = self._draw
+        for _ in range(10):
+            target_area = area * draw.uniform_(self.scale[0], self.scale[1]).item()
+            aspect_ratio = draw.uniform_(*self._log_ratio).exp_().item()
+            w = int(round(math.sqrt(target_area * aspect_ratio)))
+            h = int(round(math.sqrt(target_area / aspect_ratio)))
+            if 0 < w <= width and 0 < h <= height:
+                i = torch.randint(0, height - h + 1, size=(1,)).item()
+                j = torch.randint(0, width - w + 1, size=(1,)).item()
+                return i, j, h, w
+        return _central_box(width, height, self.ratio)
+
+    def forward(self, image: Image.Image | Jpeg) -> torch.Tensor:
+        """uint8 [3, H, W]. A crop at whole scale is resized by torch (data/pixels.py: a third of PIL's time); one
+        on a DCT-reduced JPEG lands on fractional pixels, which PIL resamples exactly (rounding it to whole reduced
+        pixels shifts the image by up to half of one: measured 3.7 grey levels from full decoding instead of 2)."""
+        top, left, height, width = self.box(*image.size)  # the header's size only
         factor = _largest_factor(width, height, self.size[1], self.size[0])
-        scale = reduce_jpeg(image, factor) if factor > 1 else 1.0
-        image = to_rgb(image)
+        decoded, scale = decode_reduced(image, factor)
         if scale == 1.0:
-            return resized_crop(
-                T.functional.pil_to_tensor(image), (top, left, height, width), self.size, self.interpolation
-            )
+            pixels = decoded if isinstance(decoded, torch.Tensor) else T.functional.pil_to_tensor(decoded)
+            return resized_crop(pixels, (top, left, height, width), self.size, self.interpolation)
         box = (left * scale, top * scale, (left + width) * scale, (top + height) * scale)
         return T.functional.pil_to_tensor(
-            image.resize((self.size[1], self.size[0]), _PIL_FILTERS[self.interpolation], box=box)
+            _as_pil(decoded).resize((self.size[1], self.size[0]), _PIL_FILTERS[self.interpolation], box=box)
         )
 
 
-class Normalized:
-    """uint8 [3, H, W] -> normalised float32: ToTensor then Normalize, in one step. `deferred`: the pixels stay 8-bit
-    (data/pixels.py's Pixels) and the batch is normalised where it is moved to the training device."""
+def _central_box(width: int, height: int, ratio: Sequence[float]) -> tuple[int, int, int, int]:
+    """torchvision's fallback when ten draws found no crop: the centre, at the nearest allowed aspect ratio."""
+    in_ratio = float(width) / float(height)
+    if in_ratio < min(ratio):
+        w = width
+        h = int(round(w / min(ratio)))
+    elif in_ratio > max(ratio):
+        h = height
+        w = int(round(h * max(ratio)))
+    else:  # whole image
+        w = width
+        h = height
+    return (height - h) // 2, (width - w) // 2, h, w
 
-    def __init__(self, mean: Sequence[float], std: Sequence[float], deferred: bool = False):
-        self.mean, self.std, self.deferred = tuple(mean), tuple(std), deferred
+
+class Normalized:
+    """uint8 [3, H, W] -> normalised float32: ToTensor then Normalize, in one step. `at` (data/pixels.py's
+    NORMALIZE_AT): "image" normalises here; "batch" and "device" leave the pixels 8-bit (Pixels), normalised into
+    the loader's batch or where the batch is moved to the training device."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], at: str = "image"):
+        if at not in NORMALIZE_AT:
+            raise ValueError(f"normalise at {at!r}: one of {NORMALIZE_AT}")
+        self.mean, self.std, self.at = tuple(mean), tuple(std), at
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor | Pixels:
-        if self.deferred:
-            return Pixels(pixels, self.mean, self.std)
-        return normalized(pixels, self.mean, self.std)
+        if self.at == "image":
+            return normalized(pixels, self.mean, self.std)
+        return Pixels(pixels, self.mean, self.std, self.at)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(mean={self.mean}, std={self.std}, deferred={self.deferred})"
+        return f"{type(self).__name__}(mean={self.mean}, std={self.std}, at={self.at})"
 
 
 _PIL_FILTERS = {
@@ -125,12 +184,12 @@ class ReducedResize:
         self.shortest = shortest
         self.interpolation = interpolation
 
-    def __call__(self, image: Image.Image) -> Image.Image:
+    def __call__(self, image: Image.Image | Jpeg) -> Image.Image:
         width, height = image.size
         side = min(width, height)
         factor = _largest_factor(side, side, self.shortest, self.shortest)
-        scale = reduce_jpeg(image, factor) if factor > 1 else 1.0
-        image = to_rgb(image)
+        decoded, scale = decode_reduced(image, factor)
+        image = _as_pil(decoded)
         if scale == 1.0:
             return T.functional.resize(image, self.shortest, interpolation=self.interpolation)
         long = int(self.shortest * max(width, height) / side)  # torchvision's rule for Resize(int)
@@ -234,13 +293,14 @@ def image_transform(
     resize_mode: str | None = "shortest",
     aug_cfg: dict | list | None = None,
     decode: str = "full",
-    defer_normalization: bool = False,
+    normalize_at: str = "image",
 ):
     """A callable PIL.Image -> FloatTensor[3, H, W]. `aug_cfg` is a dict or key=value strings. decode="reduced":
     given an image PIL has opened but not decoded, a JPEG is decoded at reduced scale where the output allows;
     "device": a DeviceDecodeTransform, which ships JPEGs to be decoded on the training device.
-    `defer_normalization` (training, reduced/device: what a run's loader uses): the transform returns 8-bit Pixels,
-    which the loader batches as a PixelBatch, normalised by its `.to(device, dtype)`."""
+    `normalize_at` (training, reduced/device; data/pixels.py's NORMALIZE_AT): "image", the transform's output is the
+    float image; "batch" or "device" (what a run's loader uses, on a CPU or a GPU), 8-bit Pixels, which the loader
+    normalises into its batch or batches as a PixelBatch, normalised by its `.to(device, dtype)`."""
     if decode not in DECODE_MODES:
         raise UserError(f"--image-decode {decode}: choose one of {', '.join(DECODE_MODES)}")
     reduced = decode in ("reduced", "device")
@@ -269,7 +329,7 @@ def image_transform(
             steps.append(T.RandomApply([_color_jitter(aug["color_jitter"])], p=aug.get("color_jitter_prob") or 1.0))
         if aug.get("gray_scale_prob"):
             steps.append(T.RandomGrayscale(p=aug["gray_scale_prob"]))
-        finish = [Normalized(mean, std, deferred=defer_normalization)] if reduced else [T.ToTensor(), normalize]
+        finish = [Normalized(mean, std, at=normalize_at)] if reduced else [T.ToTensor(), normalize]
         cpu = _undecoded_ok(T.Compose([*steps, *finish]))
         if decode == "device":
             return DeviceDecodeTransform(cpu, OutputGeometry(size, mean, std), crops=crop)
