@@ -1,9 +1,9 @@
 """--image-decode device: JPEGs decoded on the training device (nvJPEG, through torchvision), a batch at a time.
 
-A loader worker opens each image with PIL as before, which reads the header only. For a JPEG it then draws the
-random crop exactly as the CPU transform would (torchvision's RandomResizedCrop.get_params on the full image's
-size: the same random numbers, so the same crops and the same generator state after each sample) and ships the
-file's bytes with the crop box instead of pixels: the worker decodes nothing. The batch (EncodedImages) is decoded
+A loader worker reads each image's header only (data/decode.py). For a JPEG it then draws the random crop
+exactly as the CPU transform would (torchvision's RandomResizedCrop.get_params draws on the full image's size: the
+same random numbers, so the same crops and the same generator state after each sample) and ships the file's bytes
+with the crop box instead of pixels: the worker decodes nothing. The batch (EncodedImages) is decoded
 when the training loop moves it to the device (`.to(device, dtype)`, which loop.py and eval.py already call):
 torchvision.io.decode_jpeg on the whole list at once, then each crop resized (antialiased: what PIL's resize does)
 to the output size, rounded to 8 bits as PIL's output is, and normalised. Evaluation's shortest-side resize and
@@ -14,7 +14,8 @@ that are not JPEGs, CMYK JPEGs, and evaluation geometries other than the square 
 device cannot decode is decoded on the CPU; one that no decoder can read (its header parsed, its data corrupt) is
 counted as a bad image and its place in the batch taken by the next image of the batch, as the map-style
 datasets replace a bad sample by a neighbour (a batch must keep its size: ranks need equal batches). On a machine
-without a GPU the same code decodes on the CPU in the training process (the tests run it so).
+without a GPU the same code decodes on the CPU in the training process (with libjpeg-turbo through simplejpeg, as
+the workers decode: the tests run it so).
 """
 
 from __future__ import annotations

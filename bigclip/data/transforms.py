@@ -1,19 +1,20 @@
-"""PIL image -> normalised tensor, for training (random crops, optional jitter) and evaluation.
+"""Image -> normalised tensor, for training (random crops, optional jitter) and evaluation.
 
 Follows OpenCLIP's `image_transform`: training uses RandomResizedCrop over the --aug-cfg scale range
 (or timm's create_transform with use_timm=true); evaluation resizes by --image-resize-mode and
 centre-crops. Two deliberate extensions: `ratio` and `--image-interpolation` are honoured on the
 plain torchvision training path too (OpenCLIP ignores them there).
 
-Reduced decoding (--image-decode reduced, the default): a transform's first step receives the image as PIL opened
-it (header read, pixels not yet decoded) and, for a JPEG, asks libjpeg to decode it at the smallest DCT scale (1/2,
-1/4, 1/8: PIL's `draft`) that still leaves the pixels the crop keeps at least as large as the output. The crop is
-drawn on the full image's size with torchvision's own RandomResizedCrop.get_params (same scale/ratio semantics,
-same random numbers), then mapped exactly (a fractional box) onto the reduced image; evaluation's shortest-side
-resize likewise. What changes is
+Reduced decoding (--image-decode reduced, the default): a transform's first step receives the image undecoded (a
+JPEG as data/decode.py's Jpeg, whose header libjpeg-turbo read; anything else as PIL opened it) and decodes a JPEG
+at the smallest DCT scale (1/2, 1/4, 1/8: what PIL's `draft` asks libjpeg for) that still leaves the pixels the
+crop keeps at least as large as the output. The crop is drawn on the full image's size with torchvision's
+RandomResizedCrop.get_params draws (same scale/ratio semantics, same random numbers), then mapped exactly (a
+fractional box) onto the reduced image; evaluation's shortest-side resize likewise. What changes is
 resampling only (libjpeg's DCT downscale before the bicubic resize): tests/test_data.py bounds the difference on
-photographs. A training crop at whole scale is resized with torch (data/pixels.py: PIL's result, up to the
-rounding, in a third of the time); evaluation, other formats, and --image-decode full, resize as OpenCLIP does.
+photographs. A training crop is resized with torch (data/pixels.py: PIL's result, up to the rounding, in a third of
+the time) where it can be placed exactly, else with PIL; evaluation, other formats, and --image-decode full, resize
+as OpenCLIP does.
 
 --image-decode device: the workers ship JPEGs' bytes with their crops and the batch is decoded on the training
 device (data/device_decode.py); what cannot go there is decoded as `reduced` decodes it.
@@ -35,7 +36,7 @@ from torchvision.transforms import InterpolationMode
 from bigclip.data.aug_cfg import validate_aug_cfg
 from bigclip.data.decode import Jpeg
 from bigclip.data.device_decode import DeviceDecodeTransform, OutputGeometry
-from bigclip.data.pixels import NORMALIZE_AT, Pixels, normalized, resized_crop
+from bigclip.data.pixels import NORMALIZE_AT, Pixels, normalized, resized_crop, resized_region
 from bigclip.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -120,9 +121,10 @@ class ReducedRandomResizedCrop(T.RandomResizedCrop):
         return _central_box(width, height, self.ratio)
 
     def forward(self, image: Image.Image | Jpeg) -> torch.Tensor:
-        """uint8 [3, H, W]. A crop at whole scale is resized by torch (data/pixels.py: a third of PIL's time); one
-        on a DCT-reduced JPEG lands on fractional pixels, which PIL resamples exactly (rounding it to whole reduced
-        pixels shifts the image by up to half of one: measured 3.7 grey levels from full decoding instead of 2)."""
+        """uint8 [3, H, W]. A crop at whole scale is resized by torch (data/pixels.py: a third of PIL's time). One on
+        a DCT-reduced JPEG lands on fractional pixels (rounding it to whole reduced pixels would shift the image by
+        up to half of one: measured 3.7 grey levels from full decoding instead of 2): torch resamples it where each
+        axis has a whole end (resized_region: at 1/2, three axes in four), PIL's resize(box=) where one has not."""
         top, left, height, width = self.box(*image.size)  # the header's size only
         factor = _largest_factor(width, height, self.size[1], self.size[0])
         decoded, scale = decode_reduced(image, factor)
@@ -130,6 +132,10 @@ class ReducedRandomResizedCrop(T.RandomResizedCrop):
             pixels = decoded if isinstance(decoded, torch.Tensor) else T.functional.pil_to_tensor(decoded)
             return resized_crop(pixels, (top, left, height, width), self.size, self.interpolation)
         box = (left * scale, top * scale, (left + width) * scale, (top + height) * scale)
+        if isinstance(decoded, torch.Tensor):
+            resized = resized_region(decoded, box, self.size, self.interpolation)
+            if resized is not None:
+                return resized
         return T.functional.pil_to_tensor(
             _as_pil(decoded).resize((self.size[1], self.size[0]), _PIL_FILTERS[self.interpolation], box=box)
         )
