@@ -424,6 +424,8 @@ def main() -> None:
                                 median = _median_run(ok)
                                 servers.append(f"{side} {median['server_cpu']:.1f} s")
                         notes.append(f"S3 server CPU, whole child run, {mode}/{workers}w: {', '.join(servers)}")
+        if args.bigclip_decode in ("reduced", "full"):
+            notes.append(pixel_difference(paths[0], args.bigclip_decode))
         print()
         for note in notes:
             print(f"- {note}")
@@ -432,6 +434,41 @@ def main() -> None:
         shutil.rmtree(folder, ignore_errors=True)
         if "s3" in args.sources and s3 is not None:
             s3.server.stop()
+
+
+def pixel_difference(shard: str, decode: str) -> str:
+    """What the model sees, bigclip's transform against OpenCLIP's on the same images and random numbers: the first
+    shard's images through each (seed i for image i), the absolute difference of the final tensors in grey levels
+    (x std x 255), averaged per image."""
+    import tarfile
+
+    import open_clip
+    import torch
+    from PIL import Image
+
+    from bigclip.data.decode import decode_rgb
+    from bigclip.data.transforms import image_transform
+
+    mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
+    theirs = open_clip.image_transform(224, is_train=True)
+    ours = image_transform(224, True, mean, std, decode=decode)
+    levels = torch.tensor(std)[:, None, None] * 255
+    per_image, largest = [], 0.0
+    with tarfile.open(shard) as tar:
+        jpegs = [tar.extractfile(m).read() for m in tar if m.name.endswith(".jpg")]
+    for i, data in enumerate(jpegs):
+        torch.manual_seed(i)
+        expected = theirs(Image.open(io.BytesIO(data)).convert("RGB"))
+        torch.manual_seed(i)
+        apart = (decode_rgb(io.BytesIO(data), ours) - expected).abs() * levels
+        per_image.append(apart.mean().item())
+        largest = max(largest, apart.max().item())
+    per_image.sort()
+    return (
+        f"pixels, bigclip ({decode}) vs OpenCLIP, {len(per_image)} images of the first shard, same random numbers: "
+        f"mean absolute difference {sum(per_image) / len(per_image):.2f} grey levels (per image: median "
+        f"{per_image[len(per_image) // 2]:.2f}, largest {per_image[-1]:.2f}); largest on a pixel {largest:.0f}"
+    )
 
 
 def _median_run(results: list[dict]) -> dict:
