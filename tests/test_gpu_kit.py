@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,6 +77,26 @@ def test_a_parts_own_budget_is_a_flag_and_a_malformed_one_is_refused_in_one_line
         assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
         assert f"--part-s {bad}: expected PART=SECONDS" in proc.stderr
     assert not (tmp_path / "b").exists()  # refused before anything is written
+
+
+def test_every_runtime_dependency_is_carried_to_or_found_on_the_gpu_machine():
+    """prepare.sh's three lists (the wheels it carries, the GPU machine's own packages, those the kit never imports)
+    name every runtime dependency bigclip installs: one missing from them would fail every part of the kit on the
+    GPU machine, which has no network to fetch it."""
+    text = open(os.path.join(KIT, "prepare.sh")).read()
+
+    def names(found: str) -> set[str]:
+        return {re.sub(r"[-_.]+", "-", name).lower() for name in re.findall(r"[A-Za-z0-9_.-]+", found)}
+
+    pinned = re.sub(r"#.*", "", re.search(r"^pinned=\((.*?)^\)", text, re.M | re.S)[1])  # comments out
+    carried = names(" ".join(re.findall(r"([A-Za-z0-9_.-]+)==", pinned)))
+    present = names(re.search(r'^present="(.*?)"', text, re.M | re.S)[1])
+    not_carried = names(re.search(r'^not_carried="(.*?)"', text, re.M)[1])
+    pyproject = open(os.path.join(REPO, "pyproject.toml")).read()
+    dependencies = re.search(r"^dependencies = \[(.*?)^\]", pyproject, re.M | re.S)[1]
+    required = names(" ".join(re.findall(r'^\s*"([A-Za-z0-9_.-]+)', dependencies, re.M)))
+    assert {"torch", "simplejpeg", "webdataset"} <= required
+    assert required - carried - present - not_carried == set()
 
 
 @pytest.mark.slow  # it downloads the wheels from the package registry

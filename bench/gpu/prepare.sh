@@ -8,8 +8,8 @@
 #
 # The GPU machine's image has torch, triton, timm, numpy, pyyaml, pillow, scikit-learn, tensorboard,
 # safetensors, huggingface_hub, requests, regex, tqdm, einops, msgpack, psutil, py-cpuinfo, ninja, packaging
-# (see docs/benchmarks.md, "GPU"; `present` below). Not carried: s3fs and wandb (imported only for s3:// paths and
-# --report-to wandb, which the kit does not use).
+# (see docs/benchmarks.md, "GPU"; `present` below). Not carried: `not_carried` below. Every runtime dependency in
+# pyproject.toml is in one of the three lists (tests/test_gpu_kit.py checks it).
 set -euo pipefail
 cd "$(dirname "$0")"
 out="$PWD/wheels"
@@ -20,6 +20,7 @@ pinned=(
     deepspeed==0.19.8 hjson==3.1.0                           # the ZeRO engines
     pydantic==2.12.5 pydantic_core==2.41.5 annotated-types==0.7.0 typing-inspection==0.4.2  # DeepSpeed's config
     torchao==0.18.0                                          # --opt adamw8bit, bf16 stochastic rounding
+    simplejpeg==1.9.0                                        # the loaders' JPEG decoder (data/decode.py)
 )
 limit_mib=48  # a device call carries 64 MiB with the tree; the tree itself is a few MiB
 rm -rf "$out" && mkdir -p "$out"
@@ -42,6 +43,7 @@ n=$(ls "$out"/*.whl | wc -l)
 # as read off the machine in 2026-11).
 present="torch torchvision triton timm numpy pyyaml pillow scikit-learn tensorboard safetensors huggingface-hub
 requests urllib3 regex tqdm einops msgpack psutil py-cpuinfo ninja packaging typing-extensions fsspec matplotlib"
+not_carried="s3fs wandb"  # imported only for s3:// paths and --report-to wandb, which the kit does not use
 "$py" - "$out" $present <<'PY' || exit 1
 import re, sys, zipfile, pathlib
 out, present = pathlib.Path(sys.argv[1]), {p.lower().replace("_", "-") for p in sys.argv[2:]}
