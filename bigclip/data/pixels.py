@@ -103,12 +103,16 @@ def _anchored(start: float, end: float, length: int) -> tuple[int, int, bool] | 
     return None
 
 
-def normalized(pixels: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+def normalized(
+    pixels: torch.Tensor, mean: Sequence[float], std: Sequence[float], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """uint8 [3, H, W] (or a batch [B, 3, H, W]) -> contiguous float32 (x / 255 - mean) / std, as ToTensor then
-    Normalize make it (to float32 rounding: within 5e-7), in one pass: x * (1 / (255 std)) - mean / std. Five
-    passes (convert, scale, subtract, divide, make contiguous) cost 0.43 ms an image at 224 px here, this one 0.12."""
+    Normalize make it (to float32 rounding: within 5e-7), in one pass: x * (1 / (255 std)) - mean / std, written into
+    `out` if given. Five passes (convert, scale, subtract, divide, make contiguous) cost 0.43 ms an image at 224 px
+    here, this one 0.12."""
     bias, scale = _affine(tuple(mean), tuple(std), pixels.device)
-    out = torch.empty(pixels.shape, dtype=torch.float32, device=pixels.device)
+    if out is None:
+        out = torch.empty(pixels.shape, dtype=torch.float32, device=pixels.device)
     return torch.addcmul(bias, pixels, scale, out=out)
 
 
@@ -143,9 +147,8 @@ def normalized_batch(images: list[Pixels]) -> torch.Tensor:
         out = torch.empty(0).new(storage).view(shape)
     else:
         out = torch.empty(shape)
-    bias, scale = _affine(first.mean, first.std, first.pixels.device)
     for slot, image in zip(out, images, strict=True):
-        torch.addcmul(bias, image.pixels, scale, out=slot)
+        normalized(image.pixels, image.mean, image.std, out=slot)
     return out
 
 
