@@ -92,7 +92,7 @@ def assert_matches(got, ref, feature_dtype=torch.float32, rtol: float = RTOL, wh
 
 
 def test_public_names():
-    assert LOSS_IMPLS == ("auto", "naive", "chunked", "triton")
+    assert LOSS_IMPLS == ("auto", "naive", "chunked", "fused", "triton")
     assert CLIP_DIST_IMPLS == ("gather", "ring")
     assert SIGLIP_DIST_IMPLS == ("bidir", "shift", "reduce", "gather")
     assert isinstance(loss_for(False, True, True, "auto", None, 0, 1), ClipLoss)
@@ -118,12 +118,27 @@ def test_bad_flag_values_are_one_clear_line(kwargs, words):
         assert word in message
 
 
-def test_triton_on_cpu_without_interpreter_is_a_user_error(monkeypatch):
+@pytest.mark.parametrize("impl", ["triton", "fused"])
+def test_triton_on_cpu_without_interpreter_is_a_user_error(monkeypatch, impl):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     image, text = unit_features(8, 4, seed=0)
     for siglip in (False, True):
-        with pytest.raises(UserError, match="--loss-impl triton needs CUDA tensors"):
-            loss_for(siglip, False, False, "triton", None, 0, 1)(image, text, torch.tensor(10.0))
+        with pytest.raises(UserError, match=f"--loss-impl {impl} needs CUDA tensors"):
+            loss_for(siglip, False, False, impl, None, 0, 1)(image, text, torch.tensor(10.0))
+
+
+@pytest.mark.parametrize("impl", ["naive", "chunked", "triton"])
+def test_fast_precision_is_refused_where_it_would_do_nothing(impl):
+    from bigclip.loss import LossConfig, check_loss
+
+    with pytest.raises(UserError) as err:
+        check_loss(LossConfig(loss_impl=impl, loss_precision="fast"))
+    assert "\n" not in str(err.value)
+    assert "--loss-precision fast" in str(err.value) and "--loss-impl fused" in str(err.value)
+    check_loss(LossConfig(loss_impl="fused", loss_precision="fast"))
+    check_loss(LossConfig(loss_impl="auto", loss_precision="fast"))
+    with pytest.raises(UserError, match="--loss-precision 'tf32': choose one of exact, fast"):
+        check_loss(LossConfig(loss_impl="fused", loss_precision="tf32"))
 
 
 def test_auto_is_chunked_on_cpu():

@@ -21,6 +21,7 @@ pinned=(
     pydantic==2.12.5 pydantic_core==2.41.5 annotated-types==0.7.0 typing-inspection==0.4.2  # DeepSpeed's config
     torchao==0.18.0                                          # --opt adamw8bit, bf16 stochastic rounding
     simplejpeg==1.9.0                                        # the loaders' JPEG decoder (data/decode.py)
+    inf-cl==1.2.1 siglip-kernel==0.1.2                       # the losses part's peers (Inf-CL, siglip-kernel)
 )
 limit_mib=48  # a device call carries 64 MiB with the tree; the tree itself is a few MiB
 rm -rf "$out" && mkdir -p "$out"

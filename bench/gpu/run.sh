@@ -4,6 +4,7 @@
 #   bash bench/gpu/run.sh OUTDIR                  # on a GPU machine, with bench/gpu/wheels/ carried there
 #   bash bench/gpu/run.sh --smoke OUTDIR          # on CPU at toy sizes (CI runs this)
 #   bash bench/gpu/run.sh --parts engines OUTDIR  # a subset
+#   bash bench/gpu/run.sh tune-losses [--budget-s S]   # bench/gpu/tune_losses.py: the fused loss's plans
 #
 # On a GPU machine the wheels from bench/gpu/prepare.sh are installed into a temporary folder first, with no
 # network and without touching the machine's own packages. Exit status: 0 when every part passed.
@@ -24,5 +25,10 @@ if [ "$smoke" = 0 ]; then
         --target "$site" "${wheels[@]}"
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     export PATH="$site/bin:$PATH"  # deepspeed's own scripts (ds_report)
+fi
+if [ "${1:-}" = tune-losses ]; then
+    shift
+    export PYTHONPATH="$(dirname "$(dirname "$here")"):$(dirname "$here"):$here${PYTHONPATH:+:$PYTHONPATH}"
+    exec "$py" "$here/tune_losses.py" "$@"
 fi
 exec "$py" "$here/suite.py" "$@"

@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 # name -> (seconds on a GPU, seconds in the smoke run, what it measures). Order: cheap and most wanted first.
 PARTS = {
     "env": (45, 60, "machine and versions"),
-    "losses": (110, 90, "Triton / chunked / naive CLIP and SigLIP losses: time, memory, error vs float64"),
+    "losses": (240, 120, "fused / naive / chunked CLIP and SigLIP losses beside Inf-CL and siglip-kernel"),
     "int8": (50, 90, "SwitchBack int8 linears vs bf16 nn.Linear; ViT-H-14 image tower with --use-bnb-linear"),
     "train": (130, 150, "training throughput, bigclip vs open_clip_train, ViT-B-32, batch 256, amp"),
     "engines": (90, 180, "DDP, FSDP2, ZeRO-2, ZeRO-3 on one GPU (NCCL), ViT-L-14: losses and peak memory vs plan"),

@@ -4,9 +4,11 @@
     value = loss(image_features, text_features, logit_scale, logit_bias=None)
 
 --loss names a family registered in LOSSES (loss/family.py; each family's module registers itself and is
-imported here). --loss-impl: naive (OpenCLIP's reference), chunked (exact tiled torch), triton (fused
-kernels), auto (triton on CUDA when Triton imports, chunked elsewhere). --loss-dist-impl: the family's
-exchanges between ranks (gather | ring for CLIP, bidir | shift | reduce | gather for SigLIP).
+imported here). --loss-impl: naive (OpenCLIP's reference), chunked (exact tiled torch), fused (cuBLAS
+chunks + fused Triton kernels, loss/fused.py), triton (fully fused Triton tiles), auto (on CUDA the naive loss
+where measured faster and it fits, fused otherwise; chunked elsewhere). --loss-precision: the fused path's
+arithmetic (exact | fast). --loss-dist-impl: the family's exchanges between ranks (gather | ring for CLIP,
+bidir | shift | reduce | gather for SigLIP).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from bigclip.loss.caption import CaptionLoss
 from bigclip.loss.clip import CLIP, CLIP_DIST_IMPLS, ClipLoss
 from bigclip.loss.distill import DistillClipLoss, TeacherOutputs
 from bigclip.loss.family import LOSSES, LossConfig, LossFamily, check_dist_impl
-from bigclip.loss.select import LOSS_IMPLS, check_impl
+from bigclip.loss.select import LOSS_IMPLS, LOSS_PRECISIONS, check_impl, check_precision
 from bigclip.loss.siglip import SIGLIP_DIST_IMPLS, SigLipLoss
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "check_loss",
     "loss_family",
     "LOSS_IMPLS",
+    "LOSS_PRECISIONS",
     "CLIP_DIST_IMPLS",
     "SIGLIP_DIST_IMPLS",
 ]
@@ -48,6 +51,11 @@ def check_loss(cfg: LossConfig) -> None:
     family offers."""
     family = loss_family(cfg)
     check_impl(cfg.loss_impl)
+    if check_precision(cfg.loss_precision) != "exact" and cfg.loss_impl not in ("fused", "auto"):
+        raise UserError(
+            f"--loss-precision {cfg.loss_precision}: only the fused loss has another arithmetic; use --loss-impl "
+            f"fused (or auto) or drop --loss-precision (--loss-impl {cfg.loss_impl} is always exact)"
+        )
     check_dist_impl(cfg.loss_dist_impl, family)
     if cfg.distill_model is not None and family is not CLIP:
         # OpenCLIP would silently train this model with the CLIP loss instead of its own.

@@ -201,6 +201,20 @@ def _siglip_tile_logits(rows, cols, scale, bias):
     return x, z
 
 
+def _siglip_tile(x, z, rs: slice, cs: slice, diag):
+    """([sum of -log sigmoid(y z), sum of dz * x, sum of dz] in float64, dz) for one tile; dz in z's storage."""
+    # -log sigmoid(-z) = softplus(z) for negatives, softplus(-z) = softplus(z) - z for positives
+    loss = F.softplus(z).sum()
+    positives, _ = _diagonal(z, rs.start, cs.start, diag)
+    if positives is not None:
+        loss = loss - positives.sum()
+    dz = torch.sigmoid_(z)
+    pos, _ = _diagonal(dz, rs.start, cs.start, diag)
+    if pos is not None:
+        pos.sub_(1.0)
+    return torch.stack([loss, torch.linalg.vecdot(dz.flatten(), x.flatten()), dz.sum()]).double(), dz
+
+
 @full_precision
 def siglip_block_sums(
     image: torch.Tensor,
@@ -217,17 +231,37 @@ def siglip_block_sums(
     """
     sums = torch.zeros(3, dtype=torch.float64, device=image.device)
     for rs, cs, rows, cols in _tiles(image, text, tile):
-        x, z = _siglip_tile_logits(rows, cols, scale, bias)
-        # -log sigmoid(-z) = softplus(z) for negatives, softplus(-z) = softplus(z) - z for positives
-        loss = F.softplus(z).sum()
-        dz = torch.sigmoid(z)
-        pos, _ = _diagonal(dz, rs.start, cs.start, diag)
-        if pos is not None:
-            loss = loss - _diagonal(z, rs.start, cs.start, diag)[0].sum()
-            pos.sub_(1.0)
-        tile_sums = torch.stack([loss, torch.linalg.vecdot(dz.flatten(), x.flatten()), dz.sum()])
-        sums += tile_sums.double()
+        sums += _siglip_tile(*_siglip_tile_logits(rows, cols, scale, bias), rs, cs, diag)[0]
     return sums
+
+
+@full_precision
+def siglip_block_sums_and_grads(
+    image: torch.Tensor,
+    text: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    diag: int | None,
+    coef: torch.Tensor,
+    need_image: bool = True,
+    need_text: bool = True,
+    tile: int | None = None,
+):
+    """`siglip_block_sums` and `siglip_block_grads` from one pass over the tiles: (sums, d_image, d_text).
+
+    A training step's forward pass computes the gradients at once, one tile matmul fewer than recomputing
+    the tiles in backward.
+    """
+    sums = torch.zeros(3, dtype=torch.float64, device=image.device)
+
+    def tile_grads(rows, cols, rs, cs):
+        tile_sums, dz = _siglip_tile(*_siglip_tile_logits(rows, cols, scale, bias), rs, cs, diag)
+        sums.add_(tile_sums)
+        dz.mul_(coef)
+        return dz, dz
+
+    d_image, d_text = _feature_grads(image, text, scale, need_image, need_text, tile, tile_grads)
+    return sums, d_image, d_text
 
 
 @full_precision

@@ -122,8 +122,8 @@ def check_features(image: torch.Tensor, text: torch.Tensor) -> None:
 class ClipLoss(nn.Module):
     """CLIP loss with OpenCLIP's flags and an implementation switch.
 
-    impl: naive | chunked | triton | auto. dist_impl (fused paths only; naive always uses
-    OpenCLIP's all-gather): gather | ring.
+    impl: naive | chunked | fused | triton | auto. dist_impl (tiled paths only; naive always uses
+    OpenCLIP's all-gather): gather | ring. precision: the fused path's (exact | fast).
     """
 
     def __init__(
@@ -134,6 +134,7 @@ class ClipLoss(nn.Module):
         world_size: int = 1,
         impl: str = "auto",
         dist_impl: str | None = None,
+        precision: str = "exact",
     ):
         super().__init__()
         self.local_loss = local_loss
@@ -142,10 +143,16 @@ class ClipLoss(nn.Module):
         self.world_size = world_size
         self.impl = select.check_impl(impl)
         self.dist_impl = check_dist_impl(dist_impl, CLIP)
+        self.precision = select.check_precision(precision)
+
+    def naive_logits(self, batch: int) -> int:
+        """How many logits OpenCLIP's loss builds on this rank for a local batch."""
+        rows = batch * self.world_size
+        return 2 * batch * rows if self.local_loss and self.world_size > 1 else rows * rows
 
     def forward(self, image_features, text_features, logit_scale, logit_bias=None):
         check_features(image_features, text_features)
-        impl = select.resolve_impl(self.impl, image_features)
+        impl = select.resolve_impl(self.impl, image_features, "clip", self.naive_logits(image_features.shape[0]))
         if impl == "naive":
             loss = clip_loss_naive(
                 image_features,
@@ -166,10 +173,10 @@ class ClipLoss(nn.Module):
                 rank=self.rank,
                 world_size=self.world_size,
                 dist_impl=self.dist_impl,
-                backend=select.backend_for(impl),
+                backend=select.backend_for(impl, self.precision),
             )
         else:
-            loss = clip_loss_fused(image_features, text_features, logit_scale, select.backend_for(impl))
+            loss = clip_loss_fused(image_features, text_features, logit_scale, select.backend_for(impl, self.precision))
         if logit_bias is not None:
             # A constant shift leaves every softmax unchanged: the bias gradient is exactly zero,
             # but keeping the bias in the graph spares DDP an "unused parameter" error.
@@ -178,13 +185,15 @@ class ClipLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"impl={self.impl}, dist_impl={self.dist_impl}, local_loss={self.local_loss}, "
+            f"impl={self.impl}, precision={self.precision}, dist_impl={self.dist_impl}, local_loss={self.local_loss}, "
             f"gather_with_grad={self.gather_with_grad}, rank={self.rank}, world_size={self.world_size}"
         )
 
 
 def _build_clip_loss(cfg: LossConfig, rank: int, world_size: int) -> ClipLoss:
-    return ClipLoss(cfg.local_loss, cfg.gather_with_grad, rank, world_size, cfg.loss_impl, cfg.loss_dist_impl)
+    return ClipLoss(
+        cfg.local_loss, cfg.gather_with_grad, rank, world_size, cfg.loss_impl, cfg.loss_dist_impl, cfg.loss_precision
+    )
 
 
 # gather: all-gather features, reduce-scatter gradients; ring: features travel rank to rank.

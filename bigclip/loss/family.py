@@ -17,7 +17,7 @@ from torch import nn
 
 from bigclip.errors import UserError
 from bigclip.flag_fields import LOSS, flag, non_negative_number
-from bigclip.loss.select import LOSS_IMPLS
+from bigclip.loss.select import LOSS_IMPLS, LOSS_PRECISIONS
 from bigclip.registry import Registry
 
 # --loss NAME -> its LossFamily; each family's module registers itself (loss/__init__.py imports them).
@@ -42,7 +42,20 @@ class LossConfig:
         "gather for siglip.",
         LOSS,
     )
-    loss_impl: str = flag("auto", "naive, chunked, triton or auto (new in bigclip).", LOSS, choices=LOSS_IMPLS)
+    loss_impl: str = flag(
+        "auto",
+        "naive, chunked, fused, triton or auto: on a GPU the naive loss where measured faster and it fits, fused "
+        "otherwise; chunked on CPU (new in bigclip).",
+        LOSS,
+        choices=LOSS_IMPLS,
+    )
+    loss_precision: str = flag(
+        "exact",
+        "The fused loss's arithmetic: exact (every result within the chunked loss's bounds) or fast (TF32 for fp32 "
+        "features; bf16 / fp16 dL/dlogits rounded once before its matmuls) (new in bigclip).",
+        LOSS,
+        choices=LOSS_PRECISIONS,
+    )
     coca_contrastive_loss_weight: float = flag(
         1.0, "CoCa: weight of the contrastive term (0 drops it).", LOSS, check=non_negative_number
     )

@@ -12,14 +12,28 @@ from bigclip.errors import UserError
 from bigclip.loss import chunked
 
 # naive: OpenCLIP's reference (materialises the logit matrix); chunked: exact tiled torch code;
-# triton: fused kernels; auto: triton on CUDA tensors when Triton imports, chunked elsewhere.
-LOSS_IMPLS = ("auto", "naive", "chunked", "triton")
+# fused: cuBLAS chunks + fused Triton kernels (bigclip.loss.fused; the GPU default);
+# triton: fully fused Triton tiles (bigclip.loss.triton_tiles: no chunk buffer, slower);
+# auto: on CUDA the naive loss where its logits are few enough to be faster (measured, fused_tuning.json)
+# and fit, the fused path otherwise; chunked on CPU.
+LOSS_IMPLS = ("auto", "naive", "chunked", "fused", "triton")
+# --loss-precision (the fused path's): exact keeps every result within the chunked path's bounds; fast uses
+# TF32 for fp32 features and hands bf16 / fp16 dL/dlogits to the matmuls rounded once.
+LOSS_PRECISIONS = ("exact", "fast")
+# The naive loss holds about four logit matrices at once (logits, softmax, their gradients).
+NAIVE_LIVE_MATRICES = 4
 
 
 def check_impl(impl: str) -> str:
     if impl not in LOSS_IMPLS:
         raise UserError(f"--loss-impl {impl!r}: choose one of {', '.join(LOSS_IMPLS)}")
     return impl
+
+
+def check_precision(precision: str) -> str:
+    if precision not in LOSS_PRECISIONS:
+        raise UserError(f"--loss-precision {precision!r}: choose one of {', '.join(LOSS_PRECISIONS)}")
+    return precision
 
 
 def triton_importable() -> bool:
@@ -31,28 +45,45 @@ def triton_importable() -> bool:
     return True
 
 
-def resolve_impl(impl: str, features: torch.Tensor) -> str:
-    """The concrete implementation for features on their device: naive, chunked or triton."""
+def naive_fits(logits: int, features: torch.Tensor) -> bool:
+    """Whether the naive loss's logit matrices take at most half the GPU memory free now."""
+    free, _ = torch.cuda.mem_get_info(features.device)
+    return NAIVE_LIVE_MATRICES * logits * features.element_size() <= free // 2
+
+
+def resolve_impl(impl: str, features: torch.Tensor, family: str = "clip", logits: int | None = None) -> str:
+    """The concrete implementation for features on their device: naive, chunked, fused or triton.
+
+    `logits` is how many logits the naive loss would build for this call (auto's choice on a GPU)."""
     if impl == "auto":
-        return "triton" if features.is_cuda and triton_importable() else "chunked"
-    if impl == "triton":
+        if not (features.is_cuda and triton_importable()):
+            return "chunked"
+        from bigclip.loss.fused_tuning import naive_max_logits
+
+        n = logits if logits is not None else features.shape[0] ** 2
+        return "naive" if n <= naive_max_logits(family, features.dtype) and naive_fits(n, features) else "fused"
+    if impl in ("triton", "fused"):
         if not triton_importable():
-            raise UserError("--loss-impl triton needs the 'triton' package; install it or use --loss-impl chunked.")
+            raise UserError(f"--loss-impl {impl} needs the 'triton' package; install it or use --loss-impl chunked.")
         from bigclip.loss.triton_tiles import triton_interpreted  # imports triton, which is known to import now
 
         if not features.is_cuda and not triton_interpreted():
             raise UserError(
-                "--loss-impl triton needs CUDA tensors (or TRITON_INTERPRET=1 for the slow CPU interpreter); "
+                f"--loss-impl {impl} needs CUDA tensors (or TRITON_INTERPRET=1 for the slow CPU interpreter); "
                 "use --loss-impl chunked on CPU."
             )
     return impl
 
 
-def backend_for(impl: str):
-    """The module offering the four block primitives for a fused implementation (chunked or triton).
+def backend_for(impl: str, precision: str = "exact"):
+    """The object offering the block primitives for a tiled implementation (chunked, fused or triton).
 
-    The Triton backend is imported here, on first use, so that Triton stays optional.
+    The Triton backends are imported here, on first use, so that Triton stays optional.
     """
+    if impl == "fused":
+        from bigclip.loss.fused import FusedBackend
+
+        return FusedBackend(precision)
     if impl == "triton":
         from bigclip.loss import triton as triton_backend
 
