@@ -33,7 +33,7 @@ def inf_cl_loss():
     """Inf-CL's loss, both directions of CLIP (its cal_inf_loss is one direction; one process: its flash path)."""
     from inf_cl import cal_inf_loss
 
-    def loss(image, text, scale, bias):
+    def loss(image, text, scale, bias=None):
         return (cal_inf_loss(image, text, scale=scale) + cal_inf_loss(text, image, scale=scale)) / 2
 
     return loss
@@ -72,27 +72,29 @@ def call(loss_fn, family: str, image, text, scale, bias):
     return loss_fn(image, text, scale) if family == "clip" else loss_fn(image, text, scale, bias)
 
 
-def plan(family: str, sizes, smoke: bool) -> list[tuple]:
-    """(n, d, dtype, impl, precision, skip reason or None), every family's rows at one N before the next N."""
-    peer = "inf-cl" if family == "clip" else "siglip-kernel"
+def plan(sizes, smoke: bool) -> list[tuple]:
+    """(family, n, d, dtype, impl, precision, skip reason or None): both families at one N before the next N,
+    siglip-kernel's own published point (B = 65536, D = 768, bf16) after N = 65536, the largest N last."""
     rows = []
     for n in sizes:
-        for dtype in (torch.bfloat16, torch.float32):
-            impls = [("fused", "exact"), ("fused", "fast"), ("naive", None), ("chunked", None), (peer, None)]
-            if n <= 16384:
-                impls.append(("triton", None))  # the fully fused tiles this path replaced, for the record
-            for impl, precision in impls:
-                skip = None
-                if n > 65536 and impl in ("naive", "chunked", "inf-cl"):
-                    skip = "not run: N^2 logits (naive) or minutes a call"
-                elif n > 65536 and dtype == torch.float32 and precision == "exact":
-                    skip = "not run: IEEE fp32 matmuls take ~10 s a call at this N"
-                if smoke and impl in ("inf-cl", "siglip-kernel"):
-                    skip = "not run: CUDA only"
-                rows.append((n, 32 if smoke else 1024, dtype, impl, precision, skip))
-    if family == "siglip" and not smoke:  # siglip-kernel's own published point: B = 65536, D = 768, bf16
-        rows += [(65536, 768, torch.bfloat16, i, p, None) for i, p in
-                 (("fused", "exact"), ("fused", "fast"), ("naive", None), ("siglip-kernel", None))]  # fmt: skip
+        for family in ("clip", "siglip"):
+            peer = "inf-cl" if family == "clip" else "siglip-kernel"
+            for dtype in (torch.bfloat16, torch.float32):
+                impls = [("fused", "exact"), ("fused", "fast"), ("naive", None), ("chunked", None), (peer, None)]
+                if n <= 16384:
+                    impls.append(("triton", None))  # the fully fused tiles this path replaced, for the record
+                for impl, precision in impls:
+                    skip = None
+                    if n > 65536 and impl in ("naive", "chunked", "inf-cl"):
+                        skip = "not run: N^2 logits (naive) or minutes a call"
+                    elif n > 65536 and dtype == torch.float32 and precision == "exact":
+                        skip = "not run: IEEE fp32 matmuls take ~10 s a call at this N"
+                    if smoke and impl in ("inf-cl", "siglip-kernel"):
+                        skip = "not run: CUDA only"
+                    rows.append((family, n, 32 if smoke else 1024, dtype, impl, precision, skip))
+        if n == 65536:
+            rows += [("siglip", n, 768, torch.bfloat16, i, p, None) for i, p in
+                     (("fused", "exact"), ("fused", "fast"), ("naive", None), ("siglip-kernel", None))]  # fmt: skip
     return rows
 
 
@@ -108,41 +110,44 @@ def main() -> None:
 
     rec.note(f"fused path's launch plans: {tuning_source()}")
     rec.note(f"bf16 matmuls into fp32 (mm/addmm out_dtype) on this device: {_native_fp32_out(dev.type, dev.index)}")
-    for family in ("clip", "siglip"):
-        refs: dict = {}
-        for n, d, dtype, impl, precision, skip in plan(family, sizes, smoke):
-            fields = dict(family=family, n=n, d=d, dtype=str(dtype).removeprefix("torch."), impl=impl,
-                          precision=precision)  # fmt: skip
-            if skip:
-                rec.row("rows", **fields, ms=skip)
-                continue
-            image, text = features(n, d, dtype, dev)
-            scale = torch.tensor(SCALE[family], device=dev)
-            bias = torch.tensor(BIAS, device=dev) if family == "siglip" else None
-            want_error = n <= 65536
-            if want_error and (n, d, dtype) not in refs:
-                refs.clear()  # one reference alive at a time
-                ref_fn = clip_reference if family == "clip" else siglip_reference
-                constants = (SCALE[family],) if family == "clip" else (SCALE[family], BIAS)
-                refs[(n, d, dtype)] = ref_fn(image, text, *constants)
-            try:
-                loss_fn = make_loss(family, impl, precision, naive)
-                result = measure(loss_fn, family, image, text, scale, bias, dev, smoke)
-            except Exception as e:  # noqa: BLE001 - a failure is a result of its row; the next row runs
-                result = {"ms": "OOM" if is_oom(e) else f"error: {type(e).__name__}: {str(e)[:100]}"}
-            got = result.pop("got", None)
-            flops = (8 if family == "clip" else 6) * n * n * d
-            if isinstance(result.get("ms"), float):
-                result["tflops"] = round(flops / result["ms"] / 1e9, 1)
-                if want_error and got is not None:
-                    result["max_rel_err"] = f"{max_rel_err(got, refs[(n, d, dtype)]):.1e}"
-            rec.row("rows", **fields, **result)
-            del image, text
-            free_memory()
+    refs: dict = {}
+    for family, n, d, dtype, impl, precision, skip in plan(sizes, smoke):
+        fields = dict(family=family, n=n, d=d, dtype=str(dtype).removeprefix("torch."), impl=impl,
+                      precision=precision)  # fmt: skip
+        if skip:
+            rec.row("rows", **fields, ms=skip)
+            continue
+        image, text = features(n, d, dtype, dev)
+        scale = torch.tensor(SCALE[family], device=dev)
+        bias = torch.tensor(BIAS, device=dev) if family == "siglip" else None
+        want_error = n <= 65536
+        case = (family, n, d, dtype)
+        if want_error and case not in refs:
+            refs.clear()  # one reference alive at a time
+            ref_fn = clip_reference if family == "clip" else siglip_reference
+            constants = (SCALE[family],) if family == "clip" else (SCALE[family], BIAS)
+            refs[case] = ref_fn(image, text, *constants)
+        try:
+            loss_fn = make_loss(family, impl, precision, naive)
+            result = measure(loss_fn, family, image, text, scale, bias, dev, smoke)
+        except Exception as e:  # noqa: BLE001 - a failure is a result of its row; the next row runs
+            result = {"ms": "OOM" if is_oom(e) else f"error: {type(e).__name__}: {str(e)[:100]}"}
+        got = result.pop("got", None)
+        flops = (8 if family == "clip" else 6) * n * n * d
+        if isinstance(result.get("ms"), float):
+            result["tflops"] = round(flops / result["ms"] / 1e9, 1)
+            if want_error and got is not None:
+                result["max_rel_err"] = f"{max_rel_err(got, refs[case]):.1e}"
+        rec.row("rows", **fields, **result)
+        del image, text
+        free_memory()
 
 
 def measure(loss_fn, family, image, text, scale, bias, dev, smoke) -> dict:
-    """Median forward + backward ms, peak GiB above the features, and the (loss, d_image, d_text) of one call."""
+    """Median forward + backward ms, peak GiB above the features, and the (loss, d_image, d_text) of one call.
+
+    The first call (compilation, cuBLAS's choices) is the one whose peak is measured; at least three more are
+    timed, up to ten or 1.5 s of them."""
     image.requires_grad_()
     text.requires_grad_()
     out = {}
@@ -153,14 +158,13 @@ def measure(loss_fn, family, image, text, scale, bias, dev, smoke) -> dict:
         loss.backward()
         out["loss"] = loss.detach()
 
-    ms = time_ms(step, dev, warmup=1, repeats=1 if smoke else 10, max_s=2.0)
-    free_memory()
-    image.grad = text.grad = None
     mib = peak_mib(step, dev)
+    got = (out["loss"], image.grad, text.grad)
+    ms = time_ms(step, dev, warmup=0, repeats=1 if smoke else 10, max_s=1.5)
     return {
         "ms": round(ms, 2),
         "peak_gib": None if mib is None else round(mib / 1024, 3),
-        "got": (out["loss"], image.grad, text.grad),
+        "got": got,
     }
 
 
