@@ -11,18 +11,26 @@ from __future__ import annotations
 from bigclip import plan
 from bigclip.dist import World, describe_world
 from bigclip.engine import EngineConfig, StateRecipe, describe_plan, frozen_bytes
+from bigclip.loss import LossConfig
 from bigclip.model.config import ModelConfig
 
 
 def _memory_lines(
-    cfg: EngineConfig, world: World, setup: str, facts: plan.ModelFacts, teacher_bytes: float = 0.0
+    cfg: EngineConfig,
+    world: World,
+    setup: str,
+    facts: plan.ModelFacts,
+    teacher_bytes: float = 0.0,
+    loss: LossConfig | None = None,
 ) -> list[str]:
     recipe = StateRecipe(cfg.precision, cfg.optimizer.opt, cfg.optimizer_in_backward, cfg.ema_decay is not None)
     where = (
         f"memory per GPU ({setup}, {recipe.describe()}, {world.world_size} rank(s), micro-batch {cfg.batch_size}"
         f"{', --grad-checkpointing' if cfg.grad_checkpointing else ''})"
     )
-    parts = plan.peak_parts(setup, facts, world.world_size, recipe, cfg.batch_size, cfg.grad_checkpointing)
+    parts = plan.peak_parts(
+        setup, facts, world.world_size, recipe, cfg.batch_size, cfg.grad_checkpointing, world.device.type, loss
+    )
     if parts is None:
         return [f"{where}: this engine cannot keep the state so"]
     gib = plan.GiB
@@ -30,14 +38,15 @@ def _memory_lines(
     total = parts["peak"] + plan.OVERHEAD_BYTES + teacher_bytes
     teacher = f" + the teacher's weights {teacher_bytes / gib:.1f} GiB" if teacher_bytes else ""
     return [
-        f"{where}: state {parts['state'] / gib:.1f} GiB, activations {parts['activations'] / gib:.1f} GiB, working "
+        f"{where}: state {parts['state'] / gib:.1f} GiB, activations {parts['activations'] / gib:.1f} GiB, "
+        f"contrastive loss {parts['loss'] / gib:.2f} GiB, working "
         f"buffers {parts['working'] / gib:.1f} GiB; peak at {moment} {parts['peak'] / gib:.1f} GiB + "
         f"{plan.OVERHEAD_BYTES / gib:.0f} GiB reserved{teacher} = {total / gib:.1f} GiB"
         + (f" + the {facts.uncounted}'s activations, not estimated" if facts.uncounted else ""),
     ]
 
 
-def report(model: ModelConfig, engine: EngineConfig, world: World) -> list[str]:
+def report(model: ModelConfig, engine: EngineConfig, world: World, loss: LossConfig | None = None) -> list[str]:
     """The lines to print (on rank 0). Collective: every rank must call it."""
     lines = describe_world(world)
     # Every architecture bigclip builds has facts (towers without an activation formula say so themselves).
@@ -53,4 +62,4 @@ def report(model: ModelConfig, engine: EngineConfig, world: World) -> list[str]:
             f"teacher {model.distill_model}: {teacher.params / 1e6:.1f}M parameters, "
             f"{teacher_bytes / plan.GiB:.2f} GiB of weights per GPU (its forward's activations are not estimated)"
         )
-    return lines + _memory_lines(engine, world, setup, facts, teacher_bytes)
+    return lines + _memory_lines(engine, world, setup, facts, teacher_bytes, loss)

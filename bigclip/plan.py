@@ -10,8 +10,9 @@ model and adds the activations.
 Activations per sample (Korthikanti et al. 2022 without dropout and with fused attention, which saves no s×s
 scores): each block stores about s·h·(8 + 2r) values (s tokens, width h, MLP ratio r), 2 bytes each (amp, pure
 bf16) or 4 (fp32). With --grad-checkpointing each block keeps only its s·h-value input, plus one block's full
-activations while it is recomputed. Both towers count; the contrastive loss is chunked (no B×B logits) and is
-ignored here.
+activations while it is recomputed. Both towers count. The contrastive loss counts at the start of the backward
+(bigclip.loss.memory: the implementation --loss-impl auto picks on a GPU for the global batch, or the one named:
+OpenCLIP's naive loss holds four B_global x B_global logit matrices, the fused path a chunk of logits and O(B d)).
 
 The peak (peak_parts) is the larger of the start of the backward (weights, optimizer state, the gradients'
 memory where the engine keeps it between steps, activations, autocast's weight copies) and the optimizer step
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from bigclip.engine import ModelSize, StateRecipe, memory_notes, memory_setups, working_bytes
 from bigclip.engine import state_bytes as engine_state_bytes
 from bigclip.errors import OneLineErrorParser
+from bigclip.loss import LOSS_IMPLS, LOSS_PRECISIONS, LossConfig, check_loss
+from bigclip.loss.memory import chosen_impl, loss_peak_bytes
 from bigclip.model import create_model
 
 GiB = 1024**3
@@ -43,6 +46,7 @@ class ModelFacts(ModelSize):
     # A tower whose activations the arithmetic does not describe (ResNet and timm image towers): its
     # parameters count, its activations do not, so a batch size that "fits" would be a guess.
     uncounted: str | None = None
+    embed_dim: int = 0  # the features' width, which the contrastive loss's memory grows with
 
 
 def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
@@ -63,6 +67,7 @@ def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
         name=name,
         towers=towers,
         uncounted=uncounted,
+        embed_dim=model.embed_dim,
     )
 
 
@@ -92,13 +97,15 @@ def peak_parts(
     batch: int,
     checkpointing: bool,
     device_type: str = "cuda",
+    loss: LossConfig | None = None,
 ) -> dict[str, float] | None:
     """The predicted peak per GPU (bytes; the fixed reserve not included) and its parts, or None where the setup
     cannot keep the state as `recipe` says. The peak is the largest of three moments:
 
     - the start of the backward: weights, optimizer state, the gradients' memory where the engine keeps it between
-      steps (else one block's), all activations, and what the engine keeps from forward to backward (autocast's
-      weight copies, ZeRO-3's gathered parameters);
+      steps (else one block's), all activations, what the engine keeps from forward to backward (autocast's
+      weight copies, ZeRO-3's gathered parameters) and the contrastive loss's peak (`loss`: the flags; default
+      --loss-impl auto, CLIP);
     - the end of the text tower's backward (below);
     - the optimizer step: the whole state, gradients included, and the step's temporaries (stepped in the
       backward: at the end of the text tower's backward, for its largest tensor).
@@ -112,7 +119,8 @@ def peak_parts(
     if not working.gradients_persist:  # the state with one block's gradients instead of all of them
         at_backward = state_bytes(setup, psi, n, dataclasses.replace(recipe, in_backward=True), facts)
     activations = activation_bytes(facts, batch, checkpointing, recipe.activation_bytes)
-    backward = at_backward + activations + working.backward
+    loss_bytes = contrastive_loss_bytes(loss or LossConfig(), facts, n, recipe, batch, device_type)
+    backward = at_backward + activations + working.backward + loss_bytes
     step = kept + working.step
     # When the text tower's backward ends (it runs first: its forward ran last) the image tower's activations are
     # alive, and its largest tensor's gradient (the token embedding's) is in flight; stepped in the backward, that
@@ -127,6 +135,7 @@ def peak_parts(
     return {
         "state": kept,
         "activations": activations,
+        "loss": loss_bytes,
         "working": working.backward + working.step,
         "backward": backward,
         "text_end": text_end,
@@ -135,8 +144,28 @@ def peak_parts(
     }
 
 
+def feature_bytes(recipe: StateRecipe) -> int:
+    """The loss's features: 16-bit under pure bf16, float32 otherwise (amp's F.normalize computes in float32)."""
+    return 2 if recipe.weight_bytes == 2 else 4
+
+
+def contrastive_loss_bytes(
+    loss: LossConfig, facts: ModelFacts, n: int, recipe: StateRecipe, batch: int, device_type: str = "cuda"
+) -> float:
+    """The contrastive loss's peak on one of n ranks for `batch` samples each (bigclip.loss.memory)."""
+    if batch == 0 or not facts.embed_dim:
+        return 0.0
+    return loss_peak_bytes(loss, batch, n, facts.embed_dim, feature_bytes(recipe), device_type)
+
+
 def max_batch(
-    facts: ModelFacts, engine: str, n: int, gpu_bytes: float, checkpointing: bool, recipe: StateRecipe | str = "amp"
+    facts: ModelFacts,
+    engine: str,
+    n: int,
+    gpu_bytes: float,
+    checkpointing: bool,
+    recipe: StateRecipe | str = "amp",
+    loss: LossConfig | None = None,
 ) -> int | None:
     """The largest micro-batch per GPU whose predicted peak fits; None when a tower's activations are not counted
     or the setup cannot keep the state as `recipe` says."""
@@ -144,9 +173,9 @@ def max_batch(
     room = gpu_bytes - OVERHEAD_BYTES
 
     def fits(batch: int) -> bool:
-        return peak_parts(engine, facts, n, recipe, batch, checkpointing)["peak"] <= room
+        return peak_parts(engine, facts, n, recipe, batch, checkpointing, loss=loss)["peak"] <= room
 
-    if facts.uncounted or peak_parts(engine, facts, n, recipe, 0, checkpointing) is None:
+    if facts.uncounted or peak_parts(engine, facts, n, recipe, 0, checkpointing, loss=loss) is None:
         return None
     if not fits(0):
         return 0
@@ -169,7 +198,9 @@ RECIPES = tuple(
 )
 
 
-def fitting_setups(facts: ModelFacts, n: int, gpu_bytes: float, batch: int) -> list[tuple[float, str, StateRecipe]]:
+def fitting_setups(
+    facts: ModelFacts, n: int, gpu_bytes: float, batch: int, loss: LossConfig | None = None
+) -> list[tuple[float, str, StateRecipe]]:
     """(state bytes, setup, recipe) of every setup on the GPU that fits `batch` samples per GPU with
     --grad-checkpointing, most state first; offload setups (whose GPU holds buffers only) are left out."""
     if facts.uncounted:
@@ -179,7 +210,7 @@ def fitting_setups(facts: ModelFacts, n: int, gpu_bytes: float, batch: int) -> l
         if "offload" in setup or "nvme" in setup:
             continue
         for recipe in RECIPES:
-            parts = peak_parts(setup, facts, n, recipe, batch, True)
+            parts = peak_parts(setup, facts, n, recipe, batch, True, loss=loss)
             if parts is not None and parts["peak"] + OVERHEAD_BYTES <= gpu_bytes:
                 state = parts["state"]
                 fits.append((state, setup, recipe))
@@ -190,10 +221,10 @@ def _gb(x: float) -> str:
     return f"{x / GiB:.1f}"
 
 
-def _fit_lines(facts: ModelFacts, n: int, gpu_mem: list[float], batch: int) -> list[str]:
+def _fit_lines(facts: ModelFacts, n: int, gpu_mem: list[float], batch: int, loss: LossConfig) -> list[str]:
     lines = []
     for mem in gpu_mem:
-        fits = fitting_setups(facts, n, mem * 1e9, batch)
+        fits = fitting_setups(facts, n, mem * 1e9, batch, loss)
         where = f"{batch} samples per GPU with --grad-checkpointing on {n} GPUs of {mem:g} GB"
         if facts.uncounted:
             lines.append(f"{where}: not estimated (the {facts.uncounted}'s activations are not counted)")
@@ -215,13 +246,20 @@ def render(
     batch: int,
     recipe: StateRecipe | str,
     image_size: int | None = None,
+    loss: LossConfig | None = None,
 ) -> str:
     recipe = StateRecipe(recipe) if isinstance(recipe, str) else recipe
+    loss = loss or LossConfig()
     lines = []
     for name in models:
         facts = model_facts(name, image_size)
         act = activation_bytes(facts, batch, False, recipe.activation_bytes)
         act_ckpt = activation_bytes(facts, batch, True, recipe.activation_bytes)
+        loss_line = "; ".join(
+            f"{n} GPUs: {chosen_impl(loss, batch, n, feature_bytes(recipe))} "
+            f"{contrastive_loss_bytes(loss, facts, n, recipe, batch) / GiB:.2f} GiB"
+            for n in gpus
+        )
         lines += [
             f"## {name}: {facts.params / 1e9:.2f}B parameters (largest block "
             f"{facts.block_params / 1e6:.0f}M, outside blocks {facts.root_params / 1e6:.0f}M), "
@@ -229,6 +267,9 @@ def render(
             "",
             f"Activations for {batch} samples per GPU: {_gb(act)} GiB, with --grad-checkpointing {_gb(act_ckpt)} GiB"
             + (f" (not counting the {facts.uncounted}: no batch size is suggested)." if facts.uncounted else "."),
+            "",
+            f"Contrastive loss per GPU at {batch} samples per GPU (--loss-impl {loss.loss_impl}, "
+            f"{'siglip' if loss.siglip or loss.loss == 'siglip' else loss.loss}): {loss_line}.",
             "",
             "State per GPU (GiB) = parameters + gradients + optimizer state; then the largest "
             f"micro-batch per GPU whose peak (peak_parts: the backward's or the optimizer step's) fits "
@@ -251,11 +292,11 @@ def render(
             fits = []
             for mem in gpu_mem:
                 gpu_bytes = mem * 1e9
-                a = max_batch(facts, engine, gpus[0], gpu_bytes, False, recipe)
-                b = max_batch(facts, engine, gpus[0], gpu_bytes, True, recipe)
+                a = max_batch(facts, engine, gpus[0], gpu_bytes, False, recipe, loss)
+                b = max_batch(facts, engine, gpus[0], gpu_bytes, True, recipe, loss)
                 fits.append("n/a" if a is None else f"{a} / {b}")
             lines.append(f"| {engine} | " + " | ".join(_gb(x) for x in states) + " | " + " | ".join(fits) + " |")
-        lines += ["", *_fit_lines(facts, gpus[0], gpu_mem, batch), ""]
+        lines += ["", *_fit_lines(facts, gpus[0], gpu_mem, batch, loss), ""]
     for note in memory_notes():  # what each engine says about reading its rows
         lines += [note, ""]
     return "\n".join(lines).rstrip("\n")
@@ -272,7 +313,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--optimizer-in-backward", action="store_true", help="gradients are not kept until the step")
     parser.add_argument("--ema", action="store_true", help="a float32 moving average of the weights (--ema-decay)")
     parser.add_argument("--force-image-size", type=int, default=None)
+    parser.add_argument("--siglip", action="store_true", help="count the SigLIP loss (default: CLIP's)")
+    parser.add_argument("--loss-impl", choices=LOSS_IMPLS, default="auto", help="the loss whose memory counts")
+    parser.add_argument("--loss-precision", choices=LOSS_PRECISIONS, default="exact")
+    parser.add_argument("--loss-dist-impl", default=None, help="the loss's exchange between ranks (its default)")
+    parser.add_argument("--local-loss", action="store_true")
     args = parser.parse_args(argv)
     recipe = StateRecipe(args.precision, args.opt, args.optimizer_in_backward, args.ema)
-    print(render(args.model, args.gpus, args.gpu_mem, args.batch_size, recipe, args.force_image_size))
+    loss = LossConfig(
+        loss="siglip" if args.siglip else "clip",
+        siglip=args.siglip,
+        loss_impl=args.loss_impl,
+        loss_precision=args.loss_precision,
+        loss_dist_impl=args.loss_dist_impl,
+        local_loss=args.local_loss,
+    )
+    check_loss(loss)
+    print(render(args.model, args.gpus, args.gpu_mem, args.batch_size, recipe, args.force_image_size, loss))
     return 0

@@ -66,7 +66,7 @@ def run(cfg: TrainConfig, local_rank: int | None = None) -> int:
     world = join_world(cfg.sections.dist, local_rank)
     try:
         if cfg.dry_run:
-            lines = dry_run.report(cfg.sections.model, cfg.sections.engine, world)
+            lines = dry_run.report(cfg.sections.model, cfg.sections.engine, world, cfg.sections.loss)
             if world.is_main:
                 print("\n".join(lines), flush=True)
             return 0

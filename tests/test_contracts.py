@@ -242,7 +242,7 @@ LAZY_IMPORTS = {
     "bigclip.ckpt.deepspeed_staging": "imports DeepSpeed at module level (its checkpoint-engine subclass)",
     "triton": "optional: CPU-only installs have none",
     "bigclip.loss.triton": "imports Triton at module level",
-    "bigclip.loss": "the Triton loss backend, imported by name on first use (loss/select.py)",
+    "bigclip.loss": "the Triton loss backends (fused, triton), imported by name on first use (loss/select.py)",
     "bigclip.model": "the Triton SwitchBack kernels, imported on first CUDA use (model/switchback.py)",
     "wandb": "seconds to import; only --report-to wandb",
     "torch.utils.tensorboard": "seconds to import; only --report-to tensorboard",

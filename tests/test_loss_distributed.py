@@ -187,6 +187,12 @@ def _worker(rank: int, world: int, port: int, mode: str) -> None:
                 check_against_openclip(False, (True, False), "chunked", dist_impl)
             for dist_impl in ("bidir", "shift"):
                 check_against_global(True, (False, False), "chunked", dist_impl)
+                check_against_openclip(True, (False, False), "chunked", dist_impl)  # ranks' weights differ
+        elif mode == "overlap":
+            _check_transfers_overlap_blocks(rank, world, loss_for, unit_features)
+            for dist_impl in ("bidir", "shift"):  # four ranks: bidir's odd last step
+                check_against_global(True, (False, False), "chunked", dist_impl)
+                check_against_openclip(True, (False, False), "chunked", dist_impl)
         elif mode == "triton":
             for dist_impl in ("gather", "ring"):
                 check_against_global(False, (True, True), "triton", dist_impl)
@@ -199,12 +205,57 @@ def _worker(rank: int, world: int, port: int, mode: str) -> None:
         shutdown()  # frees the DDP wrappers of _check_ddp_step before the process group goes
 
 
+def _check_transfers_overlap_blocks(rank, world, loss_for, unit_features) -> None:
+    """The ring and neighbour exchanges post the next transfer before computing the current block: every block
+    but those of the last transfer is computed while a transfer is in flight (the last one for shift and the CLIP
+    ring, forward and backward; for bidir the two of its last pair, or the last one after an odd shift)."""
+    import bigclip.loss.chunked as chunked
+    from bigclip.loss import distributed
+
+    seen: list[tuple[str, int]] = []
+
+    def recording(name, fn):
+        def wrapper(*args, **kwargs):
+            seen.append((name, distributed.transfers_in_flight()))
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    image, text = unit_features(BATCH, DIM, seed=rank)
+    scale, bias = torch.tensor(9.0), torch.tensor(-4.0)
+    for siglip, dist_impl in ((True, "shift"), (True, "bidir"), (False, "ring")):
+        seen.clear()
+        loss = loss_for(siglip, True, True, "chunked", dist_impl, rank, world)
+        backend = chunked
+        names = ("siglip_block_sums_and_grads",) if siglip else ("clip_block_stats", "clip_block_grads")
+        saved = {n: getattr(backend, n) for n in names}
+        try:
+            for n in names:
+                setattr(backend, n, recording(n, saved[n]))
+            i, t = image.clone().requires_grad_(), text.clone().requires_grad_()
+            loss(i, t, scale.clone().requires_grad_(), bias.clone().requires_grad_() if siglip else None).backward()
+        finally:
+            for n in names:
+                setattr(backend, n, saved[n])
+        last = 2 if dist_impl == "bidir" and (world - 1) % 2 == 0 else 1
+        for n in names:
+            in_flight = [count for name, count in seen if name == n]
+            assert len(in_flight) == world, (dist_impl, n, seen)  # one block per rank's texts
+            assert all(count > 0 for count in in_flight[:-last]), (dist_impl, n, in_flight)
+        assert distributed.transfers_in_flight() == 0  # every transfer was waited for
+
+
 def test_two_ranks_all_variants_chunked():
     _run(2, "full")
 
 
 def test_three_ranks_ring_and_exchanges():
     _run(3, "odd_world")
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_exchanges_overlap_the_blocks(world):
+    _run(world, "overlap")
 
 
 def test_two_ranks_triton_interpreted():

@@ -22,15 +22,19 @@ def test_the_peak_is_the_backward_or_the_step_whichever_is_larger():
     fp32, amp = StateRecipe("fp32"), StateRecipe("amp")
     # DDP keeps its gradient buckets between steps: the backward starts with the whole state beside the activations
     ddp = peak_parts("ddp", facts, 8, fp32, batch, False, "cpu")
-    assert ddp["backward"] == state_bytes("ddp", psi, 8, fp32, facts) + activation_bytes(facts, batch, False, 4)
+    assert ddp["backward"] == (
+        state_bytes("ddp", psi, 8, fp32, facts) + activation_bytes(facts, batch, False, 4) + ddp["loss"]
+    )
     # fp32 activations are twice the 16-bit ones; amp keeps a bf16 copy of every weight through the backward
     assert activation_bytes(facts, batch, False, 4) == 2 * activation_bytes(facts, batch, False, 2)
     amp_ddp = peak_parts("ddp", facts, 8, amp, batch, False, "cpu")
-    assert amp_ddp["backward"] == state_bytes("ddp", psi, 8, amp, facts) + amp_ddp["activations"] + 2 * psi
+    assert amp_ddp["backward"] == (
+        state_bytes("ddp", psi, 8, amp, facts) + amp_ddp["activations"] + 2 * psi + amp_ddp["loss"]
+    )
     # FSDP2 frees the gradients after each step: its backward starts with one block's gradient shards
     fsdp = peak_parts("fsdp", facts, 8, fp32, batch, False, "cpu")
     one_block = state_bytes("fsdp", psi, 8, dataclasses.replace(fp32, in_backward=True), facts)
-    assert fsdp["backward"] == one_block + fsdp["activations"]
+    assert fsdp["backward"] == one_block + fsdp["activations"] + fsdp["loss"]
     # torch's AdamW on CUDA (multi-tensor) builds a float32 temporary per parameter in the step: with few
     # activations (checkpointing) the step is the peak; on CPU (tensor by tensor) two of the largest tensor
     cuda = peak_parts("fsdp", facts, 1, amp, 1, True, "cuda")

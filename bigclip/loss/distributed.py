@@ -2,9 +2,11 @@
 
 Three groups live here:
 
-1. OpenCLIP's exchanges, used by the naive reference and by the SigLIP loss: all-gather
-   (with or without gradient), all-reduce with gradient, neighbour exchanges (one way and both
-   ways). The gradient a rank receives through a gathered tensor is the sum over ranks.
+1. OpenCLIP's exchanges, used by the naive reference and by the SigLIP loss (`siglip_blocks`):
+   all-gather (with or without gradient), all-reduce with gradient, neighbour exchanges (one way
+   and both ways). The neighbour exchanges are posted before the block that precedes their use
+   (`_PostExchange`), so the texts travel while a block is computed. The gradient a rank receives
+   through a gathered tensor is the sum over ranks.
 
 2. The fused distributed CLIP loss, which never holds a logit matrix larger than a tile:
    - `gather`: all-gather the text features; this rank's images against all texts yields the
@@ -121,41 +123,6 @@ def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
         work.wait()
 
 
-class _NeighbourExchange(torch.autograd.Function):
-    """Send to `to_rank`, receive from `from_rank`; gradients travel back the other way."""
-
-    @staticmethod
-    def forward(ctx, from_rank, to_rank, x):
-        ctx.peers = (from_rank, to_rank)
-        x = x.contiguous()
-        received = torch.empty_like(x)
-        _exchange([(x, to_rank)], [(received, from_rank)])
-        return received
-
-    @staticmethod
-    def backward(ctx, grad):
-        from_rank, to_rank = ctx.peers
-        return None, None, _NeighbourExchange.apply(to_rank, from_rank, grad)
-
-
-class _NeighbourExchangeBidir(torch.autograd.Function):
-    """Send one tensor left and one right; returns (from_right, from_left)."""
-
-    @staticmethod
-    def forward(ctx, left_rank, right_rank, to_left, to_right):
-        ctx.peers = (left_rank, right_rank)
-        to_left, to_right = to_left.contiguous(), to_right.contiguous()
-        from_right, from_left = torch.empty_like(to_left), torch.empty_like(to_right)
-        _exchange([(to_right, right_rank), (to_left, left_rank)], [(from_right, right_rank), (from_left, left_rank)])
-        return from_right, from_left
-
-    @staticmethod
-    def backward(ctx, grad_from_right, grad_from_left):
-        left_rank, right_rank = ctx.peers
-        grads = _NeighbourExchangeBidir.apply(right_rank, left_rank, grad_from_right, grad_from_left)
-        return (None, None) + grads
-
-
 def gather_features(image, text, local_loss: bool, gather_with_grad: bool, rank: int, world_size: int):
     """OpenCLIP's gather_features: (all images, all texts) in rank order."""
     if gather_with_grad:
@@ -170,42 +137,117 @@ def gather_features(image, text, local_loss: bool, gather_with_grad: bool, rank:
     return all_image, all_text
 
 
+class _Transfer:
+    """One batch of point-to-point ops; `wait` gives the received tensors and waits at most once
+    (on gloo a second wait on a finished send or receive blocks forever)."""
+
+    in_flight = 0  # posted and not yet waited for, in this process: what overlaps the compute now
+
+    def __init__(self, works, sent: tuple, received: tuple):
+        self.works, self.sent, self.received = works, sent, received  # the sent tensors must live until sent
+        _Transfer.in_flight += 1
+
+    def wait(self) -> tuple:
+        """The received tensors, once; the transfer lets go of them (and of the sent ones), so a ring that keeps
+        its transfers until `finish` holds no features of ranks it has passed."""
+        if self.works:
+            _Transfer.in_flight -= 1
+        for work in self.works:
+            work.wait()
+        received = self.received
+        self.works, self.sent, self.received = [], (), ()
+        return received
+
+
+def transfers_in_flight() -> int:
+    """Feature transfers posted and not yet waited for (tests check that the compute overlaps them)."""
+    return _Transfer.in_flight
+
+
+class _PostExchange(torch.autograd.Function):
+    """Posts the sends of `tensors` (tensors[k] to to_peers[k]) and the receives of tensors like them (k-th from
+    from_peers[k]) and returns the receive buffers at once: they hold their data once `transfer.wait()` has
+    returned, so whatever runs in between overlaps the transfer. Backward sends each received tensor's gradient
+    back to where it came from and receives the gradients of the sent ones."""
+
+    @staticmethod
+    def forward(ctx, posted: list, to_peers: tuple, from_peers: tuple, *tensors):
+        ctx.peers = (to_peers, from_peers)
+        sent = tuple(t.contiguous() for t in tensors)
+        received = tuple(torch.empty_like(t) for t in sent)
+        ops = [dist.P2POp(dist.isend, t, peer) for t, peer in zip(sent, to_peers)]
+        ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in zip(received, from_peers)]
+        posted.append(_Transfer(dist.batch_isend_irecv(ops), sent, received))
+        return received
+
+    @staticmethod
+    def backward(ctx, *grads):
+        to_peers, from_peers = ctx.peers
+        grads = tuple(g.contiguous() for g in grads)
+        back = tuple(torch.empty_like(g) for g in grads)
+        _exchange(list(zip(grads, from_peers)), list(zip(back, to_peers)))
+        return (None, None, None, *back)
+
+
+def _post(to_peers: tuple, from_peers: tuple, *tensors) -> tuple[_Transfer, tuple]:
+    """(the transfer, its receive buffers): read the buffers only after the transfer's wait()."""
+    posted: list[_Transfer] = []
+    received = _PostExchange.apply(posted, to_peers, from_peers, *tensors)
+    return posted[0], received
+
+
 # ---------------------------------------------------------------------------- SigLIP exchanges
 
 
-def siglip_exchange(block, image, text, logit_scale, logit_bias, rank: int, world_size: int, dist_impl: str):
-    """Sum of the negative-only blocks of this rank's images against every other rank's texts.
+def siglip_blocks(block, image, text, logit_scale, logit_bias, rank: int, world_size: int, dist_impl: str):
+    """This rank's SigLIP loss: its images against its own texts (the positives) plus the negative-only blocks
+    against every other rank's texts, moved by OpenCLIP's exchange `dist_impl`.
 
-    `block(image, text, scale, bias, negative_only)` computes one block's loss; the exchanges
-    carry gradients back to the text features' owners (OpenCLIP's meanings of dist_impl).
+    `block(image, text, scale, bias, negative_only)` computes one block's loss; the exchanges carry gradients
+    back to the text features' owners. bidir and shift post each exchange before the block that precedes its
+    use, so the texts travel while a block is computed (the own block hides the first exchange).
     """
     right, left = (rank + 1) % world_size, (rank - 1 + world_size) % world_size
-    total = 0.0
-
-    def add(other_text):
-        nonlocal total
-        total = total + block(image, other_text, logit_scale, logit_bias, True)
-
+    own = lambda: block(image, text, logit_scale, logit_bias, False)  # noqa: E731
+    others = lambda t: block(image, t, logit_scale, logit_bias, True)  # noqa: E731
+    if world_size == 1:
+        return own()
     if dist_impl == "bidir":
-        to_left = to_right = text
         pairs, odd = divmod(world_size - 1, 2)
-        for _ in range(pairs):
-            from_right, from_left = _NeighbourExchangeBidir.apply(left, right, to_left, to_right)
-            add(from_right)
-            add(from_left)
-            to_left, to_right = from_right, from_left
+        # to_left goes left, to_right goes right; what arrives is (from_right, from_left)
+        post_pair = lambda to_left, to_right: _post((left, right), (right, left), to_left, to_right)  # noqa: E731
+        post_right = lambda to_right: _post((right,), (left,), to_right)  # noqa: E731
+        upcoming = post_pair(text, text) if pairs else post_right(text)
+        total = own()
+        for i in range(pairs):
+            transfer, (from_right, from_left) = upcoming
+            transfer.wait()
+            if i + 1 < pairs:
+                upcoming = post_pair(from_right, from_left)
+            elif odd:
+                upcoming = post_right(from_left)
+            total = total + others(from_right) + others(from_left)
         if odd:
-            add(_NeighbourExchange.apply(left, right, to_right))
-    elif dist_impl == "shift":
-        to_right = text
-        for _ in range(world_size - 1):
-            to_right = _NeighbourExchange.apply(left, right, to_right)
-            add(to_right)
-    elif dist_impl == "reduce":
+            transfer, (last,) = upcoming
+            transfer.wait()
+            total = total + others(last)
+        return total
+    if dist_impl == "shift":
+        upcoming = _post((right,), (left,), text)
+        total = own()
+        for step in range(world_size - 1):
+            transfer, (current,) = upcoming
+            transfer.wait()
+            if step + 1 < world_size - 1:
+                upcoming = _post((right,), (left,), current)
+            total = total + others(current)
+        return total
+    total = own()
+    if dist_impl == "reduce":
         for source in range(world_size):
             received = _AllReduceWithGrad.apply(text * float(source == rank))
             if source != rank:
-                add(received)
+                total = total + others(received)
             else:
                 # Own block already counted; keep the all-reduce in the graph anyway, since its
                 # backward is a collective every rank must join.
@@ -213,10 +255,158 @@ def siglip_exchange(block, image, text, logit_scale, logit_bias, rank: int, worl
     elif dist_impl == "gather":
         for source, other in enumerate(_AllGatherWithGrad.apply(text).chunk(world_size)):
             if source != rank:
-                add(other)
+                total = total + others(other)
     else:
         raise ValueError(f"unknown SigLIP dist_impl {dist_impl!r}")
     return total
+
+
+class _Visits:
+    """The fused SigLIP loss's walk over every rank's texts (bidir or shift) for one rank's images: each text
+    exchange is posted before the block that precedes its use, and the gradient of each visiting text block is
+    sent straight to its owner while the next block is computed. Holds O(B d): the own texts' gradient, the
+    images' gradient, the texts at hand and in flight."""
+
+    def __init__(self, backend, rank: int, world: int, dist_impl: str):
+        self.backend, self.rank, self.world, self.dist_impl = backend, rank, world, dist_impl
+
+    def schedule(self) -> list[tuple[int, ...]]:
+        """Per exchange, the offsets o of the owners (rank + o) whose texts it brings (OpenCLIP's order)."""
+        if self.dist_impl == "shift":
+            return [(-k,) for k in range(1, self.world)]
+        pairs, odd = divmod(self.world - 1, 2)
+        return [(k, -k) for k in range(1, pairs + 1)] + ([(-(pairs + 1),)] if odd else [])
+
+    def _post_texts(self, offsets: tuple[int, ...], previous: tuple[torch.Tensor, ...], text) -> _Transfer:
+        """Texts of owners rank + o: each arrives from the neighbour on o's side, which passes on what it holds
+        from one step closer to the owner (its own texts at the first step)."""
+        world, rank = self.world, self.rank
+        sends, recvs = [], []
+        for o, held in zip(offsets, previous):
+            toward = 1 if o < 0 else -1  # texts of owners to the left travel right, and the other way
+            sends.append((held, (rank + toward) % world))
+            recvs.append((torch.empty_like(text), (rank - toward) % world))
+        return _post_p2p(sends, recvs)
+
+    def _post_grads(self, offsets: tuple[int, ...], grads: list[torch.Tensor]) -> _Transfer:
+        """Each visiting block's text gradient to its owner; ours from the ranks holding our texts now."""
+        world, rank = self.world, self.rank
+        sends = [(g, (rank + o) % world) for o, g in zip(offsets, grads)]
+        recvs = [(torch.empty_like(g), (rank - o) % world) for o, g in zip(offsets, grads)]
+        return _post_p2p(sends, recvs)
+
+    def run(self, image, text, scale, bias, coef, with_sums: bool, need_image: bool, need_text: bool):
+        """(sums [loss, dz x, dz] over every block, float64; d_image; d_text of this rank's texts), float32."""
+        dev = image.device
+        sums = torch.zeros(3, dtype=torch.float64, device=dev)
+        d_image = torch.zeros(image.shape, device=dev) if need_image else None
+        d_text = torch.zeros(text.shape, device=dev) if need_text else None
+
+        def block(texts, diag):
+            nonlocal sums
+            if with_sums:
+                s, di, dt = self.backend.siglip_block_sums_and_grads(
+                    image, texts, scale, bias, diag, coef, need_image, need_text
+                )
+                sums = sums + s
+            else:
+                di, dt = self.backend.siglip_block_grads(image, texts, scale, bias, diag, coef, need_image, need_text)
+            if need_image:
+                d_image.add_(di)
+            return dt
+
+        steps = self.schedule()
+        text = text.contiguous()
+        texts_in_flight = self._post_texts(steps[0], (text,) * len(steps[0]), text)
+        own = block(text, 0)  # while the first texts travel
+        if need_text:
+            d_text.add_(own)
+        del own  # every name below is dropped once used: what is alive during a block is what the walk needs
+        grads_in_flight = None
+        for k, offsets in enumerate(steps):
+            arrived = texts_in_flight.wait()
+            if k + 1 < len(steps):
+                nxt = steps[k + 1]
+                passed_on = arrived if len(nxt) == len(arrived) else arrived[-1:]  # bidir's odd step passes one on
+                texts_in_flight = self._post_texts(nxt, passed_on, text)
+                del passed_on
+            grads = [block(texts, None) for texts in arrived]
+            del arrived
+            if grads_in_flight is not None:
+                _add_received(d_text, grads_in_flight)
+            grads_in_flight = self._post_grads(offsets, grads) if need_text else None
+            del grads
+        if grads_in_flight is not None:
+            _add_received(d_text, grads_in_flight)
+        return sums, d_image, d_text
+
+
+def _add_received(total: torch.Tensor, transfer: _Transfer) -> None:
+    """Waits for `transfer` and adds what it received into `total`, keeping no reference to it."""
+    for received in transfer.wait():
+        total.add_(received)
+
+
+def _post_p2p(sends: list, recvs: list) -> _Transfer:
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    return _Transfer(dist.batch_isend_irecv(ops), tuple(t for t, _ in sends), tuple(t for t, _ in recvs))
+
+
+class _FusedSigLipExchange(torch.autograd.Function):
+    """The fused SigLIP loss of one rank under bidir or shift (`_Visits`), gradients computed beside the loss.
+
+    Backward scales them by the incoming gradient when every rank's is the same (one all-gather of W numbers);
+    when ranks weigh their losses differently the texts' gradients mix those weights, so they are recomputed in
+    a second walk with this rank's own weight (exact either way)."""
+
+    @staticmethod
+    def forward(ctx, image, text, logit_scale, logit_bias, visits: _Visits):
+        n = image.shape[0]
+        scale = logit_scale.detach().reshape(()).float()
+        bias = None if logit_bias is None else logit_bias.detach().reshape(()).float()
+        need = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        coef = torch.tensor(1.0 / n, device=image.device)
+        if need[0] or need[1]:
+            sums, d_image, d_text = visits.run(image, text, scale, bias, coef, True, *need)
+        else:  # no feature gradients wanted: the sums alone, from the same walk without its gradient sends
+            sums, d_image, d_text = visits.run(image, text, scale, bias, coef, True, False, False)
+        ctx.save_for_backward(image, text, scale, bias, d_image, d_text, (sums[1:] / n).float())
+        ctx.visits = visits
+        ctx.metas = (
+            (logit_scale.shape, logit_scale.dtype),
+            (None if logit_bias is None else (logit_bias.shape, logit_bias.dtype)),
+        )
+        return (sums[0] / n).float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        image, text, scale, bias, d_image, d_text, d_scale_bias = ctx.saved_tensors
+        need = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grads = _grad_outputs(grad)
+        g = grad.float()
+        if need[0] or need[1]:
+            if bool((grads == grads[0]).all()):
+                d_image = None if d_image is None else d_image * g
+                d_text = None if d_text is None else d_text * g
+            else:
+                coef = g / image.shape[0]
+                _, d_image, d_text = ctx.visits.run(image, text, scale, bias, coef, False, *need)
+        (scale_shape, scale_dtype), bias_meta = ctx.metas
+        d_scale = (grad * d_scale_bias[0]).reshape(scale_shape).to(scale_dtype)
+        d_bias = None if bias_meta is None else (grad * d_scale_bias[1]).reshape(bias_meta[0]).to(bias_meta[1])
+        return (
+            None if d_image is None else d_image.to(image.dtype),
+            None if d_text is None else d_text.to(text.dtype),
+            d_scale,
+            d_bias,
+            None,
+        )
+
+
+def siglip_loss_exchanged(image, text, logit_scale, logit_bias, backend, rank: int, world: int, dist_impl: str):
+    """The fused SigLIP loss on `world` ranks with bidir or shift, O(B d) memory per rank."""
+    return _FusedSigLipExchange.apply(image, text, logit_scale, logit_bias, _Visits(backend, rank, world, dist_impl))
 
 
 # ---------------------------------------------------------------------------- fused CLIP
@@ -328,20 +518,6 @@ class _GatherPath(_Path):
         return d_image, None if d_all_text is None else reduce_scatter_rows(d_all_text)
 
 
-class _Transfer:
-    """One batch of point-to-point ops; `wait` gives the received tensors and waits at most once
-    (on gloo a second wait on a finished send or receive blocks forever)."""
-
-    def __init__(self, works, sent: tuple, received: tuple):
-        self.works, self.sent, self.received = works, sent, received  # the sent tensors must live until sent
-
-    def wait(self) -> tuple:
-        for work in self.works:
-            work.wait()
-        self.works, self.sent = [], ()
-        return self.received
-
-
 class _Ring:
     """Shifts tensors one rank to the right (receiving the same shapes from the left).
 
@@ -418,11 +594,12 @@ class _RingPath(_Path):
             )
             if need_image:
                 d_image += d_img_part
+            del d_img_part
             if need_text:
                 if text_grads is not None:
-                    (before,) = text_grads.wait()
-                    d_txt_part = d_txt_part + before
+                    _add_received(d_txt_part, text_grads)
                 text_grads = ring.shift(d_txt_part)
+            del d_txt_part  # the shift holds it until sent; nothing else of this block outlives it
             if upcoming is not None:
                 current, current_lse = upcoming.wait()
         d_text = None

@@ -18,7 +18,8 @@ Precision (`precision`, --loss-precision):
   matmuls (TF32 off whatever torch's global setting); for bf16 / fp16 features G is handed to the matmuls
   as two parts hi + lo in the features' dtype (G to about 2^-16; one more matmul per gradient).
 - "fast": fp32 features use TF32 matmuls; bf16 / fp16 features hand G over rounded once to their dtype
-  (feature gradients about 1.2-1.4x the error of their own final rounding, norm-wise; see docs/losses.md).
+  (feature gradients 1.0-2.8x the error of their own final rounding, norm-wise, up to 6.6x for SigLIP
+  logits near its initial bias; docs/benchmarks.md, "Fused contrastive losses").
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import torch
 
 from bigclip.errors import UserError
 from bigclip.loss import chunked
+from bigclip.loss.fused_tuning import naive_max_logits
 
 # naive: OpenCLIP's reference (materialises the logit matrix); chunked: exact tiled torch code;
 # fused: cuBLAS chunks + fused Triton kernels (bigclip.loss.fused; the GPU default);
@@ -58,8 +59,6 @@ def resolve_impl(impl: str, features: torch.Tensor, family: str = "clip", logits
     if impl == "auto":
         if not (features.is_cuda and triton_importable()):
             return "chunked"
-        from bigclip.loss.fused_tuning import naive_max_logits
-
         n = logits if logits is not None else features.shape[0] ** 2
         return "naive" if n <= naive_max_logits(family, features.dtype) and naive_fits(n, features) else "fused"
     if impl in ("triton", "fused"):

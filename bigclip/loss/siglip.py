@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from bigclip.loss import select
 from bigclip.loss.clip import check_features
-from bigclip.loss.distributed import mean_grad_across_ranks, siglip_exchange
+from bigclip.loss.distributed import mean_grad_across_ranks, siglip_blocks, siglip_loss_exchanged
 from bigclip.loss.family import LOSSES, LossConfig, LossFamily, check_dist_impl
 
 
@@ -128,19 +128,14 @@ class SigLipLoss(nn.Module):
                 logit_scale = mean_grad_across_ranks(logit_scale)
                 if logit_bias is not None:
                     logit_bias = mean_grad_across_ranks(logit_bias)
-        loss = block(image_features, text_features, logit_scale, logit_bias, False)
-        if self.world_size > 1:
-            loss = loss + siglip_exchange(
-                block,
-                image_features,
-                text_features,
-                logit_scale,
-                logit_bias,
-                self.rank,
-                self.world_size,
-                self.dist_impl,
-            )
-        return loss
+                if self.dist_impl in ("bidir", "shift"):  # one autograd node for the whole walk: O(B d) memory
+                    return siglip_loss_exchanged(
+                        image_features, text_features, logit_scale, logit_bias, backend, self.rank,
+                        self.world_size, self.dist_impl,
+                    )  # fmt: skip
+        return siglip_blocks(
+            block, image_features, text_features, logit_scale, logit_bias, self.rank, self.world_size, self.dist_impl
+        )
 
     def extra_repr(self) -> str:
         return (
