@@ -198,6 +198,11 @@ def _worker(rank: int, world: int, port: int, mode: str) -> None:
                 check_against_global(False, (True, True), "triton", dist_impl)
                 check_against_openclip(False, (False, False), "triton", dist_impl)
             check_against_global(True, (False, False), "triton", "bidir")
+            for dist_impl in ("gather", "ring"):  # the fused path (cuBLAS chunks + Triton kernels) across ranks
+                check_against_global(False, (True, True), "fused", dist_impl)
+                check_against_openclip(False, (True, False), "fused", dist_impl)
+            for dist_impl in ("bidir", "gather"):
+                check_against_openclip(True, (False, False), "fused", dist_impl)
         dist.barrier()
     finally:
         from bigclip.dist import shutdown

@@ -31,9 +31,8 @@ import torch
 import triton
 
 from bigclip.loss import fused_kernels as k
-from bigclip.loss.fused_tuning import LaunchPlan, launch_plan
+from bigclip.loss.fused_tuning import PRECISIONS, LaunchPlan, launch_plan
 
-PRECISIONS = ("exact", "fast")
 _LOW = (torch.bfloat16, torch.float16)
 
 
@@ -70,6 +69,7 @@ class _Matmuls:
 
     def __init__(self, image: torch.Tensor, text: torch.Tensor, precision: str):
         dev = image.device
+        self.device_type = dev.type
         self.low = image.dtype in _LOW
         self.native = self.low and _native_fp32_out(dev.type, dev.index)
         self.upcast = self.low and not self.native
@@ -77,12 +77,14 @@ class _Matmuls:
         self.text = text.float() if self.upcast else text
 
     @contextlib.contextmanager
-    def fp32_mode(self):
-        """TF32 on or off for fp32 matmuls, as the precision says, whatever torch's global setting is."""
+    def arithmetic(self):
+        """The precision's arithmetic whatever the caller's: no autocast (which would run the fp32 matmuls in 16
+        bits), TF32 on or off for fp32 matmuls as the precision says, whatever torch's global setting is."""
         before = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = self.tf32
         try:
-            yield
+            with torch.autocast(self.device_type, enabled=False):
+                yield
         finally:
             torch.backends.cuda.matmul.allow_tf32 = before
 
@@ -137,7 +139,7 @@ class FusedBackend:
         row_parts = torch.empty((3, col_blocks, chunk), device=dev)
         col_parts = torch.empty((3, groups, n), device=dev)
         scale = scale.reshape(1).float()
-        with mm.fp32_mode():
+        with mm.arithmetic():
             for i, (r0, r1) in enumerate(_spans(m, chunk)):
                 r = r1 - r0
                 xs = x[:r]
@@ -189,7 +191,7 @@ class FusedBackend:
         scale = scale.reshape(1).float()
         row_lse, col_lse = row_lse.float().contiguous(), col_lse.float().contiguous()
         unit = _unit(torch.stack([(a.abs() + b.abs()).max() for a, b in zip(per_column[::2], per_column[1::2])]))
-        with mm.fp32_mode():
+        with mm.arithmetic():
             for r0, r1 in _spans(m, chunk):
                 r = r1 - r0
                 xs = x[:r]
@@ -223,7 +225,7 @@ class FusedBackend:
         d_text = torch.zeros((n, text.shape[1]), device=dev) if grads and need_text else None
         scale = scale.reshape(1).float()
         bias_t = scale if bias is None else bias.reshape(1).float()
-        with mm.fp32_mode():
+        with mm.arithmetic():
             for r0, r1 in _spans(m, chunk):
                 r = r1 - r0
                 xs = x[:r]

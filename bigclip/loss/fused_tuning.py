@@ -15,6 +15,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
+# The fused path's arithmetics (--loss-precision): exact keeps every result within the chunked path's bounds;
+# fast uses TF32 for fp32 features and hands bf16 / fp16 dL/dlogits to the matmuls rounded once.
+PRECISIONS = ("exact", "fast")
 TUNING_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused_tuning.json")
 
 

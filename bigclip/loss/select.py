@@ -10,7 +10,7 @@ import torch
 
 from bigclip.errors import UserError
 from bigclip.loss import chunked
-from bigclip.loss.fused_tuning import naive_max_logits
+from bigclip.loss.fused_tuning import PRECISIONS, naive_max_logits
 
 # naive: OpenCLIP's reference (materialises the logit matrix); chunked: exact tiled torch code;
 # fused: cuBLAS chunks + fused Triton kernels (bigclip.loss.fused; the GPU default);
@@ -18,9 +18,7 @@ from bigclip.loss.fused_tuning import naive_max_logits
 # auto: on CUDA the naive loss where its logits are few enough to be faster (measured, fused_tuning.json)
 # and fit, the fused path otherwise; chunked on CPU.
 LOSS_IMPLS = ("auto", "naive", "chunked", "fused", "triton")
-# --loss-precision (the fused path's): exact keeps every result within the chunked path's bounds; fast uses
-# TF32 for fp32 features and hands bf16 / fp16 dL/dlogits to the matmuls rounded once.
-LOSS_PRECISIONS = ("exact", "fast")
+LOSS_PRECISIONS = PRECISIONS  # --loss-precision: the fused path's arithmetics (loss/fused_tuning.py)
 # The naive loss holds about four logit matrices at once (logits, softmax, their gradients).
 NAIVE_LIVE_MATRICES = 4
 
