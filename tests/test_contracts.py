@@ -82,6 +82,12 @@ def test_train_state_round_trips_as_one_record():
     [
         ({"fsdp_hybrid": True}, "--fsdp-hybrid: only applies to --engine fsdp (the engine is ddp)"),
         ({"engine": "deepspeed", "fsdp_offload_cpu": True}, "--fsdp-offload-cpu: only applies to --engine fsdp"),
+        ({"fsdp_replicate_degree": 2}, "--fsdp-replicate-degree: only applies to --engine fsdp (the engine is ddp)"),
+        # DDP's and DeepSpeed's own flags, which other engines once ignored silently
+        ({"engine": "fsdp", "ddp_static_graph": True}, "--ddp-static-graph: only applies to --engine ddp"),
+        ({"engine": "deepspeed", "use_bn_sync": True}, "--use-bn-sync: only applies to --engine ddp (the engine is"),
+        ({"zero_nvme_path": "/tmp"}, "--zero-nvme-path: only applies to --engine deepspeed (the engine is ddp)"),
+        ({"engine": "fsdp", "zero_nvme_path": "/tmp"}, "--zero-nvme-path: only applies to --engine deepspeed"),
         ({"sharded_init": "always"}, "--sharded-init always: needs an engine that shards parameters"),
         ({"engine": "nccl"}, "--engine 'nccl': choose one of ddp, fsdp, deepspeed"),
         (
@@ -91,8 +97,32 @@ def test_train_state_round_trips_as_one_record():
     ],
 )
 def test_engines_own_their_flag_rules(flags, message):
-    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
         resolve({"dataset_type": "synthetic", "model": "test-tiny", **flags})
+    assert "\n" not in str(err.value)
+
+
+def test_every_engine_flag_belongs_to_one_engine_and_is_refused_by_the_others():
+    """Each engine's own flags are refused in one line under every other engine (where they would do nothing); no
+    field is claimed by two engines. What they do under their own engine is that engine's tests' business."""
+    from bigclip.engine import ENGINES
+
+    owners = {}
+    for _, cls in ENGINES.items():
+        for name in cls.own_flags:
+            assert name not in owners, (name, owners.get(name), cls.name)
+            owners[name] = cls.name
+    assert set(owners) >= {"ddp_static_graph", "use_bn_sync", "zero_nvme_path", "fsdp_hybrid"}
+    set_to = {"fsdp_replicate_degree": 2, "zero_nvme_path": "/tmp"}
+    engine_flags = {"ddp": {}, "fsdp": {"engine": "fsdp"}, "deepspeed": {"engine": "deepspeed"}}
+    for name, owner in owners.items():
+        value = set_to.get(name, True)
+        for engine, selecting in engine_flags.items():
+            flags = {"dataset_type": "synthetic", "model": "test-tiny", **selecting, name: value}
+            if engine == owner:
+                continue
+            with pytest.raises(UserError, match=f"--{name.replace('_', '-')}: only applies to --engine {owner}"):
+                resolve(flags)
 
 
 def test_deepspeed_json_is_resolved_once_at_validation():

@@ -53,7 +53,14 @@ def check_config(cfg: EngineConfig) -> EngineConfig:
     if cfg.sharded_init not in SHARDED_INIT_MODES:
         raise UserError(f"--sharded-init {cfg.sharded_init!r}: choose one of {', '.join(SHARDED_INIT_MODES)}")
     resolved = None
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     for _, cls in ENGINES.items():
+        if cls is not chosen:
+            for name in cls.own_flags:
+                if getattr(cfg, name) != defaults[name]:
+                    raise UserError(
+                        f"--{name.replace('_', '-')}: only applies to --engine {cls.name} (the engine is {cfg.engine})"
+                    )
         result = cls.check_config(cfg)
         resolved = result if cls is chosen else resolved
     in_backward.check_config(cfg)

@@ -91,6 +91,9 @@ class Engine(abc.ABC):
     name: str = "base"
     help: str = ""  # --engine's help for this name
     selected_by: tuple[str, ...] = ()  # flags (config field names) that select this engine without --engine
+    # EngineConfig fields only this engine honours: given to another engine they are refused in one line (one rule
+    # for every engine, engine/__init__.py's check_config), never silently ignored
+    own_flags: tuple[str, ...] = ()
 
     @classmethod
     def check_config(cls, cfg: EngineConfig) -> object:

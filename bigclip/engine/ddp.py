@@ -23,6 +23,7 @@ from bigclip.errors import UserError
 class DDPEngine(TorchOptimizerEngine):
     name = "ddp"
     help = "torch DistributedDataParallel: every rank holds the whole model and optimizer state"
+    own_flags = ("ddp_static_graph", "use_bn_sync")
 
     @classmethod
     def check_config(cls, cfg: EngineConfig) -> None:

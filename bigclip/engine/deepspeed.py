@@ -151,6 +151,7 @@ class DeepSpeedEngine(Engine):
     name = "deepspeed"
     help = "DeepSpeed ZeRO stages 0-3 and offload, as --ds_config says (ZeRO-2 without one)"
     selected_by = ("ds_config", "deepspeed")  # DeepSpeed's launch lines name a config, not an engine
+    own_flags = ("zero_nvme_path",)
 
     @classmethod
     def check_config(cls, cfg: EngineConfig) -> dict[str, Any] | None:

@@ -101,22 +101,12 @@ class FSDPEngine(TorchOptimizerEngine):
     replicated_state = False  # each rank holds and saves its own shards
     selected_by = ("fsdp",)  # OpenCLIP main's launch lines say --fsdp
 
-    # Flags only this engine honours; under another engine they would silently do nothing.
-    OWN_FLAGS = ("fsdp_offload_cpu", "fsdp_no_reshard_after_forward", "fsdp_hybrid")
+    own_flags = ("fsdp_offload_cpu", "fsdp_no_reshard_after_forward", "fsdp_hybrid", "fsdp_replicate_degree")
 
     @classmethod
     def check_config(cls, cfg: EngineConfig) -> None:
         if not isinstance(cfg.fsdp_replicate_degree, int) or cfg.fsdp_replicate_degree < 1:
             raise UserError(f"--fsdp-replicate-degree {cfg.fsdp_replicate_degree!r}: must be a positive integer")
-        if cfg.engine == cls.name:
-            return
-        for name in cls.OWN_FLAGS:
-            if getattr(cfg, name):
-                raise UserError(
-                    f"--{name.replace('_', '-')}: only applies to --engine fsdp (the engine is {cfg.engine})"
-                )
-        if cfg.fsdp_replicate_degree != 1:
-            raise UserError(f"--fsdp-replicate-degree: only applies to --engine fsdp (the engine is {cfg.engine})")
 
     @classmethod
     def build_model(cls, cfg: EngineConfig, world: World, factory) -> nn.Module:
