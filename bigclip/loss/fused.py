@@ -19,7 +19,7 @@ Precision (`precision`, --loss-precision):
   as two parts hi + lo in the features' dtype (G to about 2^-16; one more matmul per gradient).
 - "fast": fp32 features use TF32 matmuls; bf16 / fp16 features hand G over rounded once to their dtype
   (feature gradients 1.0-2.8x the error of their own final rounding, norm-wise, up to 6.6x for SigLIP
-  logits near its initial bias; docs/benchmarks.md, "Fused contrastive losses").
+  logits near its initial bias; docs/benchmarks.md, GPU section: "the fused contrastive losses").
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 implementation --loss-impl picks (auto as on a GPU), the family, the exchange between ranks, the per-rank batch,
 the world size and the features' width and dtype.
 
-Checked against the GPU kit's measured peaks (docs/benchmarks.md, "Fused contrastive losses"; one rank): the naive
-loss holds four logit matrices (32.25 GiB measured at N = 65536 bf16, 32 GiB here); the fused path a chunk of
-float32 logits, a chunk of G (two parts at exact precision for 16-bit features) and float32 feature gradients
-(1.51 / 1.25 GiB measured at N = 65536 bf16 exact / fast, 1.50 / 1.25 here).
+Checked against the GPU kit's measured peaks (docs/benchmarks.md, GPU section: "the fused contrastive losses";
+one rank; tests/test_loss_memory.py): the naive loss holds four logit matrices (32.25 GiB measured at N = 65536
+bf16, 32 GiB here); the fused path a chunk of float32 logits, a chunk of G (two parts at exact precision for
+16-bit features) and float32 feature gradients (1.51 / 1.25 GiB measured at N = 65536 bf16 exact / fast, 1.50 /
+1.25 here).
 """
 
 from __future__ import annotations
