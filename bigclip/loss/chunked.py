@@ -208,11 +208,17 @@ def _siglip_tile(x, z, rs: slice, cs: slice, diag):
     positives, _ = _diagonal(z, rs.start, cs.start, diag)
     if positives is not None:
         loss = loss - positives.sum()
+    dz = _siglip_dz(z, rs, cs, diag)
+    return torch.stack([loss, torch.linalg.vecdot(dz.flatten(), x.flatten()), dz.sum()]).double(), dz
+
+
+def _siglip_dz(z, rs: slice, cs: slice, diag):
+    """dz = d(-log sigmoid(y z))/dz = sigmoid(z) - [positive], in z's storage."""
     dz = torch.sigmoid_(z)
     pos, _ = _diagonal(dz, rs.start, cs.start, diag)
     if pos is not None:
         pos.sub_(1.0)
-    return torch.stack([loss, torch.linalg.vecdot(dz.flatten(), x.flatten()), dz.sum()]).double(), dz
+    return dz
 
 
 @full_precision
@@ -280,11 +286,7 @@ def siglip_block_grads(
 
     def tile_grads(rows, cols, rs, cs):
         _, z = _siglip_tile_logits(rows, cols, scale, bias)
-        dz = torch.sigmoid_(z)
-        pos, _ = _diagonal(dz, rs.start, cs.start, diag)
-        if pos is not None:
-            pos.sub_(1.0)
-        dz.mul_(coef)
+        dz = _siglip_dz(z, rs, cs, diag).mul_(coef)
         return dz, dz
 
     return _feature_grads(image, text, scale, need_image, need_text, tile, tile_grads)

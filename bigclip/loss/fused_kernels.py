@@ -149,6 +149,14 @@ def _store_split(ptr, lo_ptr, at, g, mask, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _weighted_g(a_ptr, b_ptr, cols, col_ok, unit, p_row, p_col, positive):
+    """a_j P_row + b_j P_col - (a_j + b_j) [positive], with the per-column weights a, b in `unit`s."""
+    a = tl.load(a_ptr + cols, mask=col_ok, other=0.0) * unit
+    b = tl.load(b_ptr + cols, mask=col_ok, other=0.0) * unit
+    return a[None, :] * p_row + b[None, :] * p_col - tl.where(positive, (a + b)[None, :], 0.0)
+
+
+@triton.jit
 def _clip_grads_kernel(
     x_ptr,
     stride_x,
@@ -191,14 +199,10 @@ def _clip_grads_kernel(
         positive = valid & (rows[:, None] < 0)
     at = rows[:, None].to(tl.int64) * N + cols[None, :]
     unit = tl.load(unit_ptr)
-    a = tl.load(a_img_ptr + cols, mask=col_ok, other=0.0) * unit
-    b = tl.load(b_img_ptr + cols, mask=col_ok, other=0.0) * unit
-    g = a[None, :] * p_row + b[None, :] * p_col - tl.where(positive, (a + b)[None, :], 0.0)
+    g = _weighted_g(a_img_ptr, b_img_ptr, cols, col_ok, unit, p_row, p_col, positive)
     _store_split(g_img_ptr, g_img_lo_ptr, at, g, valid, SPLIT)
     if not SAME_WEIGHTS:
-        a = tl.load(a_txt_ptr + cols, mask=col_ok, other=0.0) * unit
-        b = tl.load(b_txt_ptr + cols, mask=col_ok, other=0.0) * unit
-        g = a[None, :] * p_row + b[None, :] * p_col - tl.where(positive, (a + b)[None, :], 0.0)
+        g = _weighted_g(a_txt_ptr, b_txt_ptr, cols, col_ok, unit, p_row, p_col, positive)
         _store_split(g_txt_ptr, g_txt_lo_ptr, at, g, valid, SPLIT)
 
 
