@@ -16,6 +16,8 @@ import zipfile
 import pytest
 from helpers import REPO, subprocess_env
 
+from bigclip.model.switchback import VARIANTS
+
 KIT = os.path.join(REPO, "bench", "gpu")
 PARTS = ("env", "losses", "int8", "train", "engines", "ckpt", "giant", "decode")
 
@@ -48,9 +50,11 @@ def test_smoke_run_reports_every_part_with_its_figures(tmp_path):
         bound = 1e-5 if r["dtype"] == "float32" and r["precision"] != "fast" else 6e-3
         assert float(r["max_rel_err"]) < bound, r
 
-    arms = {r["arm"] for r in tables["int8"]["layers"]}
-    assert {"linear-bf16", "SwitchBackLinearGlobal", "SwitchBackLinearVectorwise"} <= arms
-    assert all(r["int8_matmuls"] == 2 for r in tables["int8"]["layers"] if r["arm"].startswith("SwitchBack"))
+    layers = tables["int8"]["layers"]
+    assert {r["impl"] for r in layers} == {"bf16", *VARIANTS}  # fp8 and torchao's int8 are CUDA-only arms
+    assert all(isinstance(r["ms"], float) and r["speedup_vs_bf16"] > 0 for r in layers), layers
+    assert all(r["int8_matmuls"] == 2 for r in layers if r["impl"].startswith("SwitchBack"))
+    assert {r["impl"] for r in tables["int8"]["tower"]} == {"bf16", *VARIANTS}
 
     runs = tables["train"]["runs"]
     assert {r["trainer"] for r in runs} == {"bigclip", "open_clip_train"}

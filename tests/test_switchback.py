@@ -463,9 +463,25 @@ def _check_triton() -> None:
     big[69, 4096] = 50.0  # the absmax in the last flat block
     for t, c in zip(tri.quantize_global(big), sb.quantize_global(big)):
         assert torch.equal(t, c)
+    # rows held in registers (up to ONE_PASS_MAX) and longer rows (two passes), the edge on both sides
+    for cols in (tri.ONE_PASS_MAX, tri.ONE_PASS_MAX + 1, 1280):
+        x = torch.randn(3, cols, generator=gen, dtype=torch.bfloat16)
+        for t, c in zip(tri.quantize_rowwise(x), sb.quantize_rowwise(x)):
+            assert torch.equal(t, c), cols
+    # the weight's pairs: q and a contiguous q^T from one pass, equal to the torch path's (views there)
+    for shape in [(7, 13), (70, 130), (1, 1), (0, 5)]:
+        w = torch.randn(shape, generator=gen, dtype=torch.bfloat16)
+        q_t, qt_t, s_t = tri.quantize_global_pair(w)
+        q_c, qt_c, s_c = sb.quantize_global_pair(w)
+        assert torch.equal(q_t, q_c) and torch.equal(qt_t, qt_c) and torch.equal(s_t, s_c), shape
+        assert qt_t.is_contiguous() and qt_t.shape == shape[::-1]
+        assert tri.quantize_global_pair(w, transposed=False)[1] is None
+        qt_t, s_t = tri.quantize_columnwise_transposed(w)
+        qt_c, s_c = sb.quantize_columnwise_transposed(w)
+        assert torch.equal(qt_t, qt_c) and torch.equal(s_t, s_c) and qt_t.is_contiguous(), shape
 
     # int8 matmuls: int32 accumulators equal; dequantised float32 equal, bf16/fp16 within 1 ulp
-    for m, k, n in [(7, 13, 5), (1, 1, 1), (65, 130, 70), (3, 200, 129)]:
+    for m, k, n in [(7, 13, 5), (1, 1, 1), (65, 130, 70), (3, 200, 129), (70, 128, 9)]:  # 128: EVEN_K
         a = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8)
         w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
         for b in (w.t(), w.t().contiguous()):
@@ -508,27 +524,36 @@ def _compile_for_cuda() -> None:
 
     import bigclip.model.switchback_triton as tri
 
-    def compile_kernel(kernel, pointers: dict, constexprs: dict, arch: int):
+    def compile_kernel(kernel, pointers: dict, constexprs: dict, arch: int, **options):
         signature = {}
         for name in kernel.arg_names:
             signature[name] = "constexpr" if name in constexprs else pointers.get(name, "i32")
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32))
+        source = ASTSource(kernel, signature, constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
         assert compiled.metadata.shared <= 200 * 1024, (kernel.__name__, compiled.metadata.shared)
         return compiled.asm["ptx"]
 
+    matmul_pointers = dict(a_ptr="*i8", b_ptr="*i8", a_scale_ptr="*fp32", b_scale_ptr="*fp32", bias_ptr="*fp32")
     for arch in (80, 90):
         for dequantize, per_column, bias in [(False, False, False), (True, False, True), (True, True, False)]:
             flags = dict(DEQUANTIZE=dequantize, B_SCALE_PER_COLUMN=per_column, HAS_BIAS=bias, **tri.MATMUL)
-            pointers = dict(a_ptr="*i8", b_ptr="*i8", c_ptr="*bf16" if dequantize else "*i32")
-            pointers.update(a_scale_ptr="*fp32", b_scale_ptr="*fp32", bias_ptr="*fp32")
-            compile_kernel(tri._int8_matmul_kernel, pointers, flags, arch)
+            pointers = dict(matmul_pointers, c_ptr="*bf16" if dequantize else "*i32")
+            for even_k in (False, True):
+                compile_kernel(tri._int8_matmul_kernel, pointers, dict(flags, EVEN_K=even_k), arch)
         for x_type in ("*fp32", "*bf16"):
-            ptx = compile_kernel(
-                tri._quantize_rows_kernel, dict(x_ptr=x_type, q_ptr="*i8", scale_ptr="*fp32"), tri.QUANTIZE_ROWS, arch
-            )
-            assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+            pointers = dict(x_ptr=x_type, q_ptr="*i8", scale_ptr="*fp32")
+            for one_pass, blocks in [(False, tri.QUANTIZE_ROWS), (True, dict(BLOCK_R=4, BLOCK_C=2048))]:
+                ptx = compile_kernel(tri._quantize_rows_kernel, pointers, dict(blocks, ONE_PASS=one_pass), arch)
+                assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
             pointers = dict(x_ptr=x_type, absmax_ptr="*fp32", q_ptr="*i8", scale_ptr="*fp32")
             compile_kernel(tri._quantize_global_kernel, pointers, dict(BLOCK=tri.FLAT_BLOCK), arch)
+            pointers.update(qt_ptr="*i8")
+            compile_kernel(tri._quantize_global_pair_kernel, pointers, dict(tri.PAIR_TILE, WRITE_T=True), arch)
+    # every tile the GPU autotunes over compiles for Hopper within its shared memory
+    for config in tri.MATMUL_CONFIGS:
+        flags = dict(DEQUANTIZE=True, B_SCALE_PER_COLUMN=False, HAS_BIAS=True, EVEN_K=True, **config.kwargs)
+        options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+        compile_kernel(tri._int8_matmul_kernel, dict(matmul_pointers, c_ptr="*bf16"), flags, 90, **options)
         compile_kernel(tri._absmax_blocks_kernel, dict(x_ptr="*bf16", out_ptr="*fp32"), dict(BLOCK=tri.FLAT_BLOCK), 90)
         pointers = dict(q_ptr="*i8", scale_ptr="*fp32", out_ptr="*bf16")
         compile_kernel(tri._dequantize_rows_kernel, pointers, tri.DEQUANTIZE_ROWS, arch)

@@ -28,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 PARTS = {
     "env": (45, 60, "machine and versions"),
     "losses": (240, 120, "fused / naive / chunked CLIP and SigLIP losses beside Inf-CL and siglip-kernel"),
-    "int8": (50, 90, "SwitchBack int8 linears vs bf16 nn.Linear; ViT-H-14 image tower with --use-bnb-linear"),
+    "int8": (240, 90, "SwitchBack int8, fp8 and torchao int8 linears vs bf16 nn.Linear; ViT-H-14 tower with each"),
     "train": (130, 150, "training throughput, bigclip vs open_clip_train, ViT-B-32, batch 256, amp"),
     "engines": (90, 180, "DDP, FSDP2, ZeRO-2, ZeRO-3 on one GPU (NCCL), ViT-L-14: losses and peak memory vs plan"),
     "ckpt": (110, 120, "checkpoint stall: blocked time, step time during an async save, commit time"),

@@ -19,8 +19,9 @@ So `SwitchBackLinear*` makes two int8 matmuls per forward+backward (`INT8_MATMUL
 autograd.Function, the baseline to compare against.
 
 Variants: Global and Vectorwise save the floating X for the weight gradient; GlobalMemEfficient saves the
-int8 X, its row scales and the int8 W instead (1 byte per element instead of 2 or 4) and dequantizes X for
-the weight gradient, which then carries X's quantization error too.
+int8 X and its row scales instead (1 byte per element instead of 2 or 4) and dequantizes X for the weight
+gradient, which then carries X's quantization error too. Every variant saves the int8 W the input gradient
+multiplies by (made in the forward, transposed: W is quantized once per step), not the floating W.
 
 Quantization: per group (row, column or tensor) scale = absmax / 127 in float32 and
 q = round_half_even(x / scale) in [-127, 127]; an all-zero group has scale 0 and q 0 (no division by
@@ -98,8 +99,25 @@ def quantize_columnwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_global(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 in x's shape, one float32 scale as a 0-dim tensor): scale = absmax(x) / 127."""
     x = x.float()
-    scale = _absmax_candidates(x).amax() / 127.0
+    scale = _absmax_candidates(x).amax() / 127.0 if x.numel() else x.new_zeros(())
     return _to_int8(x, scale), scale
+
+
+def quantize_global_pair(
+    x: torch.Tensor, transposed: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(q, q^T or None, scale): `quantize_global` and its transpose, which the input gradient multiplies by.
+    Here q^T is a view (torch._int_mm takes any strides on CPU); the Triton version writes it contiguous,
+    K-major for the GPU's 8-bit tensor cores, in the pass that quantizes x."""
+    q, scale = quantize_global(x)
+    return q, q.t() if transposed else None, scale
+
+
+def quantize_columnwise_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q^T, float32 scale per column of x): `quantize_columnwise` laid out as x^T (a view here; contiguous
+    from the Triton version)."""
+    q, scale = quantize_columnwise(x)
+    return q.t(), scale
 
 
 def dequantize_rowwise(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -138,6 +156,8 @@ class _TorchOps:
     quantize_rowwise = staticmethod(quantize_rowwise)
     quantize_columnwise = staticmethod(quantize_columnwise)
     quantize_global = staticmethod(quantize_global)
+    quantize_global_pair = staticmethod(quantize_global_pair)
+    quantize_columnwise_transposed = staticmethod(quantize_columnwise_transposed)
     dequantize_rowwise = staticmethod(dequantize_rowwise)
     int8_matmul = staticmethod(int8_matmul)
     int8_matmul_dequant = staticmethod(int8_matmul_dequant)
@@ -179,17 +199,24 @@ class _SwitchBackFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, scheme: _Scheme):
         ops = _ops_for(x)
         x2 = x.reshape(-1, x.shape[-1])
+        input_grad = ctx.needs_input_grad[0]
         with _no_autocast(x):
             x_q, x_scale = ops.quantize_rowwise(x2)
+            # W is quantized once per step, here: the int8 copy the input gradient multiplies by (W itself
+            # for dX = G W, stored transposed so that the summed index is contiguous) is made now and saved.
+            # dX[m, k] = sum_n G[m, n] W[n, k]: W's scale must not depend on n, the summed index, so
+            # Vectorwise quantizes W per column k for it; a global scale serves W and W^T alike.
             if scheme.vectorwise:
                 w_q, w_scale = ops.quantize_rowwise(weight)  # per output channel = per column of W^T
+                w_bwd_t, w_bwd_scale = ops.quantize_columnwise_transposed(weight) if input_grad else (None, None)
             else:
-                w_q, w_scale = ops.quantize_global(weight)
+                w_q, w_bwd_t, w_scale = ops.quantize_global_pair(weight, transposed=input_grad)
+                w_bwd_scale = w_scale
             out = _counted_matmul(ops, "forward", x_q, w_q.t(), x_scale, w_scale, bias, x.dtype)
         if scheme.mem_efficient:
-            ctx.save_for_backward(x_q, x_scale, w_q, w_scale)
+            ctx.save_for_backward(x_q, x_scale, w_bwd_t, w_bwd_scale)
         else:
-            ctx.save_for_backward(x2, weight)
+            ctx.save_for_backward(x2, w_bwd_t, w_bwd_scale)
         ctx.scheme = scheme
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -203,19 +230,12 @@ class _SwitchBackFunction(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         with _no_autocast(grad_out):
             if scheme.mem_efficient:
-                x_q, x_scale, w_q, w_scale = ctx.saved_tensors
+                x_q, x_scale, w_bwd_t, w_bwd_scale = ctx.saved_tensors
             else:
-                x2, weight = ctx.saved_tensors
+                x2, w_bwd_t, w_bwd_scale = ctx.saved_tensors
             if ctx.needs_input_grad[0]:
                 g_q, g_scale = ops.quantize_rowwise(g)
-                # dX[m, k] = sum_n G[m, n] W[n, k]: W's scale must not depend on n, the summed index, so
-                # Vectorwise re-quantizes W per column k; a global scale serves W and W^T alike (the
-                # mem-efficient variant reuses the forward's int8 W).
-                if scheme.vectorwise:
-                    w_q, w_scale = ops.quantize_columnwise(weight)
-                elif not scheme.mem_efficient:
-                    w_q, w_scale = ops.quantize_global(weight)
-                grad_x = _counted_matmul(ops, "input_grad", g_q, w_q, g_scale, w_scale, None, ctx.x_dtype)
+                grad_x = _counted_matmul(ops, "input_grad", g_q, w_bwd_t.t(), g_scale, w_bwd_scale, None, ctx.x_dtype)
                 grad_x = grad_x.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 x_float = ops.dequantize_rowwise(x_q, x_scale, g.dtype) if scheme.mem_efficient else x2.to(g.dtype)
