@@ -1,7 +1,7 @@
 """Building what a run trains with, from the typed slices of its config: the model (where the engine wants it
 built, with the weights the flags name), its image transforms and tokenizer, the data, the loss and the engine.
 
-`bigclip train` (train.py), `bigclip eval` (evaluate.py) and the benchmarks in bench/ all build through here,
+`bigclip train` (train.py), `bigclip eval` (commands/eval.py) and the benchmarks in bench/ all build through here,
 so a model or loader is made the same way everywhere.
 """
 
@@ -21,6 +21,7 @@ from bigclip.log import logger
 from bigclip.loss import LossConfig, build_loss
 from bigclip.model import create_model, get_tokenizer, preprocess_cfg
 from bigclip.model.config import ModelConfig
+from bigclip.model.fp8_linear import check_fp8_device
 from bigclip.model.pretrained import model_weights, resolve_pretrained, resolve_pretrained_image, timm_model_name
 from bigclip.model.registry import CONFIG_NAME, is_schema_name
 
@@ -46,6 +47,8 @@ def seed_everything(seed: int) -> None:
 def model_factory(cfg: ModelConfig, world: World):
     """create_model with the run's model flags bound; `factory(device="meta")` for sharding engines. The weights
     are resolved here, once per node; on meta they are checked now and streamed into each rank's shards later."""
+    if cfg.use_fp8_linear is not None:
+        check_fp8_device(world.device)  # also where sharding engines build on meta
     weights = pretrained_weights(cfg, world)
     image_weights = pretrained_image_weights(cfg, world, weights)
 
@@ -58,6 +61,7 @@ def model_factory(cfg: ModelConfig, world: World):
             quick_gelu=cfg.force_quick_gelu,
             layer_scale_init=cfg.layer_scale_init,
             int8_linear=cfg.use_bnb_linear,
+            fp8_linear=cfg.use_fp8_linear,
             pretrained=weights,
             pretrained_image=image_weights or False,
             load_weights=False,  # a local-dir:/hf-hub: model's own weights are resolved here, once per node

@@ -153,8 +153,13 @@ def detect_launch(env: dict[str, str] | None = None, local_rank_arg: int | None 
     return LaunchEnv(0, local_rank_arg or 0, 1, "single")
 
 
+def run_device_type(requested: str) -> str:
+    """The kind of device --device REQUESTED gives this run: cuda where asked for and present, else cpu."""
+    return "cuda" if requested.startswith("cuda") and torch.cuda.is_available() else "cpu"
+
+
 def pick_device(requested: str, local_rank: int, pin_to_local_rank: bool = True) -> torch.device:
-    if requested.startswith("cuda") and torch.cuda.is_available():
+    if run_device_type(requested) == "cuda":
         if ":" in requested:
             return torch.device(requested)
         index = local_rank % torch.cuda.device_count() if pin_to_local_rank else 0

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from bigclip.ckpt.config import CheckpointConfig, check_checkpoint
 from bigclip.data import DataConfig, check_data, check_source
-from bigclip.dist import DistConfig, check_dist
+from bigclip.dist import DistConfig, check_dist, run_device_type
 from bigclip.engine import EngineConfig
 from bigclip.engine import check_config as check_engine_config
 from bigclip.eval import EvalConfig, check_eval
@@ -57,7 +57,7 @@ def slice_of(flags: Any, cls: type[T], **decided: Any) -> T:
 def build_sections(flags: Any) -> Sections:
     """Every component's slice of `flags` (a TrainConfig), each checked by the component that owns it, in the
     order a user reads the flags: the model first, the data, the training, then where state goes."""
-    model_flags = slice_of(flags, ModelConfig, init={})
+    model_flags = slice_of(flags, ModelConfig, init={}, device_type=run_device_type(flags.device))
     check_model(model_flags)
     schedule = slice_of(flags, ScheduleConfig)
     check_schedule(schedule)

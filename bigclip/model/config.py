@@ -8,6 +8,7 @@ from typing import Any
 
 from bigclip.errors import UserError
 from bigclip.flag_fields import MISC, MODEL, TRAIN, flag, optional, positive_int, unit_interval
+from bigclip.model.fp8_linear import FP8_RECIPES, check_fp8_device
 from bigclip.model.pretrained import check_pretrained, check_pretrained_image
 from bigclip.model.registry import get_model_config, is_schema_name, list_models
 from bigclip.model.switchback import SWITCHBACK_VARIANTS
@@ -65,6 +66,13 @@ class ModelConfig:
         TRAIN,
         choices=SWITCHBACK_VARIANTS,
     )
+    use_fp8_linear: str | None = flag(
+        None,
+        "fp8 training (torchao.float8) for the same MLP linear layers as --use-bnb-linear, on GPUs with fp8 "
+        "tensor cores (compute capability 8.9+): tensorwise or rowwise scaling (new in bigclip).",
+        TRAIN,
+        choices=FP8_RECIPES,
+    )
     distill_model: str | None = flag(
         None,
         "Teacher architecture for distillation (OpenCLIP's DistillClipLoss: the CLIP loss plus the cross-entropy "
@@ -83,6 +91,7 @@ class ModelConfig:
     )
     # read here, owned by another slice (its flag is declared there)
     init: dict[str, Any] = field(default_factory=dict)  # the loss family's model_init (init_logit_scale/bias)
+    device_type: str = "cpu"  # where the run trains (--device, and whether a GPU is present): fp8 needs one
 
     @property
     def image_size(self) -> int | tuple[int, int] | None:
@@ -102,6 +111,13 @@ def check_model(cfg: ModelConfig) -> None:
     _check_architecture("--model", cfg.model, cfg.cache_dir)
     if cfg.use_bnb_linear is not None:
         SWITCHBACK_VARIANTS.entry(cfg.use_bnb_linear)
+    if cfg.use_fp8_linear is not None:
+        FP8_RECIPES.entry(cfg.use_fp8_linear)
+        if cfg.use_bnb_linear is not None:
+            raise UserError(
+                "--use-fp8-linear: the MLP linears are int8 already (--use-bnb-linear); choose one of the two"
+            )
+        check_fp8_device(cfg.device_type)
     if cfg.layer_scale_init is not None and (
         isinstance(cfg.layer_scale_init, bool)
         or not isinstance(cfg.layer_scale_init, (int, float))

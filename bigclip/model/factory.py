@@ -15,6 +15,7 @@ import os
 import torch
 
 from bigclip.errors import UserError
+from bigclip.model import fp8_linear as fp8_linear_module
 from bigclip.model import switchback
 from bigclip.model.clip import CLIP, DEFAULT_INIT_LOGIT_SCALE
 from bigclip.model.coca import CoCa
@@ -88,6 +89,16 @@ def use_int8_linears(model: CLIP, variant: str, name: str) -> None:
         raise UserError(f"--use-bnb-linear {variant}: --model {name} has no transformer MLP linear layer to replace")
 
 
+def use_fp8_linears(model: CLIP, recipe: str, name: str) -> None:
+    """Swap the transformer blocks' MLP linears for torchao's Float8Linear (`recipe`) in place, before any engine
+    wraps the model."""
+    if not sum(fp8_linear_module.replace_linears_fp8(block, recipe) for block in model.transformer_blocks()):
+        raise UserError(
+            f"--use-fp8-linear {recipe}: --model {name} has no transformer MLP linear layer whose widths are "
+            f"multiples of 16"
+        )
+
+
 def create_model(
     name: str,
     *,
@@ -99,6 +110,7 @@ def create_model(
     init_logit_bias: float | None = None,
     layer_scale_init: float | None = None,
     int8_linear: str | None = None,
+    fp8_linear: str | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     pretrained: str | os.PathLike | None = None,
@@ -130,6 +142,9 @@ def create_model(
     `int8_linear` (--use-bnb-linear): a SwitchBack variant (switchback.VARIANTS) for the MLP linear layers of
     every transformer block of both towers, OpenCLIP's choice of layers (switchback.py says which). The
     parameters stay nn.Linear's, so weights, checkpoints and exports are unchanged.
+
+    `fp8_linear` (--use-fp8-linear): a torchao.float8 recipe (fp8_linear.FP8_RECIPES) for the same layers;
+    refused on a device without fp8 tensor cores.
     """
     cfg = get_model_config(name, cache_dir)
     tower = image_tower_kind(cfg["vision_cfg"])
@@ -186,6 +201,9 @@ def create_model(
             raise UserError(f"--model {name}: this architecture config cannot be built by bigclip ({err})") from None
         if int8_linear is not None:
             use_int8_linears(model, int8_linear, name)
+        if fp8_linear is not None:
+            fp8_linear_module.check_fp8_device(device)
+            use_fp8_linears(model, fp8_linear, name)
     if pretrained_image and pretrained is None:
         if not isinstance(pretrained_image, (str, os.PathLike)):
             pretrained_image, _ = resolve_pretrained_image(timm_model_name(name, cache_dir), cache_dir)

@@ -6,8 +6,10 @@
 #
 #   launch/experiments/int8_switchback.sh [OUT_DIR] [-- TRAINING FLAGS]
 #
-# With no training flags it trains the embedded digits demo (minutes per arm on a CPU). On a GPU node give the
-# model and data, and a launcher:
+# With no training flags it trains the embedded digits demo (minutes per arm on a CPU). On a GPU the default
+# arms are bf16, each SwitchBack variant and, where the GPU has fp8 tensor cores (compute capability 8.9+),
+# torchao's fp8 (`fp8-tensorwise`, `fp8-rowwise`: --use-fp8-linear); on a CPU, fp32, bf16 and the int8
+# variants. On a GPU node give the model and data, and a launcher:
 #
 #   LAUNCH="torchrun --nproc_per_node 8 launch/train.py --" launch/experiments/int8_switchback.sh runs/int8 -- \
 #       --model ViT-B-32 --train-data '/data/{00000..01000}.tar' --train-num-samples 10000000 ...
@@ -24,8 +26,16 @@ if [ "${1:-}" = "--" ]; then shift; fi
 LAUNCH=${LAUNCH:-python launch/train.py}
 INT8_PRECISION=${INT8_PRECISION:-amp_bf16}
 OPTS=${OPTS:-adamw stableadamw}
-ALL_ARMS="linear-fp32 linear-bf16 SwitchBackLinearGlobal SwitchBackLinearVectorwise SwitchBackLinearGlobalMemEfficient"
-ARMS=${ARMS:-$ALL_ARMS}
+INT8_ARMS="SwitchBackLinearGlobal SwitchBackLinearVectorwise SwitchBackLinearGlobalMemEfficient"
+ALL_ARMS="linear-fp32 linear-bf16 $INT8_ARMS StandardLinear fp8-tensorwise fp8-rowwise"
+# What this machine runs by default: 0 no GPU, 1 a GPU, 2 a GPU with fp8 tensor cores.
+gpu=$(python -c 'import torch; print(0 if not torch.cuda.is_available() else 2 if torch.cuda.get_device_capability() >= (8, 9) else 1)')
+case "$gpu" in
+    0) default_arms="linear-fp32 linear-bf16 $INT8_ARMS" ;;
+    1) default_arms="linear-bf16 $INT8_ARMS" ;;
+    *) default_arms="linear-bf16 $INT8_ARMS fp8-tensorwise fp8-rowwise" ;;
+esac
+ARMS=${ARMS:-$default_arms}
 
 mkdir -p "$out"
 for opt in $OPTS; do
@@ -33,7 +43,8 @@ for opt in $OPTS; do
         case "$arm" in
             linear-fp32) flags=(--precision fp32) ;;
             linear-bf16) flags=(--precision amp_bf16) ;;
-            SwitchBack*) flags=(--precision "$INT8_PRECISION" --use-bnb-linear "$arm") ;;
+            SwitchBack* | StandardLinear) flags=(--precision "$INT8_PRECISION" --use-bnb-linear "$arm") ;;
+            fp8-*) flags=(--precision "$INT8_PRECISION" --use-fp8-linear "${arm#fp8-}") ;;
             *) echo "int8_switchback.sh: unknown arm '$arm'; choose from: $ALL_ARMS" >&2; exit 2 ;;
         esac
         if [ -n "${LAYER_SCALE_INIT-0}" ]; then flags+=(--layer-scale-init "${LAYER_SCALE_INIT-0}"); fi
