@@ -1,5 +1,5 @@
 """8-bit AdamW candidates side by side: torch's AdamW (fp32 moments), torchao's AdamW8bit as bigclip runs it
-(--opt adamw8bit, bigclip/torchao_optim.py) and bitsandbytes' AdamW8bit, on the same model, data and steps.
+(--opt adamw8bit, bigclip/optim/adamw8bit.py) and bitsandbytes' AdamW8bit, on the same model, data and steps.
 
     python bench/optim8bit.py                 # CPU: 4 ViT-B MLP blocks (768 -> 3072 -> 768), 19M parameters
     python bench/optim8bit.py --blocks 12 --device cuda
@@ -36,7 +36,7 @@ def make_optimizer(name: str, params):
     if name == "torch AdamW (fp32 moments)":
         return torch.optim.AdamW(params, **HP)
     if name == "bigclip --opt adamw8bit (torchao)":
-        from bigclip.torchao_optim import AdamW8bit
+        from bigclip.optim.adamw8bit import AdamW8bit
 
         return AdamW8bit(params, **HP)
     import bitsandbytes as bnb

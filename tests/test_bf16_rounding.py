@@ -1,4 +1,4 @@
-"""Stochastic rounding into bf16 weights (bigclip/bf16_rounding.py; --precision pure_bf16): unbiased, and what
+"""Stochastic rounding into bf16 weights (bigclip/optim/bf16_rounding.py; --precision pure_bf16): unbiased, and what
 keeps small updates alive in AdamW, StableAdamW and the 8-bit AdamW, while --bf16-round-to-nearest loses them."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 
-from bigclip import bf16_rounding
 from bigclip.config import resolve
-from bigclip.optim import create_optimizer
+from bigclip.optim import bf16_rounding, create_optimizer
 
 
 def bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
-"""--opt adamw8bit (bigclip/torchao_optim.py, torchao's AdamW8bit): exact checkpoint round trip of its quantized state,
-its state bytes, agreement across one process, DDP and FSDP2 and with fp32 AdamW, resume and reshard, export,
+"""--opt adamw8bit (bigclip/optim/adamw8bit.py, torchao's AdamW8bit): exact checkpoint round trip of its quantized
+state, its state bytes, agreement across one process, DDP and FSDP2 and with fp32 AdamW, resume and reshard, export,
 and the DeepSpeed refusal."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from bigclip import cli
 from bigclip.config import resolve
 from bigclip.errors import UserError
 from bigclip.model import create_model
-from bigclip.torchao_optim import quantize_exactly_
+from bigclip.optim.adamw8bit import quantize_exactly_
 
 
 def _saved_state(signed: bool) -> tuple[OptimState8bit, torch.Tensor]:

@@ -36,7 +36,7 @@ import warnings
 import torch
 from torch.distributed.tensor import DTensor
 
-from bigclip import bf16_rounding
+import bigclip.optim.bf16_rounding as bf16_rounding
 from bigclip.dist import local_shard
 
 # torchao's import registers an Enum with torch's pytree, which logs a deprecation line on every run; and AOT
