@@ -1,5 +1,5 @@
 """Command line: `bigclip [train] FLAGS`, `python -m bigclip`, `python launch/train.py`, and the subcommands
-(eval, models, export, plan, generate). The training flags' parser is in cli_args.py."""
+(bigclip/commands/: one module each, registered in COMMANDS). The training flags' parser is in cli_args.py."""
 
 from __future__ import annotations
 
@@ -7,49 +7,22 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable
 from typing import NoReturn
 
-from bigclip import evaluate, export, generate, plan, report
 from bigclip.ckpt.manager import ABANDONED
 from bigclip.cli_args import build_train_parser, parse_train_args  # noqa: F401  (cli's public names)
+from bigclip.commands import COMMANDS, DEFAULT_COMMAND
+from bigclip.commands import eval as _eval  # noqa: F401  (each command module registers its command)
+from bigclip.commands import export as _export  # noqa: F401
+from bigclip.commands import generate as _generate  # noqa: F401
+from bigclip.commands import models as _models  # noqa: F401
+from bigclip.commands import plan as _plan  # noqa: F401
+from bigclip.commands import report as _report  # noqa: F401
+from bigclip.commands import train as _train  # noqa: F401
 from bigclip.dist import where
 from bigclip.errors import UserError, first_line, user_message
-from bigclip.model import get_model_config, list_models
 from bigclip.preemption import StoppedAfterTraining, StoppedBeforeTraining
 from bigclip.storage_options import redact_urls_in
-from bigclip.train import run
-
-
-def _cmd_models(argv: list[str]) -> int:
-    for name in list_models():
-        cfg = get_model_config(name)
-        print(f"{name:16s} embed_dim={cfg.get('embed_dim')}")
-    return 0
-
-
-def _cmd_train(argv: list[str]) -> int:
-    cfg, launcher = parse_train_args(argv)
-    return run(cfg, local_rank=launcher.get("local_rank"))
-
-
-def _cmd_export(argv: list[str]) -> int:
-    return export.main(argv)
-
-
-def _cmd_plan(argv: list[str]) -> int:
-    return plan.main(argv)
-
-
-SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "train": _cmd_train,
-    "eval": evaluate.main,
-    "models": _cmd_models,
-    "export": _cmd_export,
-    "plan": _cmd_plan,
-    "generate": generate.main,
-    "report": report.main,
-}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,14 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     # Training and eval also keep OpenCLIP's meaning of the flag (debug-level logging); the other
     # subcommands' parsers do not know it.
     debug = "--debug" in argv or os.environ.get("BIGCLIP_DEBUG", "") not in ("", "0")
-    command = _cmd_train
-    if argv and argv[0] in SUBCOMMANDS:
-        command = SUBCOMMANDS[argv.pop(0)]
-    if command not in (_cmd_train, evaluate.main):
+    command = COMMANDS.get(argv.pop(0) if argv and argv[0] in COMMANDS.names() else DEFAULT_COMMAND)
+    if not command.keeps_debug:
         argv = [a for a in argv if a != "--debug"]
     here = where()  # "rank R on HOST" in a multi-process run: which of hundreds of ranks failed, and where
     try:
-        return command(argv)
+        return command.run(argv)
     except UserError as e:
         if debug:
             traceback.print_exc()

@@ -11,17 +11,9 @@ import argparse
 from typing import Any
 
 from bigclip import config as config_mod
+from bigclip.commands import commands_help
 from bigclip.errors import OneLineErrorParser, UserError
 from bigclip.flag_fields import default_of
-
-SUBCOMMANDS_HELP = """subcommands:
-  bigclip [train] FLAGS     train (the default; `python launch/train.py FLAGS` is the same)
-  bigclip eval FLAGS        zero-shot --imagenet-val / --imagenet-v2 of --model [--pretrained], JSON on stdout
-  bigclip models            list the architectures
-  bigclip export CKPT OUT   a checkpoint (directory or URL, any engine) -> OUT.pt / OUT.safetensors
-  bigclip plan [--model M]  memory per GPU under each engine (state, activations, largest batch)
-
-Errors are one line (exit code 2); add --debug to any command (or set BIGCLIP_DEBUG=1) for the traceback."""
 
 
 def _argparse_kwargs(f) -> dict[str, Any]:
@@ -50,7 +42,7 @@ def build_train_parser(prog: str = "bigclip") -> argparse.ArgumentParser:
         prog=prog,
         description="Train CLIP-style image-text models. Flags keep OpenCLIP's names and defaults; with no "
         "data flags the embedded digits demo runs.",
-        epilog=SUBCOMMANDS_HELP,
+        epilog=commands_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     groups: dict[str, argparse._ArgumentGroup] = {}

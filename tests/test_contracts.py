@@ -215,8 +215,8 @@ def test_no_import_cycles_counting_imports_inside_functions():
 
 # docs/architecture.md's layers: what each top-level module or package of bigclip may import.
 FOUNDATION = {
-    "errors", "registry", "flag_fields", "dist", "precision", "optim", "torchao_optim", "bf16_rounding", "schedule",
-    "train_state", "log", "storage_options", "preemption",
+    "errors", "registry", "flag_fields", "dist", "precision", "optim", "schedule", "train_state", "log",
+    "storage_options", "preemption",
 }  # fmt: skip
 COMPONENTS = {"model", "loss", "data", "ckpt"}
 ALLOWED = {
@@ -281,8 +281,8 @@ LAZY_IMPORTS = {
     "huggingface_hub": "only hub downloads (pretrained tags, hf-hub: models, timm trunk weights)",
     "torch.distributed.checkpoint": "DCP's private helpers, guarded by try/except: they may move between releases",
     "transformers": "optional extra, seconds to import; only Hugging Face text towers (hf_model_name)",
-    "torchao": "seconds to import (torch.compile's machinery); only --opt adamw8bit and bf16 stochastic rounding",
-    "bigclip.torchao_optim": "imports torchao at module level",
+    "torchao": "seconds to import (torch.compile's machinery); --opt adamw8bit, bf16 rounding, --use-fp8-linear",
+    "bigclip.optim.adamw8bit": "imports torchao at module level",
     "matplotlib": "optional extra, a second to import; only run reports (bigclip report, report.html)",
 }
 
@@ -331,6 +331,7 @@ def test_no_engine_names_outside_the_engine_package():
 # Slice fields the run sets from another component's decision, not from a flag of the same name.
 DECIDED = {
     ("model", "init"): "the loss family's model_init",
+    ("model", "device_type"): "the kind of device the run trains on (--device and whether a GPU is present)",
     ("engine", "optimizer"): "the optimizer's slice",
     ("engine", "resolved"): "what the chosen engine's check_config returned",
     ("loss", "captioning"): "whether the model captions (CoCa), which the model's config says",

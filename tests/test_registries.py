@@ -25,6 +25,7 @@ from bigclip.errors import UserError
 from bigclip.log import REPORT_TARGETS
 from bigclip.loss import LOSSES, LossFamily
 from bigclip.model import create_model, get_model_config
+from bigclip.model.fp8_linear import FP8_RECIPES
 from bigclip.model.switchback import SWITCHBACK_VARIANTS
 from bigclip.model.towers import IMAGE_TOWERS, ImageTowerKind
 from bigclip.optim import OPTIMIZERS, OptimizerKind
@@ -72,7 +73,8 @@ def test_help_lists_each_registry_with_what_its_names_mean(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps help text
-    for registry in (ENGINES, LOSSES, PRECISIONS, SCHEDULES, OPTIMIZERS, REPORT_TARGETS, SWITCHBACK_VARIANTS):
+    registries = (ENGINES, LOSSES, PRECISIONS, SCHEDULES, OPTIMIZERS, REPORT_TARGETS, SWITCHBACK_VARIANTS, FP8_RECIPES)
+    for registry in registries:
         for name in registry.names():
             assert name in out, name
     assert "SigLIP's sigmoid loss" in out and "FSDP2: parameters, gradients and optimizer state sharded" in out
@@ -231,3 +233,16 @@ def test_recipe_a_schedule_and_an_optimizer(tmp_path):
     record = next(r for r in read_metrics(run_dir) if "loss" in r)
     assert record["lr"] == pytest.approx(0.005)
     assert "plain_sgd" not in OPTIMIZERS and "half" not in SCHEDULES
+
+
+def test_help_lists_exactly_the_subcommands_the_dispatch_runs(capsys):
+    """`bigclip --help` and the dispatch both read COMMANDS: no command can be runnable but unlisted."""
+    from bigclip.commands import COMMANDS
+
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    listed = out[out.index("subcommands:") :].splitlines()[1:]
+    shown = {line.split()[1].strip("[]") for line in listed if line.startswith("  bigclip ")}
+    assert shown == set(COMMANDS.names()) == {"train", "eval", "models", "export", "plan", "generate", "report"}
+    assert cli.main(["models"]) == 0 and "ViT-B-32" in capsys.readouterr().out

@@ -11,6 +11,7 @@ import json
 
 from bigclip.build import build_engine, build_model, build_tokenizer, build_transforms, seed_everything
 from bigclip.cli_args import parse_train_args
+from bigclip.commands import COMMANDS, Command
 from bigclip.data.imagenet import build_zeroshot_sets
 from bigclip.dist import join_world, shutdown
 from bigclip.errors import UserError
@@ -38,3 +39,10 @@ def main(argv: list[str]) -> int:
         return 0
     finally:
         shutdown()
+
+
+COMMANDS.register(
+    "eval",
+    Command(main, "bigclip eval FLAGS", keeps_debug=True),
+    help="zero-shot --imagenet-val / --imagenet-v2 of --model [--pretrained], JSON on stdout",
+)

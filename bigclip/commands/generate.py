@@ -16,6 +16,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from bigclip.build import build_tokenizer, build_transforms, model_factory
+from bigclip.commands import COMMANDS, Command
 from bigclip.data import DataConfig
 from bigclip.data.imagenet import IMAGE_EXTENSIONS
 from bigclip.dist import World
@@ -94,3 +95,10 @@ def main(argv: list[str]) -> int:
         for path, row in zip(batch, ids.tolist()):
             print(json.dumps({"image": path, "caption": caption_text(row, tokenizer, sot_id, eos_id)}), flush=True)
     return 0
+
+
+COMMANDS.register(
+    "generate",
+    Command(main, "bigclip generate IMAGE ..."),
+    help="captions of images by a CoCa model (--model, --pretrained), JSON lines on stdout",
+)

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from bigclip.ckpt.layouts import read_model_state
 from bigclip.ckpt.storage import is_url, parse_storage_options, redact_url
 from bigclip.ckpt.verify import fetch_verified, verify_local
+from bigclip.commands import COMMANDS, Command
 from bigclip.errors import OneLineErrorParser, UserError
 from bigclip.model.convert import bigclip_to_openclip
 
@@ -95,3 +96,10 @@ def main(argv: list[str]) -> int:
         raise UserError(f"bigclip export: --storage-timeout {args.storage_timeout}: give a positive number of seconds")
     options = parse_storage_options(args.storage_options)
     return export(args.checkpoint, args.output, args.names, options, args.storage_timeout, args.ema)
+
+
+COMMANDS.register(
+    "export",
+    Command(main, "bigclip export CKPT OUT"),
+    help="a checkpoint (directory or URL, any engine) -> OUT.pt / OUT.safetensors",
+)
