@@ -1,6 +1,6 @@
 """Distributed losses on real gloo process groups (spawned processes, free port).
 
-Conventions asserted here (see bigclip/loss/distributed.py):
+Conventions asserted here (see bigclip/loss/distributed.py and collectives.py):
 - fused paths vs OpenCLIP's naive path, any flags, any per-rank grad_output: the same loss on
   every rank, the same feature gradients on every rank, and scale / bias gradients equal to the
   mean over ranks of OpenCLIP's per-rank gradients, identical on every rank;
@@ -215,13 +215,13 @@ def _check_transfers_overlap_blocks(rank, world, loss_for, unit_features) -> Non
     but those of the last transfer is computed while a transfer is in flight (the last one for shift and the CLIP
     ring, forward and backward; for bidir the two of its last pair, or the last one after an odd shift)."""
     import bigclip.loss.chunked as chunked
-    from bigclip.loss import distributed
+    from bigclip.loss import collectives
 
     seen: list[tuple[str, int]] = []
 
     def recording(name, fn):
         def wrapper(*args, **kwargs):
-            seen.append((name, distributed.transfers_in_flight()))
+            seen.append((name, collectives.transfers_in_flight()))
             return fn(*args, **kwargs)
 
         return wrapper
@@ -247,7 +247,7 @@ def _check_transfers_overlap_blocks(rank, world, loss_for, unit_features) -> Non
             in_flight = [count for name, count in seen if name == n]
             assert len(in_flight) == world, (dist_impl, n, seen)  # one block per rank's texts
             assert all(count > 0 for count in in_flight[:-last]), (dist_impl, n, in_flight)
-        assert distributed.transfers_in_flight() == 0  # every transfer was waited for
+        assert collectives.transfers_in_flight() == 0  # every transfer was waited for
 
 
 def test_two_ranks_all_variants_chunked():

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from bigclip.loss import select
 from bigclip.loss.chunked import positive_logits
-from bigclip.loss.distributed import clip_loss_distributed, gather_features
+from bigclip.loss.collectives import gather_features
+from bigclip.loss.distributed import clip_loss_distributed
 from bigclip.loss.family import LOSSES, LossConfig, LossFamily, check_dist_impl
 
 

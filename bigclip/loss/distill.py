@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from bigclip.loss import select
 from bigclip.loss.clip import clip_logits
-from bigclip.loss.distributed import gather_features
+from bigclip.loss.collectives import gather_features
 
 # Logits per block of rows in the blocked term (per model): 4M float32 values, 16 MB.
 ROW_BLOCK_ELEMENTS = 1 << 22

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 
 from bigclip.loss import select
 from bigclip.loss.clip import check_features
-from bigclip.loss.distributed import mean_grad_across_ranks, siglip_blocks, siglip_loss_exchanged
+from bigclip.loss.collectives import mean_grad_across_ranks
 from bigclip.loss.family import LOSSES, LossConfig, LossFamily, check_dist_impl
+from bigclip.loss.siglip_exchange import siglip_blocks, siglip_loss_exchanged
 
 
 def siglip_block_naive(image, text, logit_scale, logit_bias, negative_only: bool) -> torch.Tensor:
