@@ -123,13 +123,9 @@ def build(model_name: str, batch_size: int, ds_config: str | None = None, device
 
 
 def state_bytes(engine) -> int:
-    if engine.name == "deepspeed":
-        b = engine.state_bytes()
-        return b["params"] + b["optimizer"]
-    n = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    for s in engine.optimizer.state.values():
-        n += sum(v.numel() * v.element_size() for v in s.values() if hasattr(v, "numel"))
-    return n
+    """What a checkpoint of this rank holds: its parameters and optimizer state, as the engine counts them."""
+    b = engine.state_bytes()
+    return b["params"] + b["optimizer"]
 
 
 def sync_torch_save(engine, path: str) -> float:

@@ -122,12 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         f"batch {args.batch_size} per rank, CPU + gloo\n"
     )
     print(
-        "| engine | world | params MiB | grads MiB | optimizer MiB | state MiB/rank | vs DDP | plan MiB | "
-        "measured/plan | peak RSS MiB/rank | samples/s |"
+        f"| engine | world | params MiB | grads MiB | optimizer MiB | state MiB/rank | vs {args.engines[0]} | "
+        "plan MiB | measured/plan | peak RSS MiB/rank | samples/s |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.world_sizes:
-        ddp_state = None
+        base_state = None
         for engine in args.engines:
             result = launch(engine, n, args)
             if isinstance(result, str):
@@ -135,12 +135,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             r0 = result[0]
             s = r0["state"]
-            if engine == "ddp":
-                ddp_state = s["total"]
+            if engine == args.engines[0]:  # the baseline: the first engine listed (default: DDP, replicated)
+                base_state = s["total"]
             plan = state_bytes(engine, facts.params, n, plan_precision, facts if plan_precision == "amp" else None)
             peak = max(r["peak_rss"] for r in result)
             step_s = max(r["step_s"] for r in result)
-            ratio = f"{s['total'] / ddp_state:.2f}" if ddp_state else "-"
+            ratio = f"{s['total'] / base_state:.2f}" if base_state else "-"
             print(
                 f"| {engine} | {n} | {s['params'] / MiB:.0f} | {s['grads'] / MiB:.0f} | "
                 f"{s['optimizer'] / MiB:.0f} | {s['total'] / MiB:.0f} | {ratio} | {plan / MiB:.0f} | "

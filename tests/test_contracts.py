@@ -16,8 +16,10 @@
 
 import ast
 import dataclasses
+import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import typing
@@ -299,12 +301,23 @@ def _engine_names() -> set[str]:
     return set(ENGINES) | set(memory_setups())
 
 
+def _bench_scripts() -> dict[str, str]:
+    out = {}
+    for folder, _, files in os.walk(os.path.join(REPO, "bench")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                out[os.path.relpath(path, REPO)] = path
+    return out
+
+
 def test_no_engine_names_outside_the_engine_package():
-    """Outside bigclip/engine/: no comparison with an engine's (or memory setup's) name, no registry lookup by one,
-    and no reference to an engine class. Engine facts (flag rules, memory models, layouts) are asked of engines."""
+    """Outside bigclip/engine/ (bench/ included): no comparison with an engine's (or memory setup's) name, no
+    registry lookup by one, and no reference to an engine class. Engine facts (flag rules, memory models,
+    layouts) are asked of engines; a benchmark passes an engine's name on as a flag value only."""
     names, classes = _engine_names(), {cls.__name__ for _, cls in ENGINES.items()}
     found = []
-    for module, path in _modules().items():
+    for module, path in {**_modules(), **_bench_scripts()}.items():
         if module == "bigclip.engine" or module.startswith("bigclip.engine."):
             continue
         for node in ast.walk(ast.parse(open(path).read())):
@@ -316,7 +329,8 @@ def test_no_engine_names_outside_the_engine_package():
                     found.append(f"{module}:{node.lineno} compares with an engine name")
             elif isinstance(node, (ast.Call, ast.Subscript)):
                 args = node.args if isinstance(node, ast.Call) else [node.slice]
-                if any(literal(a) for a in args):
+                package_version = isinstance(node, ast.Call) and ast.unparse(node.func) == "version"  # a package's
+                if any(literal(a) for a in args) and not package_version:
                     found.append(f"{module}:{node.lineno} looks up an engine by name")
             elif (
                 isinstance(node, ast.Name)
@@ -382,3 +396,47 @@ def test_only_the_run_takes_the_whole_config():
                     if annotation == "TrainConfig" or (a.arg == "cfg" and annotation is None):
                         found.append(f"{module}:{node.lineno} {node.name}({a.arg})")
     assert found == []
+
+
+LONG_MODULE_LINES = 450
+
+
+def test_long_modules_say_why_at_their_top():
+    """A library module over LONG_MODULE_LINES lines says at its top why it is not split ("Longer than most
+    modules: ...")."""
+    long = []
+    for module, path in _modules().items():
+        text = open(path).read()
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if text.count("\n") > LONG_MODULE_LINES and "Longer than most modules" not in doc:
+            long.append(f"{module}: {text.count(chr(10))} lines")
+    assert long == []
+
+
+def test_architecture_md_names_only_what_exists():
+    """docs/architecture.md, the project's map: every file and package it names exists (a bare file name
+    somewhere in the repository's code), and every registry in its table is in the module it names."""
+    text = open(os.path.join(REPO, "docs", "architecture.md")).read()
+    code_files = {
+        os.path.relpath(os.path.join(folder, f), REPO)
+        for top in ("bigclip", "bench", "launch", "tests")
+        for folder, _, files in os.walk(os.path.join(REPO, top))
+        for f in files
+        if f.endswith(".py")
+    }
+    basenames = {os.path.basename(f) for f in code_files}
+    missing = []
+    for name in sorted(set(re.findall(r"`([\w./-]+\.py)`", text))):
+        found = name in basenames if "/" not in name else any(f == name or f.endswith("/" + name) for f in code_files)
+        if not found:
+            missing.append(name)
+    for package in sorted(set(re.findall(r"`(\w+)/`", text))):
+        if not (os.path.isdir(os.path.join(PACKAGE, package)) or os.path.isdir(os.path.join(REPO, package))):
+            missing.append(package + "/")
+    rows = re.findall(r"^\| `([A-Z0-9_]+)` \| `([\w/.]+)`", text, re.M)
+    assert len(rows) >= 11, rows  # the registry table
+    for registry, path in rows:
+        module = "bigclip." + path[: -len(".py")].replace("/", ".").removesuffix(".__init__")
+        if not hasattr(importlib.import_module(module), registry):
+            missing.append(f"{registry} in {path}")
+    assert missing == []

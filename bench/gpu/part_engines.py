@@ -18,16 +18,17 @@ from common import REPO, Recorder, device, free_memory, part_args
 from bigclip.build import build_engine, build_loss_fn, build_model
 from bigclip.config import resolve
 from bigclip.dist import World
+from bigclip.engine import describe_plan
 from bigclip.engine.config import StateRecipe
 from bigclip.loop import forward_backward, optimizer_step
 from bigclip.model import get_model_config
 from bigclip.plan import model_facts, peak_parts
 
-ENGINES = {  # label -> (flags, the plan's setup name)
-    "ddp": ({"engine": "ddp"}, "ddp"),
-    "fsdp2": ({"engine": "fsdp"}, "fsdp"),
-    "zero2": ({"ds_config": os.path.join(REPO, "ds_configs", "zero2.json")}, "zero2"),
-    "zero3": ({"ds_config": os.path.join(REPO, "ds_configs", "zero3.json")}, "zero3"),
+ENGINES = {  # label -> the flags that select it (the first is the reference the others are compared with)
+    "ddp": {"engine": "ddp"},
+    "fsdp2": {"engine": "fsdp"},
+    "zero2": {"ds_config": os.path.join(REPO, "ds_configs", "zero2.json")},
+    "zero3": {"ds_config": os.path.join(REPO, "ds_configs", "zero3.json")},
 }
 BF16_TOLERANCE = 2e-2  # relative: bf16 autocast keeps ~3 significant digits; engines order reductions differently
 
@@ -45,7 +46,9 @@ def batches(model: str, batch: int, steps: int, dev: torch.device):
     ]
 
 
-def run_engine(flags: dict, model: str, batch: int, data, world: World, precision: str) -> tuple[list[float], float]:
+def run_engine(
+    flags: dict, model: str, batch: int, data, world: World, precision: str
+) -> tuple[list[float], float, str]:
     cfg = resolve(dict(model=model, dataset_type="synthetic", precision=precision, batch_size=batch, lr=1e-4,
                        warmup=0, workers=0, seed=0, **flags))  # fmt: skip
     torch.manual_seed(0)
@@ -58,7 +61,8 @@ def run_engine(flags: dict, model: str, batch: int, data, world: World, precisio
         optimizer_step(engine)
         losses.append(float(loss))
     peak = torch.cuda.max_memory_allocated() if world.device.type == "cuda" else 0
-    return losses, peak
+    setup, _ = describe_plan(cfg.sections.engine, world, model_facts(model).params)  # the plan's row for it
+    return losses, peak, setup
 
 
 def main() -> None:
@@ -71,18 +75,18 @@ def main() -> None:
     facts = model_facts(model)
     recipe = StateRecipe(precision)
     reference = None
-    for label, (flags, setup) in ENGINES.items():
+    for label, flags in ENGINES.items():
         free_memory()
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
         t = time.perf_counter()
         try:
-            losses, peak = run_engine(flags, model, batch, data, world, precision)
+            losses, peak, setup = run_engine(flags, model, batch, data, world, precision)
         except Exception as e:  # noqa: BLE001 - one engine failing is a finding; the others still run
             rec.row("engines", engine=label, result=f"error: {type(e).__name__}: {str(e)[:160]}")
             continue
-        reference = losses if label == "ddp" else reference
+        reference = reference or losses  # the first engine listed (DDP) is the reference
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference)) if reference else None
         plan = peak_parts(setup, facts, 1, recipe, batch, False, dev.type)
         rec.row(

@@ -16,6 +16,7 @@ from part_engines import batches
 from bigclip.build import build_engine, build_loss_fn, build_model
 from bigclip.config import resolve
 from bigclip.dist import World
+from bigclip.engine import describe_plan
 from bigclip.engine.config import StateRecipe
 from bigclip.loop import forward_backward, optimizer_step
 from bigclip.plan import model_facts, peak_parts
@@ -31,7 +32,8 @@ SETUPS = {
 }
 
 
-def train_steps(model: str, batch: int, steps: int, world: World, flags: dict) -> tuple[list[float], float, float]:
+def train_steps(model: str, batch: int, steps: int, world: World, flags: dict) -> tuple[list[float], float, float, str]:
+    """Step times, peak bytes, build seconds, and the memory setup (engine/memory.py) the flags select."""
     cfg = resolve(dict(model=model, dataset_type="synthetic", batch_size=batch, lr=1e-5, workers=0, engine="fsdp",
                        grad_checkpointing=True, **flags))  # fmt: skip
     t = time.perf_counter()
@@ -49,7 +51,8 @@ def train_steps(model: str, batch: int, steps: int, world: World, flags: dict) -
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated() if world.device.type == "cuda" else 0
-    return times, peak, built_s
+    setup, _ = describe_plan(cfg.sections.engine, world, model_facts(model).params)
+    return times, peak, built_s, setup
 
 
 def largest_that_trains(rec: Recorder, world: World, candidates, batch0: int, steps: int, name: str, flags: dict):
@@ -61,7 +64,7 @@ def largest_that_trains(rec: Recorder, world: World, candidates, batch0: int, st
             if world.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             try:
-                times, peak, built_s = train_steps(model, batch, steps, world, flags)
+                times, peak, built_s, setup = train_steps(model, batch, steps, world, flags)
             except Exception as e:  # noqa: BLE001 - out of memory halves the batch; anything else is reported
                 if not is_oom(e):
                     rec.row("giant", model=model, setup=name, batch=batch,
@@ -72,7 +75,7 @@ def largest_that_trains(rec: Recorder, world: World, candidates, batch0: int, st
                 continue
             facts = model_facts(model)
             recipe = StateRecipe(flags["precision"], flags["opt"], flags.get("optimizer_in_backward", False))
-            plan = peak_parts("fsdp", facts, 1, recipe, batch, True, world.device.type)
+            plan = peak_parts(setup, facts, 1, recipe, batch, True, world.device.type)
             step_s = statistics.median(times[1:] or times)
             rec.row(
                 "giant",

@@ -16,6 +16,9 @@ One save, on every rank:
 A new save first waits for the previous one; the run's end waits for the last (`wait()` logs it). A save
 that fails for good (access denied, missing bucket) stops the run at the next save or wait with one line; a
 save that ran out of retries is reported and training goes on (the next save tries again).
+
+(Longer than most modules: one save's life across the main thread and the save thread — stage, write, agree,
+commit, report — is one state machine; its steps are kept in one class to show which thread owns which.)
 """
 
 from __future__ import annotations

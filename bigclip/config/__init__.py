@@ -1,5 +1,5 @@
-"""The run's configuration: the flat flags users type (flags.py: TrainConfig; fields.py: how a flag is
-declared), their resolution and checks (resolve.py), the typed slices components take (sections.py) and the
+"""The run's configuration: the flat flags users type (flags.py: TrainConfig; bigclip/flag_fields.py: how a
+flag is declared), their resolution and checks (resolve.py), the typed slices components take (sections.py) and the
 redacted record (record.py)."""
 
 from bigclip.config.flags import DEMO_PRESET, TrainConfig, config_fields, refused_family

@@ -2,7 +2,7 @@
 is given) < ``--config file.yaml`` < command-line flags.
 
 resolve() is the single place a value is checked, for YAML and flags alike: each flag's declared choices and
-value check (config/fields.py), then every component's rules on its own slice (config/sections.py). Every
+value check (bigclip/flag_fields.py), then every component's rules on its own slice (config/sections.py). Every
 problem is one line that names the flag, the value and what is accepted.
 """
 
@@ -85,7 +85,7 @@ def reject_unsupported(explicit: dict[str, Any]) -> None:
 
 
 def check_values(cfg: TrainConfig) -> None:
-    """Each flag's declared choices (a registry or a tuple) and value check (config/fields.py)."""
+    """Each flag's declared choices (a registry or a tuple) and value check (bigclip/flag_fields.py)."""
     for f in config_fields():
         value, choices, check = getattr(cfg, f.name), f.metadata.get("choices"), f.metadata.get("check")
         if isinstance(choices, Registry) and value is not None:

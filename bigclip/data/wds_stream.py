@@ -12,6 +12,9 @@ few shards its buffer refers to, rebuilds the buffer, and continues from the cur
 Training yields `batches_per_worker` batches per worker and epoch (OpenCLIP's epoch arithmetic). Without
 resampling a worker can run out of shards first; it then stops, and the samples left in its buffer and last
 partial batch are counted as dropped. Evaluation reads its shards in order, once, without a buffer.
+
+(Longer than most modules: the cursor, the buffer's references and the batch assembly are one saved state,
+and what is saved must be read back by the same code that built it, side by side.)
 """
 
 from __future__ import annotations
