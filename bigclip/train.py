@@ -17,6 +17,7 @@ import yaml
 from bigclip import dry_run
 from bigclip.build import build_data, build_engine, build_loss_fn, build_model, build_teacher, seed_everything
 from bigclip.ckpt.checkpointer import Checkpointer, local_logs_dir, preflight
+from bigclip.code_version import code_version
 from bigclip.config import Sections, TrainConfig, scrub_argv, to_dict
 from bigclip.data import DataInfo
 from bigclip.dist import World, broadcast_object, describe_world, join_world, raise_together, shutdown
@@ -198,7 +199,7 @@ def _announce_config(config_dict: dict, paths, world: World, copy_codebase: bool
         return
     logger.info("bigclip config:\n" + "\n".join(f"  {k}: {v!r}" for k, v in sorted(config_dict.items())))
     with open(paths.params, "w") as f:
-        yaml.safe_dump(config_dict, f, sort_keys=True)
+        yaml.safe_dump({**config_dict, **code_version()}, f, sort_keys=True)  # and which code ran
     if copy_codebase:
         package = os.path.dirname(os.path.abspath(__file__))
         shutil.copytree(

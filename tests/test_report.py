@@ -11,10 +11,12 @@ import shutil
 import subprocess
 
 import pytest
-from helpers import TINY_SYNTHETIC, python_train, read_metrics
+import yaml
+from helpers import REPO, TINY_SYNTHETIC, python_train, read_metrics
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
 from bigclip import cli
+from bigclip.code_version import code_version
 from bigclip.report import write_report
 from bigclip.report.figure import build_figure
 from bigclip.report.runs import load_run
@@ -90,6 +92,28 @@ def test_a_run_reports_every_panel_it_has_data_for_and_only_those(runs):
     png = open(os.path.join(runs["a"], "report.png"), "rb").read()
     assert base64.b64decode(re.search(r'src="data:image/png;base64,([^"]+)"', page).group(1)) == png
     assert "<td>test-tiny</td>" in page and "<td>ddp</td>" in page and "<td>fp32</td>" in page
+    # which code ran: params.yaml records the checkout's commit (and whether it had changes); the page shows it
+    params = yaml.safe_load(open(os.path.join(runs["a"], "params.yaml")))
+    head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert params["git_commit"] == head and isinstance(params["git_dirty"], bool)
+    assert f"<td>{head}" in page
+
+
+def test_code_version_of_a_checkout(tmp_path):
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    assert code_version(str(tmp_path)) == {"git_commit": None, "git_dirty": None}  # not a checkout
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "out.log").write_text("untracked: a run folder inside the checkout\n")
+    assert code_version(str(tmp_path)) == {"git_commit": head.strip(), "git_dirty": False}
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert code_version(str(tmp_path)) == {"git_commit": head.strip(), "git_dirty": True}
 
 
 def test_runs_overlay_on_the_same_axes_aligned_on_samples_seen(runs):

@@ -26,7 +26,8 @@ def _essentials(run: Run) -> dict[str, str]:
         row["resumed at steps"] = ", ".join(map(str, run.resumed_at_steps))
     commit = run.config.get("git_commit")
     if commit:
-        row["git commit"] = str(commit)
+        dirty = run.config.get("git_dirty")
+        row["git commit"] = str(commit) + (" (with uncommitted changes)" if dirty else "")
     return row
 
 
