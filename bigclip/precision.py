@@ -7,11 +7,16 @@ bf16 / fp16    weights and activations in that dtype, no autocast (pure_bf16 / p
 fp32           everything in float32
 
 Each name is registered in PRECISIONS with the function that says what it means on a device.
+
+CPUs without bfloat16 units (AVX2-only x86, which torch reports as capability "AVX2") emulate bf16 matmuls:
+95x slower than float32 was measured on one. `slow_bf16_warning` measures the factor at a run's start and
+says so once, with the flag to use instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,3 +71,41 @@ def _fp32(name: str, device: torch.device) -> Precision:
 def resolve_precision(name: str, device: torch.device) -> Precision:
     """What --precision `name` means on `device`; an unknown name is a UserError listing the registered ones."""
     return PRECISIONS.get(name)(name, device)
+
+
+SLOW_BF16_FACTOR = 4.0  # a bf16 matmul this many times slower than fp32: the CPU has no bf16 units
+
+
+def cpu_bf16_slowdown(size: int = 256, repeats: int = 3) -> float:
+    """How many times longer a size x size x size matmul takes in bfloat16 than in float32 on this CPU (the
+    best of `repeats` timings of each, after one untimed call: a busy machine slows both alike)."""
+
+    def best_seconds(dtype: torch.dtype) -> float:
+        a = torch.ones(size, size, dtype=dtype)
+        b = torch.ones(size, size, dtype=dtype)
+        torch.mm(a, b)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best_seconds(torch.bfloat16) / max(best_seconds(torch.float32), 1e-9)
+
+
+def slow_bf16_warning(
+    precision: Precision, device: torch.device, slowdown: Callable[[], float] = cpu_bf16_slowdown
+) -> str | None:
+    """One line for the run's start where `precision` computes in bfloat16 on a CPU that emulates it (the
+    factor measured by `slowdown`), else None."""
+    if device.type != "cpu" or torch.bfloat16 not in (precision.autocast_dtype, precision.param_dtype):
+        return None
+    factor = slowdown()
+    if factor < SLOW_BF16_FACTOR:
+        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    return (
+        f"--precision {precision.name}: this CPU (torch capability {capability}) computes bfloat16 {factor:.0f}x "
+        f"slower than float32 (no native bf16 units); --precision fp32 will run faster here"
+    )

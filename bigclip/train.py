@@ -27,6 +27,7 @@ from bigclip.log import MetricSinks, check_new_run, default_run_name, logger, ru
 from bigclip.loop import LoopConfig, train_one_epoch
 from bigclip.model.convert import bigclip_to_openclip
 from bigclip.optim import hyperparameters
+from bigclip.precision import resolve_precision, slow_bf16_warning
 from bigclip.preemption import NOTICE
 from bigclip.progress import EpochProgress
 from bigclip.report import RunReports
@@ -93,6 +94,8 @@ def _run(cfg: TrainConfig, world: World) -> int:
     _announce_config(config_dict, paths, world, copy_codebase=cfg.copy_codebase)
     for line in describe_world(world):  # collective: every rank reports its host and device
         logger.info(line)
+    if world.is_main and (slow := slow_bf16_warning(resolve_precision(cfg.precision, world.device), world.device)):
+        logger.warning(slow)
 
     seed_everything(cfg.seed)  # same initial weights on every rank
     model = build_model(run.model, run.engine, world)
