@@ -59,6 +59,7 @@ def model_factory(cfg: ModelConfig, world: World):
             context_length=cfg.force_context_length,
             patch_dropout=cfg.force_patch_dropout,
             quick_gelu=cfg.force_quick_gelu,
+            custom_text=cfg.force_custom_text,
             layer_scale_init=cfg.layer_scale_init,
             int8_linear=cfg.use_bnb_linear,
             fp8_linear=cfg.use_fp8_linear,

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 from datetime import datetime
+from functools import partial
 
 import yaml
 
@@ -115,7 +116,7 @@ def _run(cfg: TrainConfig, world: World) -> int:
         world,
         config_dict,
         data=data.get("train"),
-        consolidated_names=bigclip_to_openclip,
+        consolidated_names=partial(bigclip_to_openclip, separate_text=model.openclip_separate_text),
     )
     sinks = MetricSinks(run.report, paths, active, config_dict, scrub_argv(sys.argv[1:]))
     reports = RunReports(paths.root, world.is_main, run.report.no_run_report)

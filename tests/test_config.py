@@ -62,10 +62,6 @@ def test_precedence_defaults_yaml_flags(tmp_path):
         (["--batch-size", "-4"], "--batch-size -4: must be a positive integer"),
         (["--precision", "fp8"], "--precision 'fp8': choose one of amp"),
         (
-            ["--model", "convnext_base", "--dataset-type", "synthetic"],
-            "--model convnext_base: not supported yet",
-        ),
-        (
             ["--model", "test-tiny", "--dataset-type", "synthetic", "--train-data-upsampling-factors", "1::2"],
             "--train-data-upsampling-factors: only applies when sampling with replacement; add --dataset-resampled",
         ),

@@ -17,6 +17,7 @@ from helpers import python_train
 from bigclip import cli
 from bigclip.ckpt.dcp_layout import DCPLayout
 from bigclip.model import create_model
+from bigclip.model.convert import bigclip_to_openclip
 
 TOL = 1e-5
 
@@ -67,3 +68,22 @@ def test_bigclip_export_loads_into_open_clip_with_the_same_embeddings(tmp_path):
         theirs = open_clip.create_model(name, pretrained=path).eval()  # strict: every key of OpenCLIP's model
         assert_close(embeddings(ours, name), embeddings(theirs, name))
         assert theirs.logit_scale.item() == pytest.approx(ours.logit_scale.item())
+
+
+@pytest.mark.parametrize("name, force_custom_text", [("ViTamin-S", False), ("ViT-B-32", True)])
+def test_custom_text_architectures_export_in_openclips_custom_text_layout(name, force_custom_text, tmp_path):
+    """OpenCLIP builds a config with custom_text (ViTamin) or --force-custom-text as CustomTextCLIP, its text
+    tower under `text.`: bigclip's export of it loads there strictly, with bigclip's embeddings; and OpenCLIP's
+    weights of it load into bigclip."""
+    torch.manual_seed(0)
+    ours = create_model(name, custom_text=force_custom_text).eval()
+    assert ours.openclip_separate_text
+    exported = bigclip_to_openclip(ours.state_dict(), ours.openclip_separate_text)
+    assert "text.ln_final.weight" in exported and "ln_final.weight" not in exported
+    theirs = open_clip.create_model(name, force_custom_text=force_custom_text).eval()
+    theirs.load_state_dict(exported, strict=True)
+    assert_close(embeddings(ours, name), embeddings(theirs, name))
+    path = str(tmp_path / "openclip.pt")
+    torch.save(theirs.state_dict(), path)
+    again = create_model(name, pretrained=path, custom_text=force_custom_text).eval()
+    assert_close(embeddings(again, name), embeddings(theirs, name))

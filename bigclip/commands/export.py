@@ -10,6 +10,7 @@ with DeepSpeed's zero_to_fp32.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
@@ -18,11 +19,27 @@ import torch
 from safetensors.torch import save_file
 
 from bigclip.ckpt.layouts import read_model_state
+from bigclip.ckpt.manifest import TRAIN_STATE
 from bigclip.ckpt.storage import is_url, parse_storage_options, redact_url
 from bigclip.ckpt.verify import fetch_verified, verify_local
 from bigclip.commands import COMMANDS, Command
 from bigclip.errors import OneLineErrorParser, UserError
 from bigclip.model.convert import bigclip_to_openclip
+from bigclip.model.registry import HF_HUB_PREFIX, get_model_config, openclip_separate_text
+
+
+def _openclip_separate_text(directory: str) -> bool:
+    """Whether OpenCLIP keeps the checkpoint's architecture's text tower under `text.` (registry's rule), from
+    the config its train_state.json records; False (the names decide) where that config cannot be read."""
+    try:
+        with open(os.path.join(directory, TRAIN_STATE)) as f:
+            config = json.load(f).get("config") or {}
+        if config["model"].startswith(HF_HUB_PREFIX):
+            return False  # reading its config could mean a download; export stays offline
+        model_cfg = get_model_config(config["model"], config.get("cache_dir"))
+    except (OSError, ValueError, KeyError, UserError):
+        return False
+    return openclip_separate_text(model_cfg, bool(config.get("force_custom_text")))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,11 +85,12 @@ def export(
             manifest = verify_local(checkpoint)
             directory = checkpoint
         state = read_model_state(manifest.layout, directory, ema=ema)
+        separate_text = _openclip_separate_text(directory)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     if names == "openclip":
-        state = bigclip_to_openclip(state)
+        state = bigclip_to_openclip(state, separate_text)
     state = {k: v.detach().contiguous() for k, v in state.items()}
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     if output.endswith(".safetensors"):

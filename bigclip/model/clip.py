@@ -22,6 +22,10 @@ __all__ = ["CLIP", "vision_tower"]
 
 
 class CLIP(nn.Module):
+    # Whether OpenCLIP keeps this architecture's text tower under `text.` (CustomTextCLIP): its export layout.
+    # create_model sets it from the config (registry.openclip_separate_text).
+    openclip_separate_text: bool = False
+
     def __init__(
         self,
         embed_dim: int,
@@ -141,7 +145,7 @@ class CLIP(nn.Module):
         match), where it differs from bigclip's; none for a tower kind OpenCLIP does not have."""
         names = [name for name, _ in self.named_parameters()]
         try:
-            plan = plan_bigclip_to_openclip(names)
+            plan = plan_bigclip_to_openclip(names, self.openclip_separate_text)
         except KeyError:  # a vision tower without an OpenCLIP layout
             return {}
         ours = set(names)

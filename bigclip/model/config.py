@@ -13,9 +13,6 @@ from bigclip.model.pretrained import check_pretrained, check_pretrained_image
 from bigclip.model.registry import get_model_config, is_schema_name, list_models
 from bigclip.model.switchback import SWITCHBACK_VARIANTS
 
-# OpenCLIP families whose towers bigclip does not build yet: named as such, not as unknown architectures.
-NOT_YET_BUILT = ("convnext", "EVA")
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -50,7 +47,10 @@ class ModelConfig:
     )
     force_quick_gelu: bool = flag(False, "Use QuickGELU (for weights trained with it).", MODEL)
     force_custom_text: bool = flag(
-        False, "Separate text tower; bigclip's text tower is always separate, so this changes nothing.", MODEL
+        False,
+        "Separate text tower (OpenCLIP's CustomTextCLIP); bigclip's text tower is always separate, so this changes "
+        "only the layout of exports and consolidated checkpoints: the text tower under text.*, as OpenCLIP saves it.",
+        MODEL,
     )
     layer_scale_init: float | None = flag(
         None,
@@ -149,10 +149,5 @@ def _check_architecture(flag: str, name: str, cache_dir: str | None) -> None:
     if is_schema_name(name):
         get_model_config(name, cache_dir)  # OpenCLIP's open_clip_config.json: there and well formed
         models = [*models, name]
-    if name not in models and name.startswith(NOT_YET_BUILT):
-        raise UserError(
-            f"{flag} {name}: not supported yet (bigclip builds ViT, ResNet and timm image towers); "
-            f"choose one of {', '.join(models)}"
-        )
     if name not in models:
         raise UserError(f"{flag} {name!r}: unknown architecture; choose one of {', '.join(models)}")

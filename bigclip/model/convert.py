@@ -167,9 +167,12 @@ VIT_NAMES = TowerNames(
 VISION_TOWER_NAMES: tuple[TowerNames, ...] = (TIMM_NAMES, VIT_NAMES, RESNET_NAMES)
 
 
-def is_openclip_state_dict(names: Iterable[str]) -> bool:
+def is_openclip_state_dict(names: Iterable[str], logit_scale_shape: tuple[int, ...] | None = None) -> bool:
+    """Whether a state dict is in OpenCLIP's layout: its text tower at the top level, its own ViT, or (a
+    CustomTextCLIP with a timm tower, whose names are bigclip's) its 0-dim logit_scale (bigclip's has shape
+    (1,))."""
     names = set(names)
-    return "token_embedding.weight" in names or "visual.conv1.weight" in names
+    return "token_embedding.weight" in names or "visual.conv1.weight" in names or logit_scale_shape == ()
 
 
 def _tower(visual: set[str], openclip: bool) -> TowerNames:
@@ -213,12 +216,14 @@ def plan_openclip_to_bigclip(names: Iterable[str]) -> Plan:
     return plan
 
 
-def plan_bigclip_to_openclip(names: Iterable[str]) -> Plan:
-    """The plan that makes OpenCLIP's `CLIP.state_dict()` layout from bigclip's entries `names` (export)."""
+def plan_bigclip_to_openclip(names: Iterable[str], separate_text: bool = False) -> Plan:
+    """The plan that makes OpenCLIP's `CLIP.state_dict()` layout from bigclip's entries `names` (export).
+    separate_text: OpenCLIP builds the architecture as CustomTextCLIP (registry.openclip_separate_text), so
+    the text tower stays under `text.`; the names alone tell it for Hugging Face towers and CoCa only."""
     names = list(names)
     visual = {n for n in names if n.startswith("visual.")}
     plan: Plan = _tower(visual, openclip=False).to_openclip(sorted(visual)) if visual else {}
-    separate = _bigclip_separate_text(names)
+    separate = separate_text or _bigclip_separate_text(names)
     for name in names:
         if separate and name.startswith(_SEPARATE_TEXT):
             plan[name] = renamed(name)
@@ -236,6 +241,6 @@ def openclip_to_bigclip(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tor
     return apply_plan(plan_openclip_to_bigclip(state_dict.keys()), state_dict)
 
 
-def bigclip_to_openclip(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """bigclip `CLIP.state_dict()` -> OpenCLIP `CLIP.state_dict()` layout (for export)."""
-    return apply_plan(plan_bigclip_to_openclip(state_dict.keys()), state_dict)
+def bigclip_to_openclip(state_dict: Mapping[str, torch.Tensor], separate_text: bool = False) -> dict[str, torch.Tensor]:
+    """bigclip `CLIP.state_dict()` -> OpenCLIP's layout of it (for export; separate_text: see the plan)."""
+    return apply_plan(plan_bigclip_to_openclip(state_dict.keys(), separate_text), state_dict)

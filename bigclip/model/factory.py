@@ -28,6 +28,7 @@ from bigclip.model.registry import (
     get_model_config,
     is_schema_name,
     list_models,
+    openclip_separate_text,
     preprocess_cfg,
 )
 from bigclip.model.tokenizer import ByteTokenizer
@@ -106,6 +107,7 @@ def create_model(
     context_length: int | None = None,
     patch_dropout: float | None = None,
     quick_gelu: bool = False,
+    custom_text: bool = False,
     init_logit_scale: float | None = None,
     init_logit_bias: float | None = None,
     layer_scale_init: float | None = None,
@@ -142,6 +144,9 @@ def create_model(
     `int8_linear` (--use-bnb-linear): a SwitchBack variant (switchback.VARIANTS) for the MLP linear layers of
     every transformer block of both towers, OpenCLIP's choice of layers (switchback.py says which). The
     parameters stay nn.Linear's, so weights, checkpoints and exports are unchanged.
+
+    `custom_text` (--force-custom-text): bigclip's text tower is separate either way; its exports take the
+    layout OpenCLIP gives such a model (CustomTextCLIP: the text tower under `text.`).
 
     `fp8_linear` (--use-fp8-linear): a torchao.float8 recipe (fp8_linear.FP8_RECIPES) for the same layers;
     refused on a device without fp8 tensor cores.
@@ -199,6 +204,7 @@ def create_model(
             )
         except (TypeError, ValueError) as err:  # a config key or value bigclip's towers do not take
             raise UserError(f"--model {name}: this architecture config cannot be built by bigclip ({err})") from None
+        model.openclip_separate_text = openclip_separate_text(cfg, custom_text)
         if int8_linear is not None:
             use_int8_linears(model, int8_linear, name)
         if fp8_linear is not None:

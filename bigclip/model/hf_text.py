@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from bigclip.errors import UserError, first_line
 from bigclip.model.layer_groups import LayerGroups
 from bigclip.model.layers import is_checkpointed
 from bigclip.model.weights import copy_into
@@ -33,6 +34,20 @@ def _transformers():
     except ImportError:
         raise ImportError("Hugging Face text towers need transformers: pip install 'bigclip[hf]'") from None
     return transformers
+
+
+@contextmanager
+def _fetch_or_explain(hf_model_name: str, what: str):
+    """A hub file that is not cached and cannot be fetched (offline, unreachable, unknown repository) is one
+    line naming the repository and how to get it, not transformers' traceback."""
+    try:
+        yield
+    except OSError as err:
+        raise UserError(
+            f"text tower {hf_model_name}: {what} is not in the Hugging Face cache and could not be fetched "
+            f"({first_line(err)}); run `huggingface-cli download {hf_model_name}` where the hub is reachable "
+            f"(HF_HOME pointing at that cache), or allow downloads (HF_HUB_OFFLINE unset)"
+        ) from None
 
 
 @contextmanager
@@ -85,7 +100,8 @@ class HFTextTower(nn.Module):
         self.hf_model_name = hf_model_name
         self.hf_model_pretrained = hf_model_pretrained
         self.output_tokens = output_tokens
-        self.config = transformers.AutoConfig.from_pretrained(hf_model_name)
+        with _fetch_or_explain(hf_model_name, "its config"):
+            self.config = transformers.AutoConfig.from_pretrained(hf_model_name)
         self.arch = arch_dict.get(self.config.model_type)
         if self.arch is not None:
             names = {**_LAYOUT_FALLBACKS.get(self.config.model_type, {}), **self.arch["config_names"]}
@@ -169,7 +185,8 @@ class HFTextTower(nn.Module):
         into every parameter and buffer (each rank's block of a sharded one); the projection's default init."""
         transformers = _transformers()
         if self.hf_model_pretrained:
-            reference = transformers.AutoModel.from_pretrained(self.hf_model_name)
+            with _fetch_or_explain(self.hf_model_name, "its weights"):
+                reference = transformers.AutoModel.from_pretrained(self.hf_model_name)
         else:
             reference = transformers.AutoModel.from_config(self.config)
         if getattr(self.config, "is_encoder_decoder", False):

@@ -1,6 +1,9 @@
-"""Where architectures come from: bigclip's JSON files in `configs/`, and OpenCLIP's two schemas.
+"""Where architectures come from: bigclip's JSON files in `configs/`, OpenCLIP's own config files (every
+architecture open_clip_torch lists that bigclip has no file of, read from the installed package), and
+OpenCLIP's two schemas.
 
-    ViT-B-32                a built-in config (`configs/ViT-B-32.json`); a `-quickgelu` suffix names the same
+    ViT-B-32                a built-in config (`configs/ViT-B-32.json`, else open_clip's
+                            `model_configs/ViT-B-32.json`); a `-quickgelu` suffix names the same
                             architecture with QuickGELU
     local-dir:DIR           DIR/open_clip_config.json, as OpenCLIP writes it ({"model_cfg": …, "preprocess_cfg":
                             …}); the weights OpenCLIP keeps beside it are the model's weights (model/pretrained.py)
@@ -14,6 +17,7 @@ file's preprocess_cfg on top, as open_clip.create_model merges them.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 from functools import cache
@@ -35,7 +39,28 @@ _PREPROCESS_DEFAULTS = {"mean": OPENAI_MEAN, "std": OPENAI_STD, "interpolation":
 
 @cache
 def _load_configs() -> dict[str, dict]:
-    return {path.stem: json.loads(path.read_text()) for path in sorted(CONFIG_DIR.glob("*.json"))}
+    """bigclip's own configs, then every OpenCLIP architecture bigclip has no file of: OpenCLIP's own config
+    files, read from the installed open_clip_torch (found without importing it, which takes seconds)."""
+    configs = {path.stem: json.loads(path.read_text()) for path in sorted(CONFIG_DIR.glob("*.json"))}
+    for path in sorted(openclip_config_dir().glob("*.json")) if openclip_config_dir() else ():
+        configs.setdefault(path.stem, json.loads(path.read_text()))
+    return configs
+
+
+@cache
+def openclip_config_dir() -> Path | None:
+    """open_clip_torch's model_configs/ folder, or None where open_clip_torch is not installed."""
+    spec = importlib.util.find_spec("open_clip")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations))) / "model_configs"
+    return folder if folder.is_dir() else None
+
+
+def is_openclip_config(name: str) -> bool:
+    """Whether architecture `name` comes from OpenCLIP's files rather than bigclip's own configs/."""
+    base = name.removesuffix(QUICKGELU_SUFFIX)
+    return not (CONFIG_DIR / f"{base}.json").exists() and base in _load_configs()
 
 
 def list_models() -> list[str]:
@@ -148,6 +173,19 @@ def get_model_config(name: str, cache_dir: str | None = None) -> dict:
     if base != name:
         cfg["quick_gelu"] = True
     return cfg
+
+
+def openclip_separate_text(model_cfg: dict, force_custom_text: bool = False) -> bool:
+    """Whether OpenCLIP builds this architecture as CustomTextCLIP, whose text tower's weights are under
+    `text.` (its create_model: the config's custom_text, --force-custom-text, a Hugging Face text tower, or
+    CoCa), rather than at the top level as CLIP keeps them: the layout an export must write."""
+    text_cfg = model_cfg.get("text_cfg", {})
+    return bool(
+        model_cfg.get("custom_text")
+        or force_custom_text
+        or "hf_model_name" in text_cfg
+        or "multimodal_cfg" in model_cfg
+    )
 
 
 def is_timm_tower(model_cfg: dict) -> bool:

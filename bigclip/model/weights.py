@@ -126,7 +126,7 @@ def plan_for(model: nn.Module, weights: WeightsFile) -> Plan:
     """How each of the model's entries is made from the file, checked against the model's names and shapes
     before anything is read. UserError names the file and what does not match."""
     names = weights.names()
-    if is_openclip_state_dict(names):
+    if is_openclip_state_dict(names, weights.shapes.get("logit_scale")):
         try:
             plan = plan_openclip_to_bigclip(names)
         except KeyError as err:

@@ -1,0 +1,49 @@
+"""Builds every architecture open_clip_torch lists, in bigclip and in OpenCLIP, on the meta device, and prints one
+JSON object: name -> [outcome, detail]. Run by tests/test_model_zoo.py in a process of its own with
+HF_HUB_OFFLINE=1 (the Hugging Face text towers' configs are not fetched)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import warnings
+
+import open_clip
+import torch
+
+from bigclip.errors import UserError
+from bigclip.model import create_model
+from bigclip.model.convert import bigclip_to_openclip
+
+
+def walk() -> dict[str, list]:
+    out = {}
+    for name in open_clip.list_models():
+        try:
+            with torch.device("meta"):
+                theirs = open_clip.create_model(name, pretrained=None, device="meta").state_dict()
+            theirs = {k: list(v.shape) for k, v in theirs.items()}
+        except Exception as e:  # noqa: BLE001 - OpenCLIP itself cannot build it here (a hub download)
+            theirs = f"{type(e).__name__}: {str(e)[:200]}"
+        try:
+            model = create_model(name, device="meta")
+        except UserError as e:
+            out[name] = ["refused", str(e)]
+            continue
+        ours = bigclip_to_openclip(model.state_dict(), model.openclip_separate_text)
+        ours = {k: list(v.shape) for k, v in ours.items()}
+        if isinstance(theirs, str):
+            out[name] = ["only bigclip", theirs]
+        elif ours == theirs:
+            out[name] = ["equal", len(ours)]
+        else:
+            out[name] = ["differ", {"missing": sorted(set(theirs) - set(ours))[:5],
+                                    "extra": sorted(set(ours) - set(theirs))[:5]}]  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    json.dump(walk(), sys.stdout)
