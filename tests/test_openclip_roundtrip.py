@@ -37,7 +37,7 @@ def assert_close(ours, theirs):
         assert (a - b).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("name", ["ViT-B-32", "ViT-B-16-quickgelu"])
+@pytest.mark.parametrize("name", ["ViT-B-32", "ViT-B-16-quickgelu", "EVA02-B-16", "convnext_base"])
 def test_openclip_weights_load_into_bigclip_with_the_same_embeddings(name, tmp_path):
     torch.manual_seed(0)
     reference = open_clip.create_model(name).eval()

@@ -77,13 +77,18 @@ class CLIP(nn.Module):
             self.logit_bias.fill_(self.init_logit_bias)
 
     def buffers_set_by_init(self) -> set[str]:
-        """The buffers `init_weights()` fills (after a meta build they hold garbage until then): a Hugging Face text
-        tower's (its position ids); bigclip's own towers hold none."""
-        return {f"text.{name}" for name in getattr(self.text, "buffers_set_by_init", set)()}
+        """The buffers `init_weights()` fills (after a meta build they hold garbage until then): a timm image
+        tower's (its trunk's), a Hugging Face text tower's (its position ids); bigclip's own towers hold none."""
+        return {
+            f"{prefix}.{name}"
+            for prefix, tower in (("visual", self.visual), ("text", self.text))
+            for name in getattr(tower, "buffers_set_by_init", set)()
+        }
 
     def reset_buffers(self) -> None:
         """Restore the buffers no weights file holds (after to_empty()), in the towers that have some."""
-        getattr(self.text, "reset_buffers", lambda: None)()
+        for tower in (self.visual, self.text):
+            getattr(tower, "reset_buffers", lambda: None)()
 
     def encode_image(self, images: torch.Tensor, normalize: bool = False) -> torch.Tensor:
         features = self.visual(images)

@@ -76,6 +76,8 @@ class TimmVisionTower(nn.Module):
             raise UserError(
                 f"vision_cfg timm_model_name {timm_model_name!r}: timm {timm.__version__} has no such model"
             )
+        if timm_proj is None:
+            timm_proj = ""  # OpenCLIP's EVA configs write null: falsy, as '' (the trunk's classifier projects)
         if timm_proj not in PROJECTIONS:
             raise UserError(f"vision_cfg timm_proj {timm_proj!r}: choose one of linear, mlp, none")
         self.model_name = timm_model_name
@@ -191,6 +193,34 @@ class TimmVisionTower(nn.Module):
             source = {**dict(fresh.named_parameters()), **dict(fresh.named_buffers())}
             for name, target in [*mine.named_parameters(), *mine.named_buffers()]:
                 _copy_into(target, source[name])
+
+    def buffers_set_by_init(self) -> set[str]:
+        """Every buffer: init_weights() copies them all from the fresh tower."""
+        return {name for name, _ in self.named_buffers()}
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Restore the buffers no weights file holds (non-persistent: an EVA trunk's rotary tables, a Swin's
+        position index) after to_empty() and a load: timm's own init_non_persistent_buffers() where the module
+        has it, else the values of a fresh tower built on the CPU."""
+        kept = set(self.state_dict())
+        missing = {name for name, _ in self.named_buffers()} - kept
+        for module in self.modules():
+            init = getattr(module, "init_non_persistent_buffers", None)
+            if init is not None:
+                init()
+                prefix = next(n for n, m in self.named_modules() if m is module)
+                missing -= {f"{prefix}.{n}" if prefix else n for n, _ in module.named_buffers()}
+        if missing:
+            with torch.device("cpu"):
+                trunk, head = self._build()
+            fresh = {
+                **{f"trunk.{n}": b for n, b in trunk.named_buffers()},
+                **{f"head.{n}": b for n, b in head.named_buffers()},
+            }
+            for name, target in self.named_buffers():
+                if name in missing:
+                    _copy_into(target, fresh[name])
 
     def layer_groups(self) -> LayerGroups:
         """OpenCLIP's groups of its TimmModel (model/layer_groups.py): the trunk's groups by timm's own
