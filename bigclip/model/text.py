@@ -145,8 +145,11 @@ class TextTransformer(nn.Module):
         embed_cls: bool = False,
         pad_id: int = 0,
         output_tokens: bool = False,
+        no_causal_mask: bool = False,
     ):
         super().__init__()
+        if no_causal_mask:  # SigLIP's bidirectional text tower: with its pooling, a later piece of work
+            raise ValueError("text_cfg no_causal_mask true (a bidirectional text tower) is not built yet")
         self.context_length = context_length
         self.vocab_size = vocab_size
         self.width = width
