@@ -76,22 +76,21 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
 SLOW_BF16_FACTOR = 4.0  # a bf16 matmul this many times slower than fp32: the CPU has no bf16 units
 
 
-def cpu_bf16_slowdown(size: int = 256, repeats: int = 3) -> float:
-    """How many times longer a size x size x size matmul takes in bfloat16 than in float32 on this CPU (the
-    best of `repeats` timings of each, after one untimed call: a busy machine slows both alike)."""
-
-    def best_seconds(dtype: torch.dtype) -> float:
-        a = torch.ones(size, size, dtype=dtype)
-        b = torch.ones(size, size, dtype=dtype)
+def cpu_bf16_slowdown(size: int = 256, repeats: int = 5) -> float:
+    """How many times longer a size x size x size matmul takes in bfloat16 than in float32 on this CPU: the best
+    of `repeats` timings of each, the two dtypes interleaved (a busy moment slows both alike), after one untimed
+    call of each."""
+    operands = {dtype: (torch.ones(size, size, dtype=dtype), torch.ones(size, size, dtype=dtype))
+                for dtype in (torch.float32, torch.bfloat16)}  # fmt: skip
+    best = dict.fromkeys(operands, float("inf"))
+    for a, b in operands.values():
         torch.mm(a, b)
-        times = []
-        for _ in range(repeats):
+    for _ in range(repeats):
+        for dtype, (a, b) in operands.items():
             start = time.perf_counter()
             torch.mm(a, b)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return best_seconds(torch.bfloat16) / max(best_seconds(torch.float32), 1e-9)
+            best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return best[torch.bfloat16] / max(best[torch.float32], 1e-9)
 
 
 def slow_bf16_warning(
