@@ -153,14 +153,22 @@ def test_validation_writes_nothing_onto_the_flags():
     assert unresolved.resolved is None
 
 
+def _python_files(*tops: str) -> list[str]:
+    """Paths, relative to the repository, of the .py files under each of `tops`."""
+    return [
+        os.path.relpath(os.path.join(folder, f), REPO)
+        for top in tops
+        for folder, _, files in os.walk(os.path.join(REPO, top))
+        for f in files
+        if f.endswith(".py")
+    ]
+
+
 def _modules() -> dict[str, str]:
     out = {}
-    for folder, _, files in os.walk(PACKAGE):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(folder, f)
-                rel = os.path.relpath(path, REPO)[: -len(".py")].replace(os.sep, ".")
-                out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    for rel in _python_files("bigclip"):
+        name = rel[: -len(".py")].replace(os.sep, ".")
+        out[name.removesuffix(".__init__")] = os.path.join(REPO, rel)
     return out
 
 
@@ -302,13 +310,7 @@ def _engine_names() -> set[str]:
 
 
 def _bench_scripts() -> dict[str, str]:
-    out = {}
-    for folder, _, files in os.walk(os.path.join(REPO, "bench")):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(folder, f)
-                out[os.path.relpath(path, REPO)] = path
-    return out
+    return {rel: os.path.join(REPO, rel) for rel in _python_files("bench")}
 
 
 def test_no_engine_names_outside_the_engine_package():
@@ -417,13 +419,7 @@ def test_architecture_md_names_only_what_exists():
     """docs/architecture.md, the project's map: every file and package it names exists (a bare file name
     somewhere in the repository's code), and every registry in its table is in the module it names."""
     text = open(os.path.join(REPO, "docs", "architecture.md")).read()
-    code_files = {
-        os.path.relpath(os.path.join(folder, f), REPO)
-        for top in ("bigclip", "bench", "launch", "tests")
-        for folder, _, files in os.walk(os.path.join(REPO, top))
-        for f in files
-        if f.endswith(".py")
-    }
+    code_files = set(_python_files("bigclip", "bench", "launch", "tests"))
     basenames = {os.path.basename(f) for f in code_files}
     missing = []
     for name in sorted(set(re.findall(r"`([\w./-]+\.py)`", text))):

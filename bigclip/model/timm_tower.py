@@ -205,11 +205,10 @@ class TimmVisionTower(nn.Module):
         has it, else the values of a fresh tower built on the CPU."""
         kept = set(self.state_dict())
         missing = {name for name, _ in self.named_buffers()} - kept
-        for module in self.modules():
+        for prefix, module in self.named_modules():
             init = getattr(module, "init_non_persistent_buffers", None)
             if init is not None:
                 init()
-                prefix = next(n for n, m in self.named_modules() if m is module)
                 missing -= {f"{prefix}.{n}" if prefix else n for n, _ in module.named_buffers()}
         if missing:
             with torch.device("cpu"):
