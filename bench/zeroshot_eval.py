@@ -16,9 +16,9 @@ commonest ImageNet val size, spread over distinct classes):
               (model(image=...), 100 * f @ W); top-k counted here by the rank of the true class
               (open_clip_train's accuracy() fails under numpy 2, see tests/test_zeroshot_imagenet.py)
   bigclip     the `bigclip eval --pretrained FILE --imagenet-val DIR` command itself (bigclip.cli.main), with
-              bigclip.eval.imagenet_prompts cut to the same templates and timers around
-              bigclip.eval.zero_shot_classifier and zero_shot_accuracy (each starts after a barrier; with 2 ranks
-              the slower rank's time is reported)
+              bigclip.evaluation.zero_shot.imagenet_prompts cut to the same templates and timers around its
+              zero_shot_classifier and zero_shot_accuracy (each starts after a barrier; with 2 ranks the slower
+              rank's time is reported)
   bigclip x2  the same command under `python -m torch.distributed.run --nproc_per_node 2` (gloo, --engine ddp):
               each rank encodes 1/2 of the classes and the shares are all-gathered; each rank evaluates half of
               the images and the counts are all-reduced
@@ -155,7 +155,7 @@ def bigclip_child(spec: dict, argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    import bigclip.eval as ev
+    import bigclip.evaluation.zero_shot as ev
     from bigclip import cli
 
     rank = int(os.environ.get("RANK", "0"))

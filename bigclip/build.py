@@ -7,6 +7,7 @@ so a model or loader is made the same way everywhere.
 
 from __future__ import annotations
 
+import logging
 import random
 
 import numpy as np
@@ -17,13 +18,14 @@ from bigclip.data import DataConfig, get_data, image_transform
 from bigclip.dist import World, raise_together
 from bigclip.engine import EngineConfig, build_engine
 from bigclip.engine import build_model as engine_build_model
-from bigclip.log import logger
 from bigclip.loss import LossConfig, build_loss
 from bigclip.model import create_model, get_tokenizer, preprocess_cfg
 from bigclip.model.config import ModelConfig
 from bigclip.model.fp8_linear import check_fp8_device
 from bigclip.model.pretrained import model_weights, resolve_pretrained, resolve_pretrained_image, timm_model_name
 from bigclip.model.registry import CONFIG_NAME, is_schema_name
+
+logger = logging.getLogger("bigclip")
 
 __all__ = [
     "build_data",

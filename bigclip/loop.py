@@ -17,7 +17,7 @@ from bigclip.dist import World, all_reduce_min
 from bigclip.errors import UserError
 from bigclip.flag_fields import LOG, TRAIN, flag, non_negative_int, optional, positive_int
 from bigclip.loss.distill import TeacherOutputs
-from bigclip.progress import EpochProgress
+from bigclip.metrics.progress import EpochProgress
 from bigclip.train_state import TrainState
 
 MAX_CONSECUTIVE_NONFINITE = 10

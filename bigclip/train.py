@@ -17,21 +17,23 @@ import yaml
 
 from bigclip import dry_run
 from bigclip.build import build_data, build_engine, build_loss_fn, build_model, build_teacher, seed_everything
-from bigclip.ckpt.checkpointer import Checkpointer, local_logs_dir, preflight
-from bigclip.code_version import code_version
+from bigclip.ckpt.checkpointer import Checkpointer
 from bigclip.config import Sections, TrainConfig, scrub_argv, to_dict
 from bigclip.data import DataInfo
 from bigclip.dist import World, broadcast_object, describe_world, join_world, raise_together, shutdown
 from bigclip.errors import UserError
-from bigclip.eval import evaluate
-from bigclip.log import MetricSinks, check_new_run, default_run_name, logger, run_paths, setup_console_logging
+from bigclip.evaluation import evaluate
 from bigclip.loop import LoopConfig, train_one_epoch
+from bigclip.metrics.progress import EpochProgress
+from bigclip.metrics.sinks import MetricSinks
 from bigclip.model.convert import bigclip_to_openclip
 from bigclip.optim import hyperparameters
 from bigclip.precision import resolve_precision, slow_bf16_warning
 from bigclip.preemption import NOTICE
-from bigclip.progress import EpochProgress
 from bigclip.report import RunReports
+from bigclip.run.code_version import code_version
+from bigclip.run.console import logger, setup_console_logging
+from bigclip.run.folder import check_new_run, default_run_name, local_logs_dir, preflight, run_paths
 from bigclip.schedule import build_schedule
 from bigclip.train_state import TrainState
 
@@ -83,7 +85,7 @@ def _run(cfg: TrainConfig, world: World) -> int:
     checkpointer (resuming if asked), then the epochs."""
     run = cfg.sections
     name = _resolve_run_name(cfg, world)
-    logs = local_logs_dir(run.checkpoint)  # --logs s3://… writes locally and uploads (--remote-sync)
+    logs = local_logs_dir(run.checkpoint.logs)  # --logs s3://… writes locally and uploads (--remote-sync)
     paths = run_paths(logs, name)
     raise_together(world, lambda: check_new_run(paths, resuming=cfg.resume is not None))
     preflight(run.checkpoint, name, world)  # a remote store that cannot be written stops the run before any work

@@ -271,7 +271,7 @@ from bigclip.loop import forward_backward, optimizer_step
 from bigclip.build import build_loss_fn
 from bigclip.ckpt import CheckpointManager
 from bigclip.errors import UserError
-from bigclip.log import setup_console_logging
+from bigclip.run.console import setup_console_logging
 
 def batch(step, rank):  # the 2-rank run's batches
     g = torch.Generator().manual_seed(1000 * step + rank)

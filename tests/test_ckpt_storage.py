@@ -13,7 +13,7 @@ from bigclip.ckpt.manifest import MANIFEST, Manifest, unsafe_path
 from bigclip.ckpt.rng import load_rank_state_file, rank_state_bytes, read_data_position
 from bigclip.ckpt.storage import Storage, StorageError, redact_options, redact_url
 from bigclip.ckpt.verify import CorruptCheckpoint, fetch_verified
-from bigclip.log import setup_console_logging
+from bigclip.run.console import setup_console_logging
 from bigclip.storage_options import redact_urls_in
 
 

@@ -225,7 +225,7 @@ def test_no_import_cycles_counting_imports_inside_functions():
 
 # docs/architecture.md's layers: what each top-level module or package of bigclip may import.
 FOUNDATION = {
-    "errors", "registry", "flag_fields", "dist", "precision", "optim", "schedule", "train_state", "log",
+    "errors", "registry", "flag_fields", "dist", "precision", "optim", "schedule", "train_state",
     "storage_options", "preemption",
 }  # fmt: skip
 COMPONENTS = {"model", "loss", "data", "ckpt"}
@@ -234,6 +234,19 @@ ALLOWED = {
     **{m: FOUNDATION for m in COMPONENTS},
     "engine": FOUNDATION | {"ckpt"},
 }
+# The run: may import anything below (and each other).
+RUN = {
+    "config", "build", "loop", "train", "run", "metrics", "evaluation", "report", "plan", "dry_run", "commands",
+    "cli_args", "cli", "__main__",
+}  # fmt: skip
+
+
+def test_every_top_level_module_sits_in_one_layer():
+    """A new top-level module or package of bigclip goes into docs/architecture.md's layers table, and here."""
+    units = {m.split(".")[1] for m in _modules() if "." in m}
+    assert units - (set(ALLOWED) | RUN) == set()
+    assert (set(ALLOWED) | RUN) - units == set()
+    assert set(ALLOWED) & RUN == set()
 
 
 def test_layers_import_only_what_the_architecture_allows():

@@ -31,7 +31,7 @@ from bigclip.data.sampler import ShardedBatchSampler
 from bigclip.data.skips import SkipCounter
 from bigclip.dist import World
 from bigclip.errors import UserError
-from bigclip.eval import _check_val_count
+from bigclip.evaluation.validate import check_val_count
 from bigclip.model.tokenizer import ByteTokenizer
 
 SIZE = 8
@@ -516,9 +516,9 @@ def test_validation_count_is_checked_against_val_num_samples(caplog):
     skips.count("bad_image", n=2)
     val = DataInfo(dataloader=[], num_samples=0, num_batches=0, skips=skips)
     with caplog.at_level("WARNING", logger="bigclip"):
-        _check_val_count(10, val, 12, World())  # 10 evaluated + 2 unusable: every sample accounted for
+        check_val_count(10, val, 12, World())  # 10 evaluated + 2 unusable: every sample accounted for
         assert "validation:" not in caplog.text
-        _check_val_count(9, val, 12, World())
+        check_val_count(9, val, 12, World())
     assert "9 samples evaluated and 2 skipped as unusable, but --val-num-samples is 12" in caplog.text
 
 

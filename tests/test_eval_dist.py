@@ -14,7 +14,8 @@ from helpers import subprocess_env, torchrun_cmd
 from bigclip.config import resolve
 from bigclip.dist import World
 from bigclip.engine import build_engine
-from bigclip.eval import retrieval_metrics, validate
+from bigclip.evaluation.retrieval import retrieval_metrics
+from bigclip.evaluation.validate import validate
 from bigclip.model import create_model
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,7 @@ import torch
 from bigclip.config import resolve
 from bigclip.dist import init_distributed
 from bigclip.engine import build_engine, build_model
-from bigclip.eval import validate
+from bigclip.evaluation.validate import validate
 from bigclip.model import create_model
 
 def batch(i):
@@ -85,7 +86,7 @@ def test_retrieval_metrics_against_counting_and_openclip(n, chunk):
     of the two middle ranks' mean)."""
     from open_clip_train.train import get_clip_metrics
 
-    from bigclip.eval import retrieval_metrics
+    from bigclip.evaluation.retrieval import retrieval_metrics
 
     g = torch.Generator().manual_seed(n)
     image = torch.nn.functional.normalize(torch.randn(n, 16, generator=g), dim=-1)

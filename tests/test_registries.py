@@ -22,8 +22,8 @@ from bigclip.data.sources import DataSource, batch_sampler, map_style_loader
 from bigclip.engine import ENGINES
 from bigclip.engine.base import TorchOptimizerEngine
 from bigclip.errors import UserError
-from bigclip.log import REPORT_TARGETS
 from bigclip.loss import LOSSES, LossFamily
+from bigclip.metrics.trackers import REPORT_TARGETS
 from bigclip.model import create_model, get_model_config
 from bigclip.model.fp8_linear import FP8_RECIPES
 from bigclip.model.switchback import SWITCHBACK_VARIANTS

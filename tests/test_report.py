@@ -16,10 +16,10 @@ from helpers import REPO, TINY_SYNTHETIC, python_train, read_metrics
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
 from bigclip import cli
-from bigclip.code_version import code_version
 from bigclip.report import write_report
 from bigclip.report.figure import build_figure
 from bigclip.report.runs import load_run
+from bigclip.run.code_version import code_version
 
 pytestmark = pytest.mark.slow
 

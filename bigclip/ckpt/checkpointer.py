@@ -19,10 +19,7 @@ rank's own file) and whose load_state_dict() continues the epoch from a resumed 
 from __future__ import annotations
 
 import dataclasses
-import getpass
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -32,60 +29,19 @@ from bigclip.ckpt.cadence import SaveCadence
 from bigclip.ckpt.config import CheckpointConfig
 from bigclip.ckpt.manager import CheckpointManager
 from bigclip.ckpt.remote_sync import RemoteSync
-from bigclip.ckpt.storage import (
-    Storage,
-    StorageUnavailable,
-    is_url,
-    join,
-    redact_url,
-    unreachable,
-)
-from bigclip.dist import raise_together
-from bigclip.errors import UserError
+from bigclip.ckpt.storage import Storage, is_url, join, redact_url
 from bigclip.preemption import NOTICE, StoppedAfterTraining
 from bigclip.train_state import TrainState
 
 logger = logging.getLogger("bigclip")
 
 
-def local_logs_dir(cfg: CheckpointConfig) -> str:
-    """Where the run writes locally. --logs may be a URL (s3://bucket/runs): then the run writes to a local
-    staging folder (BIGCLIP_LOCAL_LOGS, default <tmp>/bigclip-logs-<user>) and everything goes to the URL,
-    exactly as --remote-sync does."""
-    if not is_url(cfg.logs):
-        return cfg.logs
-    return os.environ.get("BIGCLIP_LOCAL_LOGS") or os.path.join(
-        tempfile.gettempdir(), f"bigclip-logs-{getpass.getuser()}"
-    )
-
-
 def remote_run_root(cfg: CheckpointConfig, name: str) -> str | None:
+    """Where the run's checkpoints and the copy of its logs go besides the local run folder: <--remote-sync>/<name>,
+    or <--logs>/<name> when --logs is a URL; None for a run kept on local disk only."""
     if cfg.remote_sync:
         return join(cfg.remote_sync, name)
     return join(cfg.logs, name) if is_url(cfg.logs) else None
-
-
-def preflight(cfg: CheckpointConfig, name: str, world) -> None:
-    """Before any model is built: can the remote store be written? Bad credentials, a missing bucket or an
-    unreachable endpoint stop every rank here with one line. Collective."""
-    root = remote_run_root(cfg, name)
-    if not root:
-        return
-
-    def check() -> None:
-        store = Storage(root, cfg.options(), cfg.storage_timeout, bounded=True)
-        store.check_writable()
-        try:
-            taken = cfg.resume is None and store.exists("params.yaml")
-        except StorageUnavailable as e:
-            raise unreachable(e) from None
-        if taken:
-            raise UserError(
-                f"--name {name}: {store.display} already holds a run; pass a new --name, or "
-                f"--resume latest to continue that run"
-            )
-
-    raise_together(world, check)
 
 
 class Checkpointer:

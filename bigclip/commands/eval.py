@@ -15,7 +15,7 @@ from bigclip.commands import COMMANDS, Command
 from bigclip.data.imagenet import build_zeroshot_sets
 from bigclip.dist import join_world, shutdown
 from bigclip.errors import UserError
-from bigclip.eval import imagenet_zero_shot
+from bigclip.evaluation.zero_shot import imagenet_zero_shot
 
 
 def main(argv: list[str]) -> int:

@@ -21,11 +21,11 @@ from bigclip.config.sections import build_sections
 from bigclip.data import DataConfig
 from bigclip.dist import DistConfig
 from bigclip.engine import EngineConfig
-from bigclip.eval import EvalConfig
+from bigclip.evaluation.config import EvalConfig
 from bigclip.flag_fields import DIST, GROUPS, LOG, MISC, TRAIN, flag, internal, is_flag, unsupported
-from bigclip.log import ReportConfig
 from bigclip.loop import LoopConfig
 from bigclip.loss import LossConfig
+from bigclip.metrics.trackers import ReportConfig
 from bigclip.model.config import ModelConfig
 from bigclip.optim import OptimizerConfig
 from bigclip.schedule import ScheduleConfig

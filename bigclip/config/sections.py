@@ -21,10 +21,10 @@ from bigclip.data import DataConfig, check_data, check_source
 from bigclip.dist import DistConfig, check_dist, run_device_type
 from bigclip.engine import EngineConfig
 from bigclip.engine import check_config as check_engine_config
-from bigclip.eval import EvalConfig, check_eval
-from bigclip.log import ReportConfig, report_targets
+from bigclip.evaluation.config import EvalConfig, check_eval
 from bigclip.loop import LoopConfig
 from bigclip.loss import LossConfig, check_loss, loss_family
+from bigclip.metrics.trackers import ReportConfig, report_targets
 from bigclip.model.config import ModelConfig, captions, check_model
 from bigclip.optim import OptimizerConfig, check_optimizer
 from bigclip.schedule import ScheduleConfig, check_schedule

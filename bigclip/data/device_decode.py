@@ -4,7 +4,7 @@ A loader worker reads each image's header only (data/decode.py). For a JPEG it t
 exactly as the CPU transform would (torchvision's RandomResizedCrop.get_params draws on the full image's size: the
 same random numbers, so the same crops and the same generator state after each sample) and ships the file's bytes
 with the crop box instead of pixels: the worker decodes nothing. The batch (EncodedImages) is decoded
-when the training loop moves it to the device (`.to(device, dtype)`, which loop.py and eval.py already call):
+when the training loop moves it to the device (`.to(device, dtype)`, which loop.py and evaluation/ already call):
 torchvision.io.decode_jpeg on the whole list at once, then each crop resized (antialiased: what PIL's resize does)
 to the output size, rounded to 8 bits as PIL's output is, and normalised. Evaluation's shortest-side resize and
 centre crop run there likewise.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bigclip/
 
 
 def code_version(directory: str = PACKAGE_DIR) -> dict[str, str | bool | None]:

@@ -8,6 +8,7 @@ record (metrics.jsonl, tensorboard, wandb), with the samples skipped so far summ
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -17,8 +18,34 @@ import torch
 from tqdm import tqdm
 
 from bigclip.dist import World, all_reduce_sum
-from bigclip.log import AverageMeter, MetricSinks, logger, peak_memory_bytes, train_line
+from bigclip.metrics.meters import AverageMeter, peak_memory_bytes
+from bigclip.metrics.sinks import MetricSinks
 from bigclip.train_state import TrainState
+
+logger = logging.getLogger("bigclip")
+
+
+def train_line(
+    epoch: int,
+    seen: int,
+    total: int,
+    data_time: float,
+    batch_time: float,
+    samples_per_s: float,
+    per_gpu: float,
+    lr: float,
+    logit_scale: float,
+    loss_val: float,
+    loss_avg: float,
+) -> str:
+    """OpenCLIP's `Train Epoch: ...` log line."""
+    digits = len(str(total))
+    pct = 100.0 * seen / max(1, total)
+    return (
+        f"Train Epoch: {epoch} [{seen:>{digits}}/{total} ({pct:.0f}%)] "
+        f"Data (t): {data_time:.3f} Batch (t): {batch_time:.3f}, {samples_per_s:#g}/s, {per_gpu:#g}/s/gpu "
+        f"LR: {lr:.6f} Logit Scale: {logit_scale:.3f} Loss: {loss_val:#.5g} ({loss_avg:#.5g})"
+    )
 
 
 class EpochProgress:
