@@ -35,18 +35,11 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ranks import free_port
 
 
 def start_s3() -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
     # The server stands in for a remote store, but here it shares the training host's CPU: its own work
     # (request parsing, MD5 ETags) slows training steps too. Not niced: a niced server starves whenever other
@@ -75,51 +68,28 @@ def start_s3() -> tuple[subprocess.Popen, str]:
     return proc, endpoint
 
 
-def build(model_name: str, batch_size: int, ds_config: str | None = None, device=None, precision: str = "fp32"):
-    """(engine, world, step): a 1-rank engine for the model, and one timed training step on fixed data."""
+def build(model_name: str, batch_size: int, zero_stage: int | None = None, device=None, precision: str = "fp32"):
+    """(engine, world, step): a 1-rank engine for the model (bench/harness.py; DeepSpeed ZeRO-`zero_stage` if
+    given), and step(before_update) -> seconds: one training step on a fixed batch, before_update waited for
+    between the backward and the update."""
+    import harness  # here, not at the top: main() sets the training threads before torch is imported
     import torch
 
-    from bigclip.build import build_engine, build_loss_fn
-    from bigclip.config import resolve
     from bigclip.dist import World
     from bigclip.engine.single import ensure_process_group
-    from bigclip.loop import forward_backward, optimizer_step
-    from bigclip.model import create_model, get_model_config
 
     world = World(device=device or torch.device("cpu"))
     ensure_process_group(world)  # a 1-rank group: what the process writer needs, as in any torchrun job
-    extra = {"ds_config": ds_config} if ds_config else {}
-    cfg = resolve(
-        dict(
-            model=model_name,
-            dataset_type="synthetic",
-            precision=precision,
-            batch_size=batch_size,
-            lr=1e-4,
-            workers=0,
-            **extra,
-        )
-    )
-    torch.manual_seed(0)
-    engine = build_engine(cfg.sections.engine, create_model(model_name), world)
-    loss_fn = build_loss_fn(cfg.sections.loss, world)
-    arch = get_model_config(model_name)
-    size, ctx = arch["vision_cfg"]["image_size"], arch["text_cfg"]["context_length"]
-    g = torch.Generator().manual_seed(0)
-    images = torch.randn(batch_size, 3, size, size, generator=g).to(world.device)
-    texts = torch.randint(1, 250, (batch_size, ctx), generator=g).to(world.device)
+    cfg = harness.config(model=model_name, precision=precision, batch_size=batch_size,
+                         **(harness.zero(zero_stage) if zero_stage else {}))  # fmt: skip
+    bench = harness.build(cfg, world)
+    images, texts = next(harness.synthetic_batches(cfg, world, 1, seed=0))
 
     def step(before_update=None) -> float:
-        t = time.perf_counter()
-        forward_backward(engine, loss_fn, [(images, texts)], world)
-        if before_update is not None:
-            before_update()  # as the loop does: an asynchronous save finishes its copy before the update
-        optimizer_step(engine)
-        if world.device.type == "cuda":
-            torch.cuda.synchronize()  # the update's kernels belong to this step
-        return time.perf_counter() - t
+        # as the loop does: an asynchronous save finishes its copy before the update (timed: the loop waits)
+        return bench.step(images, texts, wait=before_update)[1]
 
-    return engine, world, step
+    return bench.engine, world, step
 
 
 def state_bytes(engine) -> int:
@@ -293,7 +263,7 @@ def main() -> None:
 
 def deepspeed_rows(args, world, work) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    engine, world, step = build(args.model, args.batch_size, os.path.join(REPO, "ds_configs", "zero2.json"))
+    engine, world, step = build(args.model, args.batch_size, zero_stage=2)
     step()
     nbytes = state_bytes(engine)
     base = [step() for _ in range(args.steps)]

@@ -3,82 +3,50 @@
     python bench/engine_memory.py --model ViT-B-32 --world-sizes 2 4 --batch-size 4 --steps 6
 
 Each (engine, world size) runs in a fresh `torchrun` launch so its peak process memory is its own. Inside,
-the same bigclip pieces as a training run (engine.build_model, build_engine, the loop's forward_backward,
-engine.step) train on random batches; after the backward of the third step (Adam moments exist, gradients
-not yet freed) engine.state_bytes() counts the bytes of parameters, gradients and optimizer state the rank
-holds (engine/memory.py: distinct tensor storages reachable from the model and the optimizer). Printed per
-rank: that state, its ratio to DDP's, the plan's prediction for it, peak RSS, and samples/s.
+the same bigclip pieces as a training run (bench/harness.py: build_model, build_engine, the loop's
+forward_backward and optimizer_step) train on random batches; after the backward of the third step (Adam
+moments exist, gradients not yet freed) engine.state_bytes() counts the bytes of parameters, gradients and
+optimizer state the rank holds (engine/memory.py: distinct tensor storages reachable from the model and the
+optimizer). Printed per rank: that state, its ratio to DDP's, the plan's prediction for it, peak RSS, and
+samples/s.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import os
 import sys
-import time
 
+import harness
 import ranks
 from ranks import write_from_rank0
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINES = {
     "ddp": {"engine": "ddp"},
-    "zero1": {"ds_config": os.path.join(REPO, "ds_configs", "zero1.json")},
-    "zero2": {"ds_config": os.path.join(REPO, "ds_configs", "zero2.json")},
-    "zero3": {"ds_config": os.path.join(REPO, "ds_configs", "zero3.json")},
+    "zero1": harness.zero(1),
+    "zero2": harness.zero(2),
+    "zero3": harness.zero(3),
     "fsdp": {"engine": "fsdp"},
 }
 
 
 # ------------------------------------------------------------------------------------------- worker side
 def worker(args) -> None:
-    import torch
-
-    from bigclip.build import build_engine, build_loss_fn, build_model
-    from bigclip.config import resolve
     from bigclip.dist import init_distributed, shutdown
     from bigclip.engine.memory import peak_rss_bytes
-    from bigclip.loop import forward_backward, optimizer_step
-    from bigclip.model import create_model, get_model_config
 
     world = init_distributed("cpu")
-    cfg = resolve(
-        {
-            "model": args.model,
-            "dataset_type": "synthetic",
-            "precision": args.precision,
-            "batch_size": args.batch_size,
-            "lr": 1e-4,
-            "warmup": 1,
-            "workers": 0,
-            "grad_checkpointing": args.grad_checkpointing,
-            **ENGINES[args.engine],
-        }
-    )
-    arch = get_model_config(cfg.model)
-    size, context = arch["vision_cfg"]["image_size"], arch["text_cfg"]["context_length"]
-    torch.manual_seed(0)
-    run = cfg.sections
-    model = build_model(run.model, run.engine, world, functools.partial(create_model, cfg.model))
-    engine = build_engine(run.engine, model, world)
-    loss_fn = build_loss_fn(run.loss, world)
-    engine.train()
-    g = torch.Generator().manual_seed(world.rank)
-    state, times = None, []
-    for step in range(args.steps):
-        images = torch.randn(cfg.batch_size, 3, size, size, generator=g)
-        texts = torch.randint(1, 250, (cfg.batch_size, context), generator=g)
-        start = time.perf_counter()
-        forward_backward(engine, loss_fn, [(images, texts)], world)
-        mid = time.perf_counter()
-        if step == 2:
-            state = engine.state_bytes()  # after backward, before the step frees the gradients (not timed)
-        resume = time.perf_counter()
-        optimizer_step(engine)
+    cfg = harness.config(model=args.model, precision=args.precision, batch_size=args.batch_size,
+                         grad_checkpointing=args.grad_checkpointing, **ENGINES[args.engine])  # fmt: skip
+    bench = harness.build(cfg, world)
+    state, times = [], []
+    for step, (images, texts) in enumerate(harness.synthetic_batches(cfg, world, args.steps)):
+        # after the third backward (not timed): Adam moments exist, gradients not yet freed by the step
+        count = (lambda: state.append(bench.engine.state_bytes())) if step == 2 else None
+        _, seconds = bench.step(images, texts, inspect=count)
         if step >= 2:  # the first steps build optimizer state and warm caches
-            times.append((mid - start) + (time.perf_counter() - resume))
-    out = {"rank": world.rank, "state": state, "peak_rss": peak_rss_bytes(), "step_s": sorted(times)[len(times) // 2]}
+            times.append(seconds)
+    step_s = sorted(times)[len(times) // 2]
+    out = {"rank": world.rank, "state": state[0], "peak_rss": peak_rss_bytes(), "step_s": step_s}
 
     write_from_rank0(out, args.out, world.world_size, world.rank)
     shutdown()  # frees the DDP wrapper while the group exists
@@ -111,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
 
-    sys.path.insert(0, REPO)
     from bigclip.plan import model_facts, state_bytes
 
     facts = model_facts(args.model)

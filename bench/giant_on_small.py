@@ -4,8 +4,8 @@
     python bench/giant_on_small.py --models ViT-H-14 ViT-bigG-14 --json rows.json
 
 Each (model, setup) is its own `torchrun` launch of 2 ranks (FSDP2, --grad-checkpointing, batch 1 per rank,
-random images and texts) through the pieces of a training run (build_model on meta and sharded init,
-build_engine, the loop's forward_backward and optimizer step). The setups, leanest last:
+random images and texts) through the pieces of a training run (bench/harness.py: build_model on meta and sharded
+init, build_engine, the loop's forward_backward and optimizer step). The setups, leanest last:
 
     fp32_adamw                 fp32 weights, gradients and AdamW moments: 16 bytes per parameter (today's FSDP,
                                and what OpenCLIP's FSDP2 keeps)
@@ -25,18 +25,15 @@ launch), seconds per step (median of the steps after the first), the losses, and
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import threading
-import time
 
-from ranks import free_port, write_from_rank0
+import harness
+import ranks
+from ranks import write_from_rank0
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9
 SETUPS = {
     "fp32_adamw": ({"precision": "fp32", "opt": "adamw"}, 16),
@@ -49,65 +46,32 @@ FIT_SHARE = 0.85
 
 # ------------------------------------------------------------------------------------------- worker side
 def worker(args) -> None:
-    import torch
-
-    from bigclip.build import build_engine, build_loss_fn, build_model
-    from bigclip.config import resolve
     from bigclip.dist import init_distributed, shutdown
     from bigclip.engine.memory import peak_rss_bytes
-    from bigclip.loop import forward_backward, optimizer_step
-    from bigclip.model import create_model, get_model_config
 
     world = init_distributed("cpu")
     flags, _ = SETUPS[args.setup]
-    cfg = resolve(
-        {
-            "model": args.model,
-            "dataset_type": "synthetic",
-            "engine": "fsdp",
-            "batch_size": args.batch_size,
-            "grad_checkpointing": True,
-            "lr": 1e-4,
-            "warmup": 1,
-            "workers": 0,
-            **flags,
-        }
-    )
-    arch = get_model_config(cfg.model)
-    size, context = arch["vision_cfg"]["image_size"], arch["text_cfg"]["context_length"]
-    vocab = arch["text_cfg"].get("vocab_size", 49408)
-    torch.manual_seed(0)
-    run = cfg.sections
-    model = build_model(run.model, run.engine, world, functools.partial(create_model, cfg.model))
-    engine = build_engine(run.engine, model, world)
-    loss_fn = build_loss_fn(run.loss, world)
-    engine.train()
-    params = sum(p.numel() for p in engine.model.parameters())  # global shapes (DTensors)
-    before = _checksum(engine)
-    g = torch.Generator().manual_seed(world.rank)
-    losses, times, state = [], [], None
-    for step in range(args.steps):
-        engine.set_lr(1e-4)
-        images = torch.randn(cfg.batch_size, 3, size, size, generator=g).to(engine.precision.param_dtype)
-        texts = torch.randint(1, vocab - 1, (cfg.batch_size, context), generator=g)
-        start = time.perf_counter()
-        loss, _ = forward_backward(engine, loss_fn, [(images, texts)], world)
-        if step == 1:  # after a backward (what the ordinary step keeps until it steps), with optimizer state
-            counting = time.perf_counter()
-            state = engine.state_bytes()
-            start += time.perf_counter() - counting
-        optimizer_step(engine)
-        times.append(time.perf_counter() - start)
+    cfg = harness.config(model=args.model, engine="fsdp", batch_size=args.batch_size, grad_checkpointing=True,
+                         **flags)  # fmt: skip
+    bench = harness.build(cfg, world)
+    params = sum(p.numel() for p in bench.engine.model.parameters())  # global shapes (DTensors)
+    before = _checksum(bench.engine)
+    losses, times, state = [], [], []
+    for step, (images, texts) in enumerate(harness.synthetic_batches(cfg, world, args.steps)):
+        # after a backward (what the ordinary step keeps until it steps), with optimizer state; not timed
+        count = (lambda: state.append(bench.engine.state_bytes())) if step == 1 else None
+        loss, seconds = bench.step(images, texts, inspect=count)
+        times.append(seconds)
         losses.append(loss)
         print(f"rank {world.rank} step {step}: loss {loss:.4f}, {times[-1]:.1f} s", flush=True)
     out = {
         "rank": world.rank,
         "params": params,
-        "state": state,
+        "state": state[0],
         "peak_rss": peak_rss_bytes(),
         "losses": losses,
         "s_per_step": sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0],
-        "weights_changed": _checksum(engine) != before,
+        "weights_changed": _checksum(bench.engine) != before,
     }
     write_from_rank0(out, args.out, world.world_size, world.rank)
     shutdown()
@@ -155,26 +119,11 @@ class MachinePeak:
 
 
 def launch(model: str, setup: str, args) -> tuple[list[dict] | str, int]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               os.path.abspath(__file__), "--worker", "--model", model, "--setup", setup, "--steps", str(args.steps),
-               "--batch-size", str(args.batch_size), "--out", out]  # fmt: skip
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": REPO,
-            "MALLOC_MMAP_THRESHOLD_": str(4 << 20),  # freed tensors leave the process: RSS follows live memory
-        }
-        with MachinePeak() as machine:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-        if proc.returncode != 0:
-            lines = proc.stderr.splitlines()
-            lines = [x for x in lines if x.startswith("[rank") and "Error" in x] or [x for x in lines if "Error" in x]
-            lines = lines or [f"signal {-proc.returncode}" if proc.returncode < 0 else "?"]
-            return f"failed (exit {proc.returncode}): {lines[-1][:200]}", machine.peak
-        with open(out) as f:
-            return json.load(f), machine.peak
+    """Each rank's results (or why the launch failed) and the machine's peak memory during it."""
+    worker_args = ["--model", model, "--setup", setup, "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+    with MachinePeak() as machine:  # tensors of 4 MB+ are mmap'ed: freed memory leaves the process
+        result = ranks.launch(__file__, 2, worker_args, args.timeout, mmap_threshold=4 << 20)
+    return result, machine.peak
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
 
-    sys.path.insert(0, REPO)
     from bigclip.plan import model_facts
 
     available = _meminfo()["MemAvailable"]

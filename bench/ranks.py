@@ -33,8 +33,9 @@ def launch(
     script: str, nproc: int, worker_args: list[str], timeout: float, mmap_threshold: int = 1 << 20
 ) -> list | str:
     """`torchrun --nproc_per_node nproc script --worker ... --out FILE` on CPU (gloo, one thread per rank), and
-    what write_from_rank0 put in FILE; or 'failed: <the last error line>'. Glibc returns freed allocations of
-    `mmap_threshold` bytes and more to the system, so a rank's resident memory follows its live tensors."""
+    what write_from_rank0 put in FILE; or 'failed (exit N): <the last error line, a rank's first>' ('signal 9':
+    killed, as by the kernel when memory ran out). Glibc returns freed allocations of `mmap_threshold` bytes and
+    more to the system, so a rank's resident memory follows its live tensors."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
@@ -54,7 +55,9 @@ def launch(
         }
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
         if proc.returncode != 0:
-            errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line] or ["?"]
-            return "failed: " + errors[-1][:200]
+            lines = [x for x in proc.stderr.splitlines() if "Error" in x or "error" in x]
+            lines = [x for x in lines if x.startswith("[rank")] or lines
+            lines = lines or [f"signal {-proc.returncode}" if proc.returncode < 0 else "?"]
+            return f"failed (exit {proc.returncode}): {lines[-1][:200]}"
         with open(out) as f:
             return json.load(f)

@@ -43,7 +43,7 @@ def main() -> None:
         free_memory()
         if world.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        times, peak, _ = train_steps(args.model, args.batch, args.steps, world, flags)
+        times, peak, _, _ = train_steps(args.model, args.batch, args.steps, world, flags)
         row = dict(model=args.model, batch=args.batch, setup=name, s_per_step=round(statistics.median(times[1:]), 3),
                    times=[round(t, 3) for t in times], peak_gib=round(peak / 2**30, 2))  # fmt: skip
         print(json.dumps(row), flush=True)

@@ -9,16 +9,13 @@ from __future__ import annotations
 import statistics
 import time
 
+import harness
 import torch
 from common import Recorder, device, free_memory, is_oom, part_args
-from part_engines import batches
 
-from bigclip.build import build_engine, build_loss_fn, build_model
-from bigclip.config import resolve
 from bigclip.dist import World
 from bigclip.engine import describe_plan
 from bigclip.engine.config import StateRecipe
-from bigclip.loop import forward_backward, optimizer_step
 from bigclip.plan import model_facts, peak_parts
 
 # setup name -> the flags it adds (the smoke run on CPU uses fp32 for the first: CPU autocast is not measured here)
@@ -34,22 +31,12 @@ SETUPS = {
 
 def train_steps(model: str, batch: int, steps: int, world: World, flags: dict) -> tuple[list[float], float, float, str]:
     """Step times, peak bytes, build seconds, and the memory setup (engine/memory.py) the flags select."""
-    cfg = resolve(dict(model=model, dataset_type="synthetic", batch_size=batch, lr=1e-5, workers=0, engine="fsdp",
-                       grad_checkpointing=True, **flags))  # fmt: skip
+    cfg = harness.config(model=model, batch_size=batch, lr=1e-5, engine="fsdp", grad_checkpointing=True, **flags)
     t = time.perf_counter()
-    engine = build_engine(cfg.sections.engine, build_model(cfg.sections.model, cfg.sections.engine, world), world)
+    bench = harness.build(cfg, world)
     built_s = time.perf_counter() - t
-    loss_fn = build_loss_fn(cfg.sections.loss, world)
-    engine.set_lr(1e-5)
-    times = []
-    for images, texts in batches(model, batch, steps, world.device):
-        images = images.to(dtype=engine.precision.param_dtype)  # what the loop does (bf16 for pure bf16)
-        t = time.perf_counter()
-        forward_backward(engine, loss_fn, [(images, texts)], world)
-        optimizer_step(engine)
-        if world.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+    data = list(harness.synthetic_batches(cfg, world, steps, seed=0))
+    times = [bench.step(images, texts)[1] for images, texts in data]
     peak = torch.cuda.max_memory_allocated() if world.device.type == "cuda" else 0
     setup, _ = describe_plan(cfg.sections.engine, world, model_facts(model).params)
     return times, peak, built_s, setup

@@ -1,0 +1,111 @@
+"""What every benchmark that trains builds, built once: flags -> resolved config -> engine, loss, step function and
+synthetic batches, through the pieces `bigclip train` runs (so a benchmark measures what training runs).
+
+    cfg = harness.config(model="ViT-B-32", batch_size=4, precision="fp32", **harness.zero(2))
+    bench = harness.build(cfg, world)                     # build.py: seed, build_model, build_engine, build_loss_fn
+    for images, texts in harness.synthetic_batches(cfg, world, steps=3):
+        loss, seconds = bench.step(images, texts)         # loop.py: forward_backward, optimizer_step
+
+Every benchmark under bench/ and every part of the GPU kit (bench/gpu/, which has bench/ on its path) imports it
+as `harness`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import torch  # noqa: E402  (after bigclip's folder is on the path)
+
+from bigclip.build import build_engine, build_loss_fn, build_model, seed_everything  # noqa: E402
+from bigclip.config import resolve  # noqa: E402
+from bigclip.dist import World  # noqa: E402
+from bigclip.loop import forward_backward, optimizer_step  # noqa: E402
+from bigclip.model import get_model_config, preprocess_cfg  # noqa: E402
+from bigclip.precision import resolve_precision  # noqa: E402
+
+# What every in-process benchmark sets: data it makes itself, no loader workers, a constant learning rate.
+BENCH_FLAGS = {"dataset_type": "synthetic", "workers": 0, "lr": 1e-4, "warmup": 1}
+
+
+def config(**flags):
+    """The TrainConfig for `flags` (TrainConfig field names: model, batch_size, precision, engine, ds_config, ...)
+    over BENCH_FLAGS, checked by resolve() as `bigclip train` checks a command line (a refused setup raises its
+    UserError)."""
+    return resolve({**BENCH_FLAGS, **flags})
+
+
+def zero(stage: int) -> dict:
+    """The flags that select DeepSpeed ZeRO-`stage` with the repository's config (ds_configs/zero<stage>.json)."""
+    return {"ds_config": os.path.join(REPO, "ds_configs", f"zero{stage}.json")}
+
+
+def synthetic_batches(cfg, world: World, steps: int, seed: int | None = None) -> Iterator[tuple]:
+    """`steps` batches (images, texts), made one at a time: random normalised pixels at the model's image size and
+    random token ids at its context length, on the run's device, images in the dtype the loop feeds the model
+    (the weights' under pure bf16). `seed` defaults to the rank (each rank its own data, as a sampler gives)."""
+    model = cfg.sections.model
+    arch = get_model_config(model.model, model.cache_dir)
+    size = preprocess_cfg(model.model, model.image_size, model.cache_dir)["size"]
+    context = model.force_context_length or arch["text_cfg"]["context_length"]
+    vocab = arch["text_cfg"].get("vocab_size", 49408)
+    dtype = resolve_precision(cfg.precision, world.device).param_dtype
+    g = torch.Generator().manual_seed(world.rank if seed is None else seed)
+    for _ in range(steps):
+        images = torch.randn(cfg.batch_size, 3, *size, generator=g)
+        texts = torch.randint(1, vocab - 1, (cfg.batch_size, context), generator=g)
+        yield images.to(world.device, dtype=dtype), texts.to(world.device)
+
+
+@dataclass
+class Bench:
+    """A built run: its config, world, engine and loss."""
+
+    cfg: object
+    world: World
+    engine: object
+    loss_fn: torch.nn.Module
+
+    def step(
+        self, images: torch.Tensor, texts: torch.Tensor, wait: Callable | None = None, inspect: Callable | None = None
+    ) -> tuple[float, float]:
+        """One optimizer step as the training loop takes it; returns (loss, seconds). `inspect()` runs after the
+        backward, before the update, and is not timed (a benchmark's own measurement: engine.state_bytes());
+        `wait()` runs there too and is timed (what the loop itself waits for there: a save's staging copy).
+        On CUDA the seconds include the step's kernels. A loss that is not finite skips the update, as the loop
+        does (the loss returned is nan)."""
+        start = time.perf_counter()
+        loss, out = forward_backward(self.engine, self.loss_fn, [(images, texts)], self.world)
+        if inspect is not None:
+            paused = time.perf_counter()
+            inspect()
+            start += time.perf_counter() - paused
+        if wait is not None:
+            wait()
+        if out is None:
+            self.engine.zero_grad()
+        else:
+            optimizer_step(self.engine)
+        if self.world.device.type == "cuda":
+            torch.cuda.synchronize()
+        return loss, time.perf_counter() - start
+
+
+def build(cfg, world: World | None = None) -> Bench:
+    """The engine and loss of `cfg` as `bigclip train` builds them (seed_everything, build_model: where the engine
+    wants the model, build_engine, build_loss_fn), in training mode at cfg.lr. `world`: the process's (from
+    bigclip.dist.init_distributed under torchrun); default one CPU process."""
+    world = world or World()
+    seed_everything(cfg.seed)  # the same initial weights on every rank and for every setup compared
+    run = cfg.sections
+    engine = build_engine(run.engine, build_model(run.model, run.engine, world), world)
+    engine.train()
+    engine.set_lr(cfg.lr)
+    return Bench(cfg, world, engine, build_loss_fn(run.loss, world))
