@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import REPO, bigclip_records, open_clip_records, trainer_env, trainer_flags
+
 SKIP = 10
-OC_LINE = re.compile(r"Batch \(t\): [0-9.]+, [0-9.e+]+/s, ([0-9.e+]+)/s/gpu")
 PREPROCESS = {"mean": [0.48145466, 0.4578275, 0.40821073], "std": [0.26862954, 0.26130258, 0.27577711]}
 TEXT = {"context_length": 32, "vocab_size": 49408, "heads": 4}
 STUDENT = {
@@ -65,35 +64,20 @@ def _teacher_weights(teacher: str, path: str) -> None:
     torch.save(open_clip.create_model(teacher).state_dict(), path)
 
 
-def _flags(args, model: str, logs: str, name: str) -> list[str]:
-    return [
-        *("--model", model, "--dataset-type", "synthetic", "--train-num-samples", str(args.batch_size * args.steps)),
-        *("--batch-size", str(args.batch_size), "--epochs", "1", "--precision", "fp32", "--workers", "0"),
-        *("--log-every-n-steps", "1", "--warmup", "10", "--save-frequency", "0", "--logs", logs, "--name", name),
-    ]
-
-
-def _env(args) -> dict:
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(args.threads)}
-
-
 def bigclip_run(args, flags: list[str], logs: str, name: str) -> list[float]:
     subprocess.run(
-        [sys.executable, os.path.join(REPO, "launch", "train.py"), *flags], check=True, env=_env(args),
-        capture_output=True, text=True,
+        [sys.executable, os.path.join(REPO, "launch", "train.py"), *flags], check=True,
+        env=trainer_env(OMP_NUM_THREADS=str(args.threads)), capture_output=True, text=True,
     )  # fmt: skip
-    with open(os.path.join(logs, name, "metrics.jsonl")) as f:
-        return [json.loads(line)["samples_per_s"] for line in f if '"samples_per_s"' in line]
+    return [r["samples_per_s"] for r in bigclip_records(logs, name)]
 
 
 def open_clip_run(args, flags: list[str], logs: str, name: str) -> list[float]:
     subprocess.run(
-        [sys.executable, "-m", "open_clip_train.main", "--device", "cpu", *flags], check=True, env=_env(args),
-        capture_output=True, text=True,
+        [sys.executable, "-m", "open_clip_train.main", "--device", "cpu", *flags], check=True,
+        env=trainer_env(OMP_NUM_THREADS=str(args.threads)), capture_output=True, text=True,
     )  # fmt: skip
-    with open(os.path.join(logs, name, "out.log")) as f:
-        return [float(m.group(1)) for m in map(OC_LINE.search, f) if m]
+    return [per_gpu for _, per_gpu in open_clip_records(logs, name)]
 
 
 def main() -> None:
@@ -117,7 +101,8 @@ def main() -> None:
             ):
                 for trainer, run in (("open_clip_train", open_clip_run), ("bigclip", bigclip_run)):
                     name = f"{trainer}-{setup}-{rep}"
-                    per_step = run(args, [*_flags(args, model, work, name), *extra], work, name)
+                    flags = trainer_flags(model, args.batch_size, args.batch_size * args.steps, work, name)
+                    per_step = run(args, [*flags, *extra], work, name)
                     results.setdefault((setup, trainer), []).append(statistics.median(per_step[SKIP:] or per_step))
     median = {key: statistics.median(values) for key, values in results.items()}
     print("| setup | open_clip_train samples/s | bigclip samples/s | bigclip vs open_clip |")

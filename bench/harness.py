@@ -6,13 +6,19 @@ synthetic batches, through the pieces `bigclip train` runs (so a benchmark measu
     for images, texts in harness.synthetic_batches(cfg, world, steps=3):
         loss, seconds = bench.step(images, texts)         # loop.py: forward_backward, optimizer_step
 
+and, for benchmarks that run the trainer itself as a subprocess (launch/train.py beside OpenCLIP's
+open_clip_train): trainer_flags (the flags both take), bigclip_records (its metrics.jsonl) and open_clip_records
+(its log lines).
+
 Every benchmark under bench/ and every part of the GPU kit (bench/gpu/, which has bench/ on its path) imports it
 as `harness`.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -109,3 +115,37 @@ def build(cfg, world: World | None = None) -> Bench:
     engine.train()
     engine.set_lr(cfg.lr)
     return Bench(cfg, world, engine, build_loss_fn(run.loss, world))
+
+
+# ------------------------------------------------------------------------------- the trainer as a subprocess
+def trainer_flags(
+    model: str, batch_size: int, samples: int, logs: str, name: str, precision: str = "fp32", workers: int = 0
+) -> list[str]:
+    """The flags launch/train.py and open_clip_train both take for a throughput run: synthetic data, one epoch of
+    `samples`, a log line (and a metrics record) every step, no checkpoints, the run folder logs/name."""
+    return [
+        *("--model", model, "--dataset-type", "synthetic", "--train-num-samples", str(samples)),
+        *("--batch-size", str(batch_size), "--epochs", "1", "--precision", precision, "--workers", str(workers)),
+        *("--log-every-n-steps", "1", "--warmup", "10", "--save-frequency", "0", "--logs", logs, "--name", name),
+    ]
+
+
+def trainer_env(**extra: str) -> dict:
+    """The environment a trainer subprocess runs in: this one, with bigclip's folder first on PYTHONPATH."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def bigclip_records(logs: str, name: str) -> list[dict]:
+    """The step records of a bigclip run's metrics.jsonl (samples_per_s, samples_per_s_per_gpu, data_time, ...)."""
+    with open(os.path.join(logs, name, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "samples_per_s" in r]
+
+
+OPEN_CLIP_LINE = re.compile(r"Data \(t\): ([0-9.]+) Batch \(t\): [0-9.]+, [0-9.e+]+/s, ([0-9.e+]+)/s/gpu")
+
+
+def open_clip_records(logs: str, name: str) -> list[tuple[float, float]]:
+    """(data seconds, samples/s per GPU) of each step line in an open_clip_train run's out.log."""
+    with open(os.path.join(logs, name, "out.log")) as f:
+        return [(float(m.group(1)), float(m.group(2))) for m in map(OPEN_CLIP_LINE.search, f) if m]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import time
 
 import torch
 import torch.multiprocessing as mp
+from ranks import free_port
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -101,11 +101,8 @@ def _fsdp_worker(rank: int, name: str, port: int, result_dir: str) -> None:
 
 
 def fsdp2_verdict(name: str) -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_fsdp_worker, args=(name, port, d), nprocs=2)
+        mp.spawn(_fsdp_worker, args=(name, free_port(), d), nprocs=2)
         verdicts = {open(os.path.join(d, f"{r}.txt")).read() for r in range(2)}
     return "; ".join(sorted(verdicts))
 

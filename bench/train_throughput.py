@@ -10,69 +10,30 @@ the runs' own metrics.jsonl (the same numbers the progress lines print), skippin
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import REPO, bigclip_records, trainer_env, trainer_flags
+from ranks import free_port
+
 SCRIPT = os.path.join(REPO, "launch", "train.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(nproc: int, args, logs: str) -> dict:
     name = f"ranks{nproc}"
-    flags = [
-        "--model",
-        "test-tiny",
-        "--dataset-type",
-        "synthetic",
-        "--train-num-samples",
-        str(args.samples),
-        "--batch-size",
-        str(args.batch_size),
-        "--epochs",
-        "1",
-        "--precision",
-        "fp32",
-        "--workers",
-        "0",
-        "--log-every-n-steps",
-        "1",
-        "--warmup",
-        "10",
-        "--save-frequency",
-        "0",
-        "--logs",
-        logs,
-        "--name",
-        name,
-    ]
+    flags = trainer_flags("test-tiny", args.batch_size, args.samples, logs, name)
     if nproc == 1:
         cmd = [sys.executable, SCRIPT, *flags]
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            f"--master_port={_free_port()}",
-            SCRIPT,
-            "--",
-            *flags,
-        ]  # "--": see README (torchrun vs --logs)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads_per_rank), "PYTHONPATH": REPO}
+        # "--": see README (torchrun vs --logs)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", SCRIPT, "--", *flags]  # fmt: skip
+    env = trainer_env(OMP_NUM_THREADS=str(args.threads_per_rank))
     subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
-    with open(os.path.join(logs, name, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f if '"samples_per_s"' in line]
+    records = bigclip_records(logs, name)
     steady = records[args.skip_steps :] or records
     return {
         "ranks": nproc,

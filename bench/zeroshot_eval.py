@@ -50,21 +50,16 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 
+from ranks import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_CLASSES = 1000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_seconds() -> float:
@@ -308,7 +303,7 @@ def measure_bigclip(spec: dict, args) -> dict:
             "-m",
             "torch.distributed.run",
             f"--nproc_per_node={spec['ranks']}",
-            f"--master_port={_free_port()}",
+            f"--master_port={free_port()}",
             child[0],
             "--",  # see README (torchrun vs --logs)
             *child[1:],

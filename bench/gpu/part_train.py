@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -19,9 +18,9 @@ import tempfile
 import time
 
 from common import REPO, Recorder, part_args
+from harness import bigclip_records, open_clip_records, trainer_env, trainer_flags
 
 SKIP = 10  # warm-up steps left out of the median (compilation, allocator growth, loader start)
-OC_LINE = re.compile(r"Data \(t\): ([0-9.]+) Batch \(t\): [0-9.]+, [0-9.e+]+/s, ([0-9.e+]+)/s/gpu")
 
 TINY = {  # the smoke run's model, as an OpenCLIP local-dir: config both trainers read
     "model_cfg": {
@@ -33,36 +32,20 @@ TINY = {  # the smoke run's model, as an OpenCLIP local-dir: config both trainer
 }
 
 
-def flags(model: str, batch: int, steps: int, precision: str, workers: int, logs: str, name: str) -> list[str]:
-    return [
-        *("--model", model, "--dataset-type", "synthetic", "--train-num-samples", str(batch * steps)),
-        *("--batch-size", str(batch), "--epochs", "1", "--precision", precision, "--workers", str(workers)),
-        *("--log-every-n-steps", "1", "--warmup", "10", "--save-frequency", "0", "--logs", logs, "--name", name),
-    ]
-
-
 def bigclip_run(common: list[str], logs: str, name: str) -> tuple[list[float], list[float]]:
-    subprocess.run([sys.executable, os.path.join(REPO, "launch", "train.py"), *common], check=True, env=_env())
-    with open(os.path.join(logs, name, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f if '"samples_per_s_per_gpu"' in line]
+    subprocess.run([sys.executable, os.path.join(REPO, "launch", "train.py"), *common], check=True, env=trainer_env())
+    records = bigclip_records(logs, name)
     return [r["samples_per_s_per_gpu"] for r in records], [r["data_time"] / r["batch_time"] for r in records]
 
 
 def open_clip_run(common: list[str], logs: str, name: str) -> tuple[list[float], list[float]]:
-    subprocess.run([sys.executable, "-m", "open_clip_train.main", *common], check=True, env=_env())
-    with open(os.path.join(logs, name, "out.log")) as f:
-        found = [OC_LINE.search(line) for line in f]
-    rows = [m for m in found if m]
-    per_gpu = [float(m.group(2)) for m in rows]
+    subprocess.run([sys.executable, "-m", "open_clip_train.main", *common], check=True, env=trainer_env())
+    rows = open_clip_records(logs, name)
     # "Data (t)" is the step's data wait in seconds; samples/s/gpu = batch / step time gives the step time.
-    return per_gpu, [float(m.group(1)) * v / BATCH[0] for m, v in zip(rows, per_gpu)]
+    return [per_gpu for _, per_gpu in rows], [data_s * per_gpu / BATCH[0] for data_s, per_gpu in rows]
 
 
 BATCH = [256]
-
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
 
 
 def main() -> None:
@@ -85,7 +68,8 @@ def measure(smoke: bool, work: str, rec: Recorder) -> None:
         for trainer, run in (("open_clip_train", open_clip_run), ("bigclip", bigclip_run)):
             name = f"{trainer}-{rep}"
             t = time.perf_counter()
-            per_gpu, data_share = run(flags(model, BATCH[0], steps, precision, workers, work, name), work, name)
+            common = trainer_flags(model, BATCH[0], BATCH[0] * steps, work, name, precision, workers)
+            per_gpu, data_share = run(common, work, name)
             steady, share = per_gpu[SKIP:] or per_gpu, data_share[SKIP:] or data_share
             results[trainer].append(statistics.median(steady))
             rec.row(
