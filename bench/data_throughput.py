@@ -215,15 +215,17 @@ def child(spec: dict) -> dict:
     import torch
 
     torch.manual_seed(spec["seed"])
+    # delivered where training reads it: --image-decode device decodes in this step (on CPU, in this process)
+    target = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     preprocess = open_clip.image_transform(224, is_train=True)
     if spec["side"] == "bigclip" and spec.get("decode", "openclip") != "openclip":
-        from bigclip.data.transforms import image_transform
+        from bigclip.build import build_transforms, training_normalize_at
+        from bigclip.data import DataConfig
+        from bigclip.model.config import ModelConfig
 
-        mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
-        # as a run builds it (bigclip/build.py): with a GPU, batches leave the workers in 8 bits, normalised by .to();
-        # without, the workers normalise into the batch
-        at = "device" if torch.cuda.is_available() else "batch"
-        preprocess = image_transform(224, True, mean, std, decode=spec["decode"], normalize_at=at)
+        # as `bigclip train --model ViT-B-32 --image-decode ...` builds it on this device (bigclip/build.py)
+        model, data = ModelConfig(model="ViT-B-32"), DataConfig(image_decode=spec["decode"])
+        preprocess = build_transforms(model, data, training_normalize_at(target))[0]
     tokenizer = open_clip.get_tokenizer("ViT-B-32")
     build = _bigclip_loader if spec["side"] == "bigclip" else _openclip_loader
     loader, num_batches, info = build(spec, preprocess, tokenizer)
@@ -231,8 +233,6 @@ def child(spec: dict) -> dict:
     cpu_start, t_start = _cpu_tree(), time.perf_counter()
     batches = samples = 0
     t0 = cpu0 = None
-    # delivered where training reads it: --image-decode device decodes in this step (on CPU, in this process)
-    target = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for images, texts in loader:
         images = images.to(target, non_blocking=True)
         assert images.shape[1:] == (3, 224, 224) and len(texts) == len(images), (images.shape, texts.shape)

@@ -36,6 +36,7 @@ __all__ = [
     "build_transforms",
     "model_factory",
     "seed_everything",
+    "training_normalize_at",
 ]
 
 
@@ -155,13 +156,17 @@ def build_transforms(model: ModelConfig, data: DataConfig, normalize_at: str = "
     return preprocess_train, preprocess_val, {"size": pp["size"], "mean": mean, "std": std}
 
 
+def training_normalize_at(device: torch.device) -> str:
+    """Where a run on `device` normalises its reduced/device-decoded training images (build_transforms'
+    `normalize_at`). On a GPU the batch crosses the loader's shared memory and the host-to-device copy in 8 bits (a
+    quarter of the bytes) and is normalised there for free; on a CPU the workers normalise, into the batch they
+    hand over, in parallel with the training step."""
+    return "batch" if device.type == "cpu" else "device"
+
+
 def build_data(model: ModelConfig, data: DataConfig, world: World, epoch: int):
     """(the run's loaders by name, the tokenizer) for this rank."""
-    # On a GPU the batch crosses the loader's shared memory and the host-to-device copy in 8 bits (a quarter of the
-    # bytes) and is normalised there for free; on a CPU the workers normalise, into the batch they hand over, in
-    # parallel with the training step.
-    normalize_at = "batch" if world.device.type == "cpu" else "device"
-    preprocess_train, preprocess_val, geometry = build_transforms(model, data, normalize_at)
+    preprocess_train, preprocess_val, geometry = build_transforms(model, data, training_normalize_at(world.device))
     tokenizer = build_tokenizer(model)
     loaders = get_data(
         data,
