@@ -130,17 +130,16 @@ def bigclip_save(engine, world, step, mode: str, local: str, remote: str | None,
     from bigclip.ckpt import CheckpointManager
 
     manager = CheckpointManager(local, engine, world, remote=remote, async_mode=mode)
-    record = {"step": 1, "epoch": 0, "samples_seen": 0, "batches_in_epoch": 0}
-    manager.save("warmup", record)  # first save: allocates the staging buffers (and the writer process)
+    manager.save("warmup", 1, 0)  # first save: allocates the staging buffers (and the writer process)
     step(manager.wait_staged)
     manager.wait()
     first = manager.results[-1]
     # Idle commit: the same save with no training competing for the CPU (what the store and writer can do).
-    manager.save("idle", record, blocking=False)
+    manager.save("idle", 1, 0, blocking=False)
     manager.wait()
     idle = manager.results[-1]
     server = _cpu_seconds(S3_SERVER_PID)
-    manager.save("measured", record)
+    manager.save("measured", 1, 0)
     during = steps_while(lambda: not manager._pending.done(), lambda: step(manager.wait_staged), steps_during)
     manager.wait()
     result = manager.results[-1]  # blocked_s = time in save() + the wait before the next optimizer step

@@ -14,10 +14,13 @@ from datetime import datetime
 from functools import partial
 
 import yaml
+from torch.distributed.checkpoint.stateful import Stateful
 
 from bigclip import dry_run
 from bigclip.build import build_data, build_engine, build_loss_fn, build_model, build_teacher, seed_everything
 from bigclip.ckpt.checkpointer import Checkpointer
+from bigclip.ckpt.participants import Recorded
+from bigclip.ckpt.rng import RankRNG
 from bigclip.config import Sections, TrainConfig, scrub_argv, to_dict
 from bigclip.data import DataInfo
 from bigclip.dist import World, broadcast_object, describe_world, join_world, raise_together, shutdown
@@ -109,15 +112,13 @@ def _run(cfg: TrainConfig, world: World) -> int:
     seed_everything(cfg.seed + world.rank)  # different augmentation / dropout per rank
 
     state = TrainState()
-    # The training loader takes part in checkpoints: its position is saved per rank and restored on resume.
     checkpointer = Checkpointer(
         run.checkpoint,
         paths,
         name,
         engine,
         world,
-        config_dict,
-        data=data.get("train"),
+        _participants(state, config_dict, data, engine),
         consolidated_names=partial(bigclip_to_openclip, separate_text=model.openclip_separate_text),
     )
     sinks = MetricSinks(run.report, paths, active, config_dict, scrub_argv(sys.argv[1:]))
@@ -137,6 +138,20 @@ def _run(cfg: TrainConfig, world: World) -> int:
         for info in data.values():
             if isinstance(info, DataInfo):
                 info.close()  # loader workers ignore SIGTERM: stop them here, not at interpreter exit
+
+
+def _participants(state: TrainState, config_dict: dict, data: dict, engine) -> dict[str, Stateful]:
+    """What every checkpoint saves and a resume restores besides the engine's model and optimizer, by name; each
+    says where it is kept (ckpt/participants.py). The order is the order of capture: the data position before
+    the RNG (as the loop left them)."""
+    participants = {
+        "train_state": state,  # record: train_state.json
+        "config": Recorded(config_dict),  # record, for the record only
+        "data": data.get("train"),  # per rank: the training loader's position (None: no training data)
+        "rng": RankRNG(),  # per rank
+        "ema": engine.ema,  # sharded, in the engine's layout (--ema-decay; else None)
+    }
+    return {name: p for name, p in participants.items() if p is not None}
 
 
 def _train(

@@ -81,8 +81,9 @@ def test_cadence_and_exact_mid_epoch_resume(reference, tmp_path):
     manifest = json.load(open(os.path.join(run_dir, "checkpoints", "step_16", MANIFEST)))
     assert manifest["step"] == 16 and manifest["epoch"] == 1 and manifest["layout"] == "dcp"
     assert {"train_state.json", ".metadata", "rng/rank_00000.pt"} <= set(manifest["files"])
-    state = json.load(open(os.path.join(run_dir, "checkpoints", "step_16", "train_state.json")))
-    assert state["batches_in_epoch"] == 4 and state["config"]["save_every_n_steps"] == 4
+    record = json.load(open(os.path.join(run_dir, "checkpoints", "step_16", "train_state.json")))
+    assert record["train_state"]["batches_in_epoch"] == 4 and record["config"]["save_every_n_steps"] == 4
+    assert set(torch.load(os.path.join(run_dir, "checkpoints", "step_16", "rng", "rank_00000.pt"))) == {"data", "rng"}
     # Resume mid-epoch 1 (after its 4th batch) into a new run: the same losses from step 17 on.
     resumed = step_losses(run(tmp_path, "resumed", "--resume", os.path.join(run_dir, "checkpoints", "step_16")))
     assert sorted(resumed) == list(range(17, 25))
@@ -183,8 +184,8 @@ def test_latest_skips_partial_and_corrupt_checkpoints(reference, tmp_path, bigcl
     assert manager.latest() == bad  # committed and complete by size: it is a candidate ...
     with pytest.raises(UserError, match="checksum"):
         manager.load(bad)  # ... but never loaded
-    location, state = manager.resume("latest")
-    assert location == os.path.join(ckpts, "epoch_2") and state["step"] == 24
+    location, manifest = manager.resume("latest")
+    assert location == os.path.join(ckpts, "epoch_2") and manifest.step == 24
     assert any("step_36" in line and "checksum" in line for line in bigclip_log)
     with pytest.raises(UserError, match="no valid manifest.json"):
         manager.load(os.path.join(ckpts, "step_28"))
@@ -385,7 +386,7 @@ def test_keep_last_k_deletes_local_checkpoints_and_async_off_commits_before_retu
     ckpts = tmp_path / "checkpoints"
     manager = CheckpointManager(str(ckpts), tiny_engine(), World(), keep_last_k=2, async_mode="off")
     for step in range(1, 5):
-        manager.save(f"step_{step}", {"step": step, "epoch": 0}, aliases=["epoch_latest"])
+        manager.save(f"step_{step}", step, 0, aliases=["epoch_latest"])
         assert (ckpts / f"step_{step}" / MANIFEST).exists()  # committed when save() returned
         assert (ckpts / "epoch_latest" / MANIFEST).exists()
     assert sorted(os.listdir(ckpts)) == ["epoch_latest", "step_3", "step_4"]
@@ -419,14 +420,13 @@ def test_saves_after_the_first_commit_when_torch_closes_its_stager_after_each_st
     state as it is then."""
     engine = tiny_engine()
     manager = CheckpointManager(str(tmp_path), engine, World())
-    record = {"step": 1, "epoch": 0, "samples_seen": 0, "batches_in_epoch": 0}
-    manager.save("first", record)
+    manager.save("first", 1, 0)
     manager.wait()
     manager.layout._stager._state_dict_stager.close()  # what torch 2.11's DefaultStager does after each stage
     with torch.no_grad():
         for p in engine.model.parameters():
             p.add_(1.0)
-    manager.save("second", {**record, "step": 2})
+    manager.save("second", 2, 0)
     manager.wait()
     assert [r.error for r in manager.results] == [None, None]
     restored = tiny_engine(seed=3)

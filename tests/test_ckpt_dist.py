@@ -159,6 +159,7 @@ from bigclip.model import create_model
 from bigclip.loop import forward_backward, optimizer_step
 from bigclip.build import build_loss_fn
 from bigclip.ckpt import CheckpointManager
+from bigclip.ckpt.rng import RankRNG
 from bigclip.model.convert import bigclip_to_openclip
 
 def batch(step, rank):
@@ -213,8 +214,9 @@ def main():  # the process writer's daemon re-imports __main__: nothing may run 
         train(a, loss_fn, world, range(2))
         full = cfg.fsdp_checkpoint == "full"  # the consolidated OpenCLIP weights in each checkpoint too
         manager = CheckpointManager(directory, a, world, async_mode=cfg.checkpoint_async,
-                                    consolidated_names=bigclip_to_openclip if full else None)
-        manager.save("step_2", {"step": 2, "epoch": 0, "samples_seen": 16, "batches_in_epoch": 2})
+                                    consolidated_names=bigclip_to_openclip if full else None,
+                                    participants={"rng": RankRNG()})
+        manager.save("step_2", step=2, epoch=0)
         manager.wait_staged()
         snapshot = full_model(a)
         after_a = train(a, loss_fn, world, range(2, 4), manager.wait_staged)  # while the save runs
@@ -224,9 +226,9 @@ def main():  # the process writer's daemon re-imports __main__: nothing may run 
         engine_cfg = cfg.sections.engine
         b = build_engine(engine_cfg, build_model(engine_cfg, world, functools.partial(create_model, cfg.model)), world)
         manager = CheckpointManager(directory, b, world)
-        location, state = manager.resume("latest")
+        location, manifest = manager.resume("latest")
         after_b = train(b, loss_fn, world, range(2, 4))
-        results[name] = {"a": after_a, "b": after_b, "location": location, "step": state["step"],
+        results[name] = {"a": after_a, "b": after_b, "location": location, "step": manifest.step,
                          "writer": writer}
         if name == "zero2":  # DeepSpeed's files are written after staging, from copies training cannot touch
             import glob
@@ -270,6 +272,7 @@ from bigclip.model import create_model
 from bigclip.loop import forward_backward, optimizer_step
 from bigclip.build import build_loss_fn
 from bigclip.ckpt import CheckpointManager
+from bigclip.ckpt.rng import RankRNG
 from bigclip.errors import UserError
 from bigclip.run.console import setup_console_logging
 
@@ -305,9 +308,10 @@ for name, config in spec.items():
     engine_cfg = cfg.sections.engine
     engine = build_engine(engine_cfg, build_model(engine_cfg, world, functools.partial(create_model, cfg.model)), world)
     loss_fn = build_loss_fn(cfg.sections.loss, world)
-    manager = CheckpointManager(os.path.join(root, f"ws{world.world_size}", name), engine, world)
+    manager = CheckpointManager(os.path.join(root, f"ws{world.world_size}", name), engine, world,
+                                participants={"rng": RankRNG()})
     try:
-        state = manager.load(os.path.join(root, source, "step_2"))
+        manifest = manager.load(os.path.join(root, source, "step_2"))
     except UserError as e:
         results[name] = {"error": str(e)}
         continue
@@ -318,7 +322,7 @@ for name, config in spec.items():
         optimizer_step(engine)
         losses.append(mean_over_ranks(loss, world))
     manager.close()
-    results[name] = {"step": state["step"], "losses": losses}
+    results[name] = {"step": manifest.step, "losses": losses}
 if world.rank == 0:
     json.dump(results, open(out_path, "w"))
 '''
@@ -375,8 +379,8 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
         )
         assert proc.returncode == 0, (nproc, (proc.stdout + proc.stderr)[-4000:])
         said = [line for line in proc.stdout.splitlines() if "saved by 2 ranks, resumed on" in line]
-        assert len(said) == len(spec) and all(f"resumed on {nproc}: what the epoch had left" in x for x in said), said
-        assert all(("ranks 2+ start with fresh random state" in x) == (nproc == 4) for x in said), said
+        assert len(said) == len(spec) and all(f"resumed on {nproc}; rng from the same rank's file" in x for x in said)
+        assert all(("(ranks 2+ start afresh)" in x) == (nproc == 4) for x in said), said
         resharded = json.loads(out.read_text())
         assert "saved with DeepSpeed ZeRO stage 2, this run uses stage 3" in resharded.pop("zero2_into_zero3")["error"]
         for name, r in resharded.items():
@@ -388,8 +392,8 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
     for name in ("ddp", "fsdp"):
         torch.manual_seed(5)
         engine = build_engine(cfg.sections.engine, create_model("test-tiny"), World())
-        state = CheckpointManager(str(tmp_path / "ws1"), engine, World()).load(str(tmp_path / name / "step_2"))
-        assert state["step"] == 2
+        manifest = CheckpointManager(str(tmp_path / "ws1"), engine, World()).load(str(tmp_path / name / "step_2"))
+        assert manifest.step == 2
         want = torch.load(tmp_path / f"{name}_step2_model.pt", weights_only=True)
         for pname, p in engine.model.named_parameters():
             assert torch.equal(p.detach(), want[pname]), (name, pname)

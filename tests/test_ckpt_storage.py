@@ -9,8 +9,9 @@ import torch
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
 from bigclip.ckpt import storage as storage_mod
-from bigclip.ckpt.manifest import MANIFEST, Manifest, unsafe_path
-from bigclip.ckpt.rng import load_rank_state_file, rank_state_bytes, read_data_position
+from bigclip.ckpt.manifest import FORMAT, MANIFEST, Manifest, unsafe_path
+from bigclip.ckpt.participants import rank_file_bytes, read_rank_file
+from bigclip.ckpt.rng import rng_state
 from bigclip.ckpt.storage import Storage, StorageError, redact_options, redact_url
 from bigclip.ckpt.verify import CorruptCheckpoint, fetch_verified
 from bigclip.run.console import setup_console_logging
@@ -128,12 +129,12 @@ class _Payload:
 
 def test_a_rank_file_with_arbitrary_objects_is_not_unpickled(tmp_path):
     good = tmp_path / "rank_00000.pt"
-    good.write_bytes(rank_state_bytes({"epoch": 1, "ranks": [[1, 2]]}))
-    assert load_rank_state_file(str(good)) == {"epoch": 1, "ranks": [[1, 2]]}  # weights_only=True loads it
+    good.write_bytes(rank_file_bytes({"rng": rng_state(), "data": {"epoch": 1, "ranks": [[1, 2]]}}))
+    assert read_rank_file(str(good), FORMAT)["data"] == {"epoch": 1, "ranks": [[1, 2]]}  # weights_only=True loads it
     bad = tmp_path / "rank_00001.pt"
-    torch.save({"torch": torch.get_rng_state(), "data": {"x": _Payload()}}, bad)
+    torch.save({"rng": {"torch": torch.get_rng_state()}, "data": {"x": _Payload()}}, bad)
     with pytest.raises(CorruptCheckpoint, match="holds objects other than tensors and plain values"):
-        read_data_position(str(bad))
+        read_rank_file(str(bad), FORMAT)
 
 
 class _RunsCode:

@@ -118,7 +118,7 @@ def test_an_average_added_on_resume_starts_from_the_resumed_weights(tmp_path):
     assert python_train([*common, "--epochs", "1"]).returncode == 0
     out = python_train([*common, *EMA, "--ema-warmup", "--epochs", "2", "--resume", "latest"])
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "holds no ema: it starts from the resumed weights" in (tmp_path / "late" / "out.log").read_text()
+    assert "holds no ema: it starts afresh" in (tmp_path / "late" / "out.log").read_text()
     start = export(tmp_path, "late", "epoch_1")
     average = export(tmp_path, "late", "epoch_2", "--ema")
     # the warm-up's first decays are small: the average follows the weights, starting from the resumed ones

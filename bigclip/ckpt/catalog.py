@@ -1,5 +1,6 @@
 """Finding and loading committed checkpoints: every checkpoint with a manifest, local and remote, ranked newest
-first; `--resume latest` / a path / a URL verified against its manifest and restored into the engine's layout.
+first; `--resume latest` / a path / a URL verified against its manifest and restored into the engine's layout
+and every participant, by name (ckpt/participants.py).
 
 Nothing without a manifest is ever loaded, and a checkpoint whose files do not match it is reported and
 skipped (`--resume latest`) or refused (an explicit path). The CheckpointManager (ckpt/manager.py) saves;
@@ -8,19 +9,21 @@ this catalog finds and loads, and retention asks it which checkpoints exist.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import shutil
 import socket
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.checkpoint.stateful import Stateful
+
 from bigclip.ckpt.layout import CheckpointLayout
-from bigclip.ckpt.manifest import MANIFEST, TRAIN_STATE, Manifest, check_sizes, rng_file
-from bigclip.ckpt.rng import load_rank_state_file, read_data_position
+from bigclip.ckpt.manifest import MANIFEST, TRAIN_STATE, Manifest, check_sizes, rank_file
+from bigclip.ckpt.participants import PER_RANK, RECORD, absent, of_kind, read_rank_file, read_record
 from bigclip.ckpt.storage import Storage, StorageUnavailable, is_url, unreachable
 from bigclip.ckpt.verify import CorruptCheckpoint, fetch_verified, read_local_manifest, verify_local
 from bigclip.dist import World, barrier, broadcast_object, raise_together
@@ -51,6 +54,7 @@ class CheckpointCatalog:
         layout: CheckpointLayout,
         world: World,
         io: ThreadPoolExecutor,
+        participants: Mapping[str, Stateful] | None = None,
         *,
         remote: Storage | None = None,
         probe: Storage | None = None,
@@ -58,9 +62,12 @@ class CheckpointCatalog:
         storage_timeout: float = 60.0,
     ):
         """directory: the local checkpoints folder. remote: the store saves upload to (retries for the upload
-        timeout); probe: the same store for first contact (every attempt bounded by storage_timeout)."""
+        timeout); probe: the same store for first contact (every attempt bounded by storage_timeout).
+        participants: the manager's (the layout already holds the sharded ones)."""
         self.directory = directory
         self.layout = layout
+        self._per_rank = of_kind(participants or {}, PER_RANK)
+        self._record = of_kind(participants or {}, RECORD)
         self.world = world
         self._io = io
         self.remote = remote
@@ -123,8 +130,8 @@ class CheckpointCatalog:
 
         return broadcast_object(raise_together(self.world, rank_candidates) or [], self.world)
 
-    def resume(self, spec: str | None) -> tuple[str, dict[str, Any]] | None:
-        """Load `spec` ('latest', a local path or a URL); returns (location, train state) or None.
+    def resume(self, spec: str | None) -> tuple[str, Manifest] | None:
+        """Load `spec` ('latest', a local path or a URL); returns (location, its manifest) or None.
 
         With 'latest' a checkpoint that fails verification is reported and the next older one is tried."""
         if not spec:
@@ -140,9 +147,9 @@ class CheckpointCatalog:
         return None
 
     # ------------------------------------------------------------------------------------------- loading
-    def load(self, location: str) -> dict[str, Any]:
-        """Verify `location` against its manifest, restore the engine and this rank's RNG, return the train
-        state. Collective. A checkpoint that does not verify raises UserError (a CorruptCheckpoint)."""
+    def load(self, location: str) -> Manifest:
+        """Verify `location` against its manifest, restore the engine and every participant, return the
+        manifest. Collective. A checkpoint that does not verify raises UserError (a CorruptCheckpoint)."""
         remote = is_url(location)
         directory = location
         if remote:
@@ -171,33 +178,54 @@ class CheckpointCatalog:
                 if downloader:
                     shutil.rmtree(directory, ignore_errors=True)
 
-    def _restore(self, directory: str, manifest: Manifest) -> dict[str, Any]:
+    def _restore(self, directory: str, manifest: Manifest) -> Manifest:
         if manifest.layout != self.layout.name:
             raise UserError(
                 f"checkpoint {directory}: written by engine {manifest.engine} ({manifest.layout} "
                 f"layout); resume it with --engine {manifest.engine}, or export it with "
                 f"`bigclip export` and start from the weights with --pretrained"
             )
-        self.layout.load(directory, manifest.world_size, manifest.extra or {})
-        own_rng = os.path.join(directory, rng_file(self.world.rank))
-        data_position = {}
-        if os.path.exists(own_rng):
-            data_position = load_rank_state_file(own_rng)
-        if manifest.world_size != self.world.world_size:
-            # Each rank's data position is only its own share of the epoch; at another world size every rank
-            # needs all of them to deal out what was left.
-            data_position = {"world_size": manifest.world_size, "ranks": read_data_positions(directory, manifest)}
-            if self.world.is_main:
-                fresh = self.world.world_size > manifest.world_size
-                logger.info(
-                    f"checkpoint {directory}: saved by {manifest.world_size} ranks, resumed on "
-                    f"{self.world.world_size}: what the epoch had left is dealt out to the new ranks"
-                    + (f"; ranks {manifest.world_size}+ start with fresh random state" if fresh else "")
-                )
-        with open(os.path.join(directory, TRAIN_STATE)) as f:
-            record = json.load(f)
-        record["data"] = data_position  # this rank's own, not rank 0's
-        return record
+        self.layout.load(directory, manifest.world_size, manifest.extra or {})  # the sharded participants too
+        self._restore_per_rank(directory, manifest)
+        record = read_record(os.path.join(directory, TRAIN_STATE), manifest.format)
+        for name, participant in self._record.items():
+            if name in record:
+                participant.load_state_dict(record[name])
+            else:
+                absent(name, participant, directory, log=self.world.is_main)
+        return manifest
+
+    def _restore_per_rank(self, directory: str, manifest: Manifest) -> None:
+        """Each rank participant from this rank's file; at another world size, one that can deal out what every
+        saved rank had (load_state_dicts: the data position) from all of them."""
+        if not self._per_rank:
+            return
+        own_path = os.path.join(directory, rank_file(self.world.rank))
+        own = read_rank_file(own_path, manifest.format) if os.path.exists(own_path) else {}
+        resized = manifest.world_size != self.world.world_size
+        every = read_rank_files(directory, manifest) if resized else {}
+        dealt = []
+        for name, participant in self._per_rank.items():
+            if resized and hasattr(participant, "load_state_dicts"):
+                by_rank = {rank: states[name] for rank, states in every.items() if name in states}
+                if by_rank:
+                    participant.load_state_dicts(by_rank, manifest.world_size)
+                    dealt.append(name)
+                    continue
+            if name in own:
+                participant.load_state_dict(own[name])
+            else:
+                absent(name, participant, directory, log=self.world.is_main and not resized)
+        if resized and self.world.is_main:
+            own_only = [name for name in self._per_rank if name not in dealt]
+            fresh = self.world.world_size > manifest.world_size and own_only
+            logger.info(
+                f"checkpoint {directory}: saved by {manifest.world_size} ranks, resumed on "
+                f"{self.world.world_size}"
+                + (f": {', '.join(dealt)} dealt out from all {manifest.world_size} ranks' files" if dealt else "")
+                + (f"; {', '.join(own_only)} from the same rank's file" if own_only else "")
+                + (f" (ranks {manifest.world_size}+ start afresh)" if fresh else "")
+            )
 
 
 def basename(location: str) -> str:
@@ -218,11 +246,11 @@ def verify(path: str) -> dict[str, Any]:
     return verify_local(path).__dict__
 
 
-def read_data_positions(directory: str, manifest: Manifest) -> dict[int, dict[str, Any]]:
-    """The data position of every rank that saved checkpoint `directory` (rank -> position)."""
-    positions = {}
+def read_rank_files(directory: str, manifest: Manifest) -> dict[int, dict[str, Any]]:
+    """The rank participants' states of every rank that saved checkpoint `directory` (rank -> name -> state)."""
+    states = {}
     for rank in range(manifest.world_size):
-        path = os.path.join(directory, rng_file(rank))
+        path = os.path.join(directory, rank_file(rank))
         if os.path.exists(path):
-            positions[rank] = read_data_position(path)
-    return positions
+            states[rank] = read_rank_file(path, manifest.format)
+    return states

@@ -1,6 +1,6 @@
 """The Checkpointer: what the training loop asks of checkpoints, by name.
 
-    checkpointer.resume(state)             before training: restore the engine and the TrainState, if asked
+    checkpointer.resume(state)             before training: restore the engine and every participant, if asked
     checkpointer.wait_for_staging()        right before each optimizer step: a save in flight has its copy
     checkpointer.after_step(state) -> stop after each step: save when due; True when the run must stop (SIGTERM)
     checkpointer.after_epoch(state)        at each epoch's end: the epoch checkpoint, when due
@@ -11,17 +11,16 @@ and with --remote-sync also <remote>/<name>/checkpoints), the cadence (--save-fr
 --save-every-n-steps, --save-every-minutes), SIGTERM handling, retention (--delete-previous-checkpoint,
 --keep-last-k) and the periodic copy of logs (--remote-sync-frequency).
 
-Participants besides the engine are handed to it at construction, as torchtitan hands `Stateful` objects to
-its checkpointer: `data`, the training loader, whose state_dict() is this rank's data position (saved in the
-rank's own file) and whose load_state_dict() continues the epoch from a resumed one.
+Participants besides the engine's model and optimizer are handed to it at construction, by name, as torchtitan
+hands `Stateful` objects to its checkpointer (the run's: train.py's `_participants`): each says by its
+`checkpoint_kind` whether it is sharded with the engine's state, one per rank or one record for the run, and
+the manager saves and restores each by name without knowing what it is (ckpt/participants.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
 
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -52,18 +51,14 @@ class Checkpointer:
         name: str,
         engine,
         world,
-        config_dict: dict[str, Any],
-        data: Stateful | None = None,
+        participants: Mapping[str, Stateful],
         consolidated_names=None,
     ):
-        """config_dict: the run's config as train_state.json records it. data: the training loader (its
-        state_dict() is this rank's data position), or None for a run without a resumable position.
-        consolidated_names: parameter name -> OpenCLIP's name, for the consolidated weights that
-        --fsdp-checkpoint full adds to each checkpoint."""
+        """participants: name -> Stateful with a checkpoint_kind (ckpt/participants.py), saved and restored
+        beside the engine's model and optimizer. consolidated_names: parameter name -> OpenCLIP's name, for the
+        consolidated weights that --fsdp-checkpoint full adds to each checkpoint."""
         self.cfg = cfg
-        self.data = data
         self.world = world
-        self.config_dict = config_dict
         self.remote_root = remote_run_root(cfg, name)
         options = cfg.options()
         self.manager = CheckpointManager(
@@ -71,6 +66,7 @@ class Checkpointer:
             engine,
             world,
             cfg.delete_previous_checkpoint,
+            participants=participants,
             remote=join(self.remote_root, "checkpoints") if self.remote_root else None,
             storage_options=options,
             keep_last_k=cfg.keep_last_k,
@@ -96,19 +92,15 @@ class Checkpointer:
 
     # -- resume
     def resume(self, state: TrainState) -> None:
-        """--resume: restore the engine (and this rank's RNG) and `state` from the checkpoint it names."""
+        """--resume: restore the engine and every participant from the checkpoint it names; `state` (the train
+        state, one of them) then says where the run is."""
         spec = self.cfg.resume
         found = self.manager.resume(spec)
         if spec == "latest" and found is None:
             logger.info(f"--resume latest: no committed checkpoint in {self._where}; starting fresh")
         if found is None:
             return
-        location, record = found
-        restored = TrainState.from_record(record)
-        for f in dataclasses.fields(TrainState):
-            setattr(state, f.name, getattr(restored, f.name))
-        if self.data is not None:  # the training loader continues from this rank's saved position
-            self.data.load_state_dict(state.data)
+        location, _ = found
         where = f"epoch {state.epoch}" + (f" (+{state.batches_in_epoch} batches)" if state.batches_in_epoch else "")
         logger.info(f"resumed from {redact_url(location)} at {where}, step {state.step}")
 
@@ -184,10 +176,7 @@ class Checkpointer:
         return ["epoch_latest"] if self.cfg.save_most_recent else []
 
     def _save(self, tag: str, state: TrainState, aliases: list[str]) -> None:
-        position = self.data.state_dict() if self.data is not None else state.data
-        self.manager.save(
-            tag, {**state.to_record(), "config": self.config_dict}, aliases=aliases, data_position=position
-        )
+        self.manager.save(tag, state.step, state.epoch, aliases=aliases)
         self.cadence.saved()
 
     def metrics(self) -> dict[str, int]:

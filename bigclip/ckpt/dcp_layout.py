@@ -20,7 +20,6 @@ The save is split in two so the loop is blocked only by the first part:
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import warnings
@@ -40,10 +39,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from bigclip.ckpt.dcp_safe_read import SafeFileSystemReader, SafeLoadPlanner, first_failure
 from bigclip.ckpt.layout import CheckpointLayout, FileSubmitter
+from bigclip.ckpt.participants import absent
 from bigclip.ckpt.upload import BACKGROUND_NICE
 from bigclip.errors import UserError, first_line
-
-logger = logging.getLogger("bigclip")
 
 FILE_TARGET_BYTES = 128 * 2**20  # files per rank ~ bytes / this: small enough to pipeline uploads
 MAX_FILES_PER_RANK = 16
@@ -61,8 +59,8 @@ def _quiet_single_process():
 def training_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler, extra: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """FQN-keyed model and optimizer state (DTensor shards under FSDP) plus the grad scaler and the engine's
-    further participants (`extra`: name -> an object with state_dict()/load_state_dict(), e.g. the EMA)."""
+    """FQN-keyed model and optimizer state (DTensor shards under FSDP) plus the grad scaler and the sharded
+    checkpoint participants (`extra`: name -> Stateful, e.g. the EMA; ckpt/participants.py)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     # Optimizers that are several (one per parameter, stepped in the backward) save as the one they stand for.
     optim_sd = getattr(optimizer, "saved_state_dict", lambda sd: sd)(optim_sd)
@@ -182,14 +180,17 @@ class DCPLayout(CheckpointLayout):
         group,
         mode: str = "thread",
         replicated: bool = True,
-        extra: dict[str, Any] | None = None,
+        participants: dict[str, Any] | None = None,
     ):
         """replicated: every rank holds the whole state (DDP), so ranks split the writing; False: each rank
-        holds its own shards (FSDP2's DTensors). extra: further participants saved beside the model (name ->
-        state_dict()/load_state_dict(); their tensors are the load's template, filled in place, and one a
-        checkpoint lacks is told to reset())."""
+        holds its own shards (FSDP2's DTensors). participants: the sharded checkpoint participants, saved beside
+        the model under their names (name -> Stateful; their tensors are the load's template, filled in place,
+        and one a checkpoint lacks starts afresh: ckpt/participants.py)."""
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.extra = dict(extra or {})
+        self.extra = dict(participants or {})
+        taken = set(self.extra) & {"model", "optimizer", "scaler"}
+        if taken:
+            raise ValueError(f"checkpoint participant {sorted(taken)[0]!r}: the name of the engine's own state")
         self.world = world
         self.group = group
         # The process writer needs a process group to hand to its daemon; a single process uses the thread.
@@ -280,7 +281,7 @@ class DCPLayout(CheckpointLayout):
 
     def load(self, directory: str, saved_world_size: int = 0, saved_extra: dict | None = None) -> None:
         # The structure to fill (optimizer state is initialised for it); DCP reshards into it. A participant the
-        # checkpoint does not hold (an EMA added on resume) starts afresh from the loaded weights.
+        # checkpoint does not hold (an EMA added on resume) starts afresh, after the weights are loaded.
         saved = SafeFileSystemReader(directory).read_metadata().state_dict_metadata if self.extra else {}
         held = {name: p for name, p in self.extra.items() if any(k.startswith(f"{name}.") for k in saved)}
         state = training_state(self.model, self.optimizer, self.scaler, held)
@@ -309,8 +310,7 @@ class DCPLayout(CheckpointLayout):
             if name in held:
                 participant.load_state_dict(state[name])
             else:
-                logger.info(f"checkpoint {directory} holds no {name}: it starts from the resumed weights")
-                participant.reset()
+                absent(name, participant, directory, log=self.world.is_main)
 
     def close(self) -> None:
         self._stager.close()

@@ -14,13 +14,14 @@ mp_rank_00_model_states.pt on rank 0), and rank 0 DeepSpeed's companion zero_to_
 Loading at another world size goes through DeepSpeed's universal checkpoint: the ZeRO files are converted
 (deepspeed.checkpoint.ds_to_universal) and loaded with `load_universal`.
 
-With --ema-decay each rank also writes ema/rank_{r}.pt: its fragments of the moving average
-(ckpt/fragments.py; copied on the staging thread with DeepSpeed's tensors), which load at any world size.
+Each sharded checkpoint participant (ckpt/participants.py) is written by each rank as <name>/rank_{r}.pt, its
+state_dict() copied on the staging thread with DeepSpeed's tensors; on load it gets every saved rank's state
+({"ranks": [...]}), so it can reshard to any world size. The moving average (--ema-decay) is one: ema/rank_{r}.pt,
+its fragments of the fp32 masters (ckpt/fragments.py).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import socket
@@ -29,12 +30,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from bigclip.ckpt.fragments import assemble, ema_file, read_saved
+from bigclip.ckpt.fragments import assemble, participant_file, read_saved
 from bigclip.ckpt.layout import CheckpointLayout, FileSubmitter
+from bigclip.ckpt.participants import absent
 from bigclip.dist import raise_together
 from bigclip.errors import UserError, first_line
-
-logger = logging.getLogger("bigclip")
 
 ENGINE_DIR = "engine_state"
 _DS_TOP_LEVEL = ("latest", "zero_to_fp32.py")
@@ -74,14 +74,14 @@ class DeepSpeedLayout(CheckpointLayout):
     name = "deepspeed"
     writes_while_staging = True
 
-    def __init__(self, ds, world, group, ema=None):
+    def __init__(self, ds, world, group, participants=None):
         """ds: the deepspeed.DeepSpeedEngine. Its checkpoint engine is replaced by one that stages instead of
-        writing (DeepSpeed's own still reads); the files are then written by the save thread. ema: the engine's
-        moving average of its partitions (state_dict() / load_from(saved) / reset()), or None."""
+        writing (DeepSpeed's own still reads); the files are then written by the save thread. participants: name
+        -> the sharded checkpoint participants (the moving average of the partitions)."""
         from bigclip.ckpt.deepspeed_staging import StagingCheckpointEngine
 
         self.ds = ds
-        self.ema = ema
+        self.participants = dict(participants or {})
         self.world = world
         self.group = group
         self.stager = StagingCheckpointEngine(ds.checkpoint_engine)
@@ -93,12 +93,14 @@ class DeepSpeedLayout(CheckpointLayout):
         companions, `latest` and zero_to_fp32.py, are written right away); their tensors are copied on the
         staging thread. The returned future holds the copies; wait for it before the next optimizer step."""
         self.ds.save_checkpoint(directory, tag=ENGINE_DIR, save_latest=False)
-        files, ema = self.stager.take(), self.ema
+        files, participants = self.stager.take(), self.participants
 
         def copy() -> list:
             copies = self.stager.copy(files)
-            if ema is not None:  # updated only after the next optimizer step, which waits for this copy
-                copies.append((ema_file(directory, self.world.rank), _host_copy(ema.state_dict())))
+            # (the EMA changes only at the next optimizer step, which waits for this copy)
+            for name, participant in participants.items():
+                path = participant_file(directory, name, self.world.rank)
+                copies.append((path, _host_copy(participant.state_dict())))
             return copies
 
         return self._copier.submit(copy)
@@ -135,8 +137,8 @@ class DeepSpeedLayout(CheckpointLayout):
                 self._load_universal(directory, saved_world_size)
             else:
                 self._load_same_world(directory)
-            if self.ema is not None:
-                self._load_ema(directory)
+            for name, participant in self.participants.items():
+                self._load_participant(directory, name, participant)
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 — DeepSpeed's loaders fail with bare asserts and KeyErrors
@@ -146,17 +148,12 @@ class DeepSpeedLayout(CheckpointLayout):
                 f"with the DeepSpeed config (ZeRO stage, precision) it was saved with"
             ) from None
 
-    def _load_ema(self, directory: str) -> None:
-        saved = read_saved(directory)
+    def _load_participant(self, directory: str, name: str, participant) -> None:
+        saved = read_saved(directory, name)
         if saved:
-            self.ema.load_from(saved)
-            return
-        self.ema.reset()
-        if self.world.is_main:
-            logger.info(
-                f"checkpoint {directory} holds no moving average of the weights: --ema-decay starts it from the "
-                f"resumed weights"
-            )
+            participant.load_state_dict({"ranks": saved})
+        else:
+            absent(name, participant, directory, log=self.world.is_main)
 
     def _load_same_world(self, directory: str) -> None:
         path, _ = self.ds.load_checkpoint(

@@ -12,17 +12,18 @@ import os
 
 import torch
 
-EMA_DIR = "ema"
+EMA_DIR = "ema"  # the moving average's participant name, and so its folder
 
 
-def ema_file(directory: str, rank: int) -> str:
-    return os.path.join(directory, EMA_DIR, f"rank_{rank:05d}.pt")
+def participant_file(directory: str, name: str, rank: int) -> str:
+    """Where a DeepSpeed checkpoint keeps rank `rank`'s state of sharded participant `name` (ema/rank_00000.pt)."""
+    return os.path.join(directory, name, f"rank_{rank:05d}.pt")
 
 
-def read_saved(directory: str) -> list[dict]:
-    """Every rank's saved state under directory/ema/, memory-mapped (only the parts read are paged in); [] when
-    the checkpoint holds none."""
-    paths = sorted(glob.glob(os.path.join(directory, EMA_DIR, "rank_*.pt")))
+def read_saved(directory: str, name: str = EMA_DIR) -> list[dict]:
+    """Every rank's saved state of participant `name` (directory/<name>/), in rank order, memory-mapped (only
+    the parts read are paged in); [] when the checkpoint holds none."""
+    paths = sorted(glob.glob(os.path.join(directory, name, "rank_*.pt")))
     return [torch.load(path, map_location="cpu", weights_only=True, mmap=True) for path in paths]
 
 

@@ -1,10 +1,11 @@
 """The checkpoint-layout contract: how one engine's state becomes files, and files become its state again.
 
-The checkpoint manager owns everything around it (when to save, the .partial folder, RNG and train-state
-files, uploads, the manifest, retention, finding `latest`); a layout owns only the engine's own state. An
-engine names its layout (`engine.checkpoint_layout(group, mode)`), so the manager never asks which engine
-it has. Two exist: DCP (ckpt/dcp_layout.py, for DDP and FSDP2) and DeepSpeed's ZeRO files
-(ckpt/deepspeed_layout.py).
+The checkpoint manager owns everything around it (when to save, the .partial folder, the per-rank and record
+participants' files, uploads, the manifest, retention, finding `latest`); a layout owns only the engine's own
+state and the sharded participants (ckpt/participants.py) it is handed, saved beside it under their names and
+resharded like it. An engine names its layout (`engine.checkpoint_layout(group, mode, participants)`), so the
+manager never asks which engine it has. Two exist: DCP (ckpt/dcp_layout.py, for DDP and FSDP2) and DeepSpeed's
+ZeRO files (ckpt/deepspeed_layout.py).
 
 One save:   handle = layout.stage(directory)            main thread, collective; returns quickly
             ...the loop's next forward/backward runs...

@@ -3,12 +3,15 @@ publisher's (ckpt/publish.py); finding and loading what to resume is its catalog
 manager's latest() / resume() / load() hand on to.
 
 A checkpoint `<tag>` (epoch_3, step_1200, epoch_latest) is a directory — locally `<logs>/<name>/checkpoints/
-<tag>/`, remotely `<remote-sync>/<name>/checkpoints/<tag>/` — holding the engine state (layout "dcp" or
-"deepspeed"), one RNG file per rank, train_state.json (step, epoch, samples seen, data position, the resolved
-config) and, written last, manifest.json naming every file with size and CRC-32.
+<tag>/`, remotely `<remote-sync>/<name>/checkpoints/<tag>/` — holding its participants by name
+(ckpt/participants.py): the engine's state and the sharded participants (the moving average) in the engine's
+layout ("dcp" or "deepspeed"), one file per rank with the rank participants (RNG, data position),
+train_state.json with the record participants (train state, resolved config) and, written last, manifest.json
+naming every file with size and CRC-32.
 
 One save, on every rank:
-  main thread   stage the engine state into reused host buffers, capture RNG and train state   (blocked)
+  main thread   stage the engine state into reused host buffers, capture the rank and record participants'
+                state_dict()                                                                  (blocked)
   save thread   write files into <tag>.partial/; each finished file is hashed and uploaded at once
                 (FileSink); gather every rank's file list on the checkpoint's own gloo group; rank 0
                 publishes: manifest.json (remote: last object; local: then renames .partial -> <tag>),
@@ -23,14 +26,13 @@ commit, report — is one state machine; its steps are kept in one class to show
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pickle
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -38,12 +40,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
 from bigclip.ckpt.catalog import TAG, CheckpointCatalog
 from bigclip.ckpt.config import ASYNC_MODES
-from bigclip.ckpt.manifest import CONSOLIDATED, MANIFEST, TRAIN_STATE, Manifest, rng_file
+from bigclip.ckpt.manifest import CONSOLIDATED, MANIFEST, TRAIN_STATE, Manifest, rank_file
+from bigclip.ckpt.participants import PER_RANK, RECORD, SHARDED, check, of_kind, rank_file_bytes, record_bytes
 from bigclip.ckpt.publish import Publisher, partial_dir
-from bigclip.ckpt.rng import rank_state_bytes
 from bigclip.ckpt.storage import (
     Storage,
     StorageError,
@@ -88,6 +91,7 @@ class CheckpointManager:
         world: World,
         delete_previous: bool = False,
         *,
+        participants: Mapping[str, Stateful] | None = None,
         remote: str | None = None,
         storage_options: dict | None = None,
         keep_last_k: int = 0,
@@ -97,7 +101,9 @@ class CheckpointManager:
         upload_timeout: float | None = None,
         consolidated_names: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     ):
-        """directory: local checkpoints folder. remote: URL of the remote checkpoints folder (or None).
+        """directory: local checkpoints folder. participants: name -> what each checkpoint saves and a resume
+        restores besides the engine's model and optimizer, each where its `checkpoint_kind` says
+        (ckpt/participants.py). remote: URL of the remote checkpoints folder (or None).
         keep_local=False keeps no local copies (the local folder is only a staging area).
         storage_timeout (--storage-timeout): how long the store may go unanswered when it is first reached
         (the write check, listing and reading checkpoints to resume). upload_timeout
@@ -108,6 +114,9 @@ class CheckpointManager:
         if async_mode not in ASYNC_MODES:
             raise UserError(f"--checkpoint-async {async_mode!r}: choose one of {', '.join(ASYNC_MODES)}")
         self.directory = os.path.abspath(directory)
+        self.participants = check(participants or {})
+        self._per_rank = of_kind(self.participants, PER_RANK)
+        self._record = of_kind(self.participants, RECORD)
         self.consolidated_names = consolidated_names
         self.engine = engine
         self.world = world
@@ -123,8 +132,10 @@ class CheckpointManager:
         self._control_group = dist.new_group(backend="gloo") if self.group is not None else None
         # The engine names its checkpoint layout; the writer defaults to a thread for every layout (chosen by
         # bench/checkpoint_stall.py: DCP's file writes, hashing and uploads release the GIL; a process costs a
-        # shared-memory copy of the state and a second interpreter).
-        self.layout = engine.checkpoint_layout(self.group, "thread" if async_mode in ("auto", "off") else async_mode)
+        # shared-memory copy of the state and a second interpreter). The layout also writes the sharded participants.
+        self.layout = engine.checkpoint_layout(
+            self.group, "thread" if async_mode in ("auto", "off") else async_mode, of_kind(self.participants, SHARDED)
+        )
         self.mode = "off" if async_mode == "off" else self.layout.mode
         self._save_thread = ThreadPoolExecutor(1, thread_name_prefix="bigclip-ckpt", initializer=lower_priority)
         self._io = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="bigclip-upload", initializer=lower_priority)
@@ -140,6 +151,7 @@ class CheckpointManager:
             self.layout,
             world,
             self._io,
+            self.participants,
             remote=self.remote,
             probe=self._probe,
             storage_options=self.storage_options,
@@ -172,14 +184,13 @@ class CheckpointManager:
     def save(
         self,
         tag: str,
-        train_state: dict[str, Any],
+        step: int,
+        epoch: int,
         blocking: bool = False,
         aliases: tuple[str, ...] | list[str] = (),
-        data_position: dict[str, Any] | None = None,
     ) -> str:
-        """Start checkpoint `tag` (collective: every rank calls). Returns where it will be committed.
-
-        data_position: this rank's loader position, saved in its own rank file with its RNG state.
+        """Start checkpoint `tag` of every participant (collective: every rank calls). Returns where it will be
+        committed. step, epoch: where the run is, for the manifest (and the consolidated weights).
 
         aliases: further tags (e.g. epoch_latest) committed as copies of this one once it is durable —
         hard links locally, server-side copies remotely — instead of a second save of the same state.
@@ -193,21 +204,15 @@ class CheckpointManager:
         )
         self._staging = handle if isinstance(handle, Future) else None
         self._staging_wait = 0.0
-        rng = rank_state_bytes(data_position)
-        record = json.dumps(train_state, indent=1, default=str).encode() if self.world.is_main else None
+        # Captured now, in the loop's thread (the RNG and the data position move with the next batch).
+        own = {name: p.state_dict() for name, p in self._per_rank.items()}
+        rank_bytes = rank_file_bytes(own) if own else None
+        record = None
+        if self.world.is_main:
+            record = record_bytes({name: p.state_dict() for name, p in self._record.items()})
         blocked = time.perf_counter() - start
-        job = (
-            tag,
-            list(aliases),
-            handle,
-            rng,
-            record,
-            int(train_state["step"]),
-            int(train_state["epoch"]),
-            start,
-            blocked,
-        )
-        self.last_saved_step = int(train_state["step"])
+        job = (tag, list(aliases), handle, rank_bytes, record, int(step), int(epoch), start, blocked)
+        self.last_saved_step = int(step)
         if self.mode == "off" or blocking:
             self._staging = None
             self._report(self._write_and_commit(*job), raise_permanent=True)
@@ -345,7 +350,7 @@ class CheckpointManager:
         dist.all_gather_object(flags, ok, group=self.group)
         return all(flags)
 
-    def _write_and_commit(self, tag, aliases, handle, rng, record, step, epoch, start, blocked) -> SaveResult:
+    def _write_and_commit(self, tag, aliases, handle, rank_bytes, record, step, epoch, start, blocked) -> SaveResult:
         """Save thread (or inline): write, upload, gather, commit. Every rank runs the same collectives."""
         result = SaveResult(tag, step, blocked_s=blocked)
         partial = self._partial(tag)
@@ -359,8 +364,9 @@ class CheckpointManager:
         if self._agree(error is None):
             try:
                 self.layout.write(handle, partial, sink)
-                write_durably(os.path.join(partial, rng_file(self.world.rank)), rng)
-                sink.submit(os.path.join(partial, rng_file(self.world.rank)))
+                if rank_bytes is not None:
+                    write_durably(os.path.join(partial, rank_file(self.world.rank)), rank_bytes)
+                    sink.submit(os.path.join(partial, rank_file(self.world.rank)))
                 if record is not None:
                     write_durably(os.path.join(partial, TRAIN_STATE), record)
                     sink.submit(os.path.join(partial, TRAIN_STATE))
@@ -443,12 +449,13 @@ class CheckpointManager:
         """The committed checkpoint with the highest step, local or remote. Collective."""
         return self.catalog.latest()
 
-    def resume(self, spec: str | None) -> tuple[str, dict[str, Any]] | None:
-        """Load `spec` ('latest', a local path or a URL); returns (location, train state) or None."""
+    def resume(self, spec: str | None) -> tuple[str, Manifest] | None:
+        """Load `spec` ('latest', a local path or a URL) into the engine and every participant; returns
+        (location, its manifest) or None."""
         return self.catalog.resume(spec)
 
-    def load(self, location: str) -> dict[str, Any]:
-        """Verify `location` against its manifest, restore the engine and this rank's RNG; the train state."""
+    def load(self, location: str) -> Manifest:
+        """Verify `location` against its manifest, restore the engine and every participant; the manifest."""
         return self.catalog.load(location)
 
 

@@ -20,7 +20,10 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-FORMAT = "bigclip-checkpoint-2"
+# 3: participants by name in the rank files and train_state.json (ckpt/participants.py); 2 is read too.
+FORMAT = "bigclip-checkpoint-3"
+FORMAT_2 = "bigclip-checkpoint-2"
+READABLE = (FORMAT, FORMAT_2)
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
 # --fsdp-checkpoint full: the whole model's weights in OpenCLIP's names, one more file of the checkpoint.
@@ -28,7 +31,9 @@ CONSOLIDATED = "openclip_state_dict.pt"
 HASH_CHUNK = 1 << 22
 
 
-def rng_file(rank: int) -> str:
+def rank_file(rank: int) -> str:
+    """A rank's own file: its rank participants' states (ckpt/participants.py). The folder is named for the first
+    of them, the RNG state."""
     return f"rng/rank_{rank:05d}.pt"
 
 
@@ -65,7 +70,7 @@ class Manifest:
             return None
         try:
             raw = json.loads(data)
-            if raw.get("format") != FORMAT or not isinstance(raw.get("files"), dict):
+            if raw.get("format") not in READABLE or not isinstance(raw.get("files"), dict):
                 return None
             known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
             return cls(**known)

@@ -1,23 +1,17 @@
-"""One rank's own state for a checkpoint file: its random-number generators (torch, CUDA, numpy, python) and
-its data position (where this rank's loader and its workers are in the epoch; see data/wds_stream.py).
+"""The RNG participant: one rank's random-number generators (torch, CUDA, numpy, python), saved in the rank's own
+checkpoint file under "rng" (ckpt/participants.py) and restored on resume, so a resumed run draws what an
+uninterrupted one would.
 
 Stored as tensors, numbers, strings, lists, tuples and dicts only, so the file loads with
-`torch.load(weights_only=True)`: a checkpoint may come from a bucket someone else can write, and unpickling
-arbitrary objects from it would run their code. numpy's generator state is kept as its parts (the key
-array as a tensor)."""
+`torch.load(weights_only=True)`. numpy's generator state is kept as its parts (the key array as a tensor)."""
 
 from __future__ import annotations
 
-import io
-import pickle
 import random
 from typing import Any
 
 import numpy as np
 import torch
-
-from bigclip.ckpt.verify import CorruptCheckpoint
-from bigclip.errors import first_line
 
 
 def _numpy_state() -> dict[str, Any]:
@@ -46,29 +40,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def rank_state_bytes(data_position: dict[str, Any] | None = None) -> bytes:
-    buf = io.BytesIO()
-    torch.save({**rng_state(), "data": data_position or {}}, buf)
-    return buf.getvalue()
+class RankRNG:
+    """This rank's generators as a checkpoint participant: state_dict() captures them, load_state_dict() sets
+    them. A rank the saved run did not have keeps its own (seeded) state."""
 
+    checkpoint_kind = "rank"  # ckpt/participants.py
 
-def _load(path: str) -> dict[str, Any]:
-    try:
-        return torch.load(path, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CorruptCheckpoint(
-            f"{path}: holds objects other than tensors and plain values ({first_line(e)}); a bigclip rank file "
-            f"never does, so it is not loaded — pick another checkpoint"
-        ) from None
+    def state_dict(self) -> dict[str, Any]:
+        return rng_state()
 
-
-def load_rank_state_file(path: str) -> dict[str, Any]:
-    """Restore the generators saved in `path`; returns the data position saved with them ({} if none)."""
-    state = _load(path)
-    set_rng_state(state)
-    return state.get("data") or {}
-
-
-def read_data_position(path: str) -> dict[str, Any]:
-    """The data position saved in a rank file, without touching this process's generators."""
-    return _load(path).get("data") or {}
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_rng_state(state)

@@ -32,6 +32,8 @@ class DataInfo:
     `ends_early`: a rank's loader may yield fewer than num_batches batches (WebDataset without resampling
     reads each shard once), so the ranks must agree on every step whether all of them have a batch."""
 
+    checkpoint_kind = "rank"  # a checkpoint keeps each rank's position in the rank's own file (not a field)
+
     dataloader: Iterable[Any]
     num_samples: int
     num_batches: int
@@ -93,12 +95,17 @@ class DataInfo:
         if self.resumable and position:
             self._pending = position
 
-    # torch.distributed.checkpoint's Stateful protocol: how the checkpointer saves and restores the position
+    # torch.distributed.checkpoint's Stateful protocol: how the checkpoint manager saves and restores the position
     def state_dict(self) -> dict[str, Any]:
         return self.position()
 
     def load_state_dict(self, position: dict[str, Any]) -> None:
         self.restore(position)
+
+    def load_state_dicts(self, positions: dict[int, dict[str, Any]], saved_world_size: int) -> None:
+        """A checkpoint saved by another number of ranks: every saved rank's position (rank -> position), each
+        only its own share of the epoch, so that what all of them had left is dealt out to this run's ranks."""
+        self.restore({"world_size": saved_world_size, "ranks": positions})
 
     def count_dropped(self, samples: int) -> None:
         if self.skips is not None and samples:

@@ -35,9 +35,12 @@ gradient synchronisation and the on-disk format of its state. Callers use only:
                                            sees); how the model's constraints (CLIP's temperature) are enforced
     engine.zero_grad(), set_lr(lr), get_lr()
     engine.ema                             the moving average of the weights (--ema-decay; engine/ema.py) or
-                                           None: the loop updates it after each step, evaluation swaps it in
-    engine.checkpoint_layout(group, mode)  the CheckpointLayout (ckpt/layout.py) that saves and loads this
-                                           engine's state: DCP for DDP and FSDP2, DeepSpeed's files for ZeRO
+                                           None: the loop updates it after each step, evaluation swaps it in,
+                                           the run hands it to its checkpoints as a sharded participant
+    engine.checkpoint_layout(group, mode, participants)
+                                           the CheckpointLayout (ckpt/layout.py) that saves and loads this
+                                           engine's state and the sharded checkpoint participants it is handed
+                                           (the EMA): DCP for DDP and FSDP2, DeepSpeed's files for ZeRO
     engine.state_bytes()                   bytes of parameters, gradients and optimizer state on this rank
     engine.name, engine.world, engine.precision
 """
@@ -200,9 +203,10 @@ class Engine(abc.ABC):
 
     # -- checkpoints and memory
     @abc.abstractmethod
-    def checkpoint_layout(self, group, mode: str) -> CheckpointLayout:
+    def checkpoint_layout(self, group, mode: str, participants=None) -> CheckpointLayout:
         """The layout that stages, writes and loads this engine's state. `group`: the checkpoint's own gloo
-        group (None in one process); `mode`: the writer asked for (thread or process)."""
+        group (None in one process); `mode`: the writer asked for (thread or process); `participants`: name ->
+        the sharded checkpoint participants (ckpt/participants.py) it saves and reshards beside that state."""
 
     @abc.abstractmethod
     def state_bytes(self) -> dict[str, int]:
@@ -279,10 +283,9 @@ class TorchOptimizerEngine(Engine):
     def update_parameter_(self, param: nn.Parameter, fix: ParameterFix) -> None:
         fix(param)  # elementwise, so under FSDP2 it applies to each rank's shard as is
 
-    def checkpoint_layout(self, group, mode: str) -> CheckpointLayout:
-        extra = {"ema": self.ema} if self.ema is not None else {}
+    def checkpoint_layout(self, group, mode: str, participants=None) -> CheckpointLayout:
         return DCPLayout(
-            self.model, self.optimizer, self.scaler, self.world, group, mode, self.replicated_state, extra=extra
+            self.model, self.optimizer, self.scaler, self.world, group, mode, self.replicated_state, participants
         )
 
     def state_bytes(self) -> dict[str, int]:

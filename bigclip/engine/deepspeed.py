@@ -419,10 +419,10 @@ class DeepSpeedEngine(Engine):
         return optim.base_lr(self.ds.optimizer.param_groups)
 
     # -- checkpoints and memory
-    def checkpoint_layout(self, group, mode: str) -> CheckpointLayout:
+    def checkpoint_layout(self, group, mode: str, participants=None) -> CheckpointLayout:
         if mode == "process" and self.world.is_main:
             logger.info("--checkpoint-async process: the DeepSpeed engine writes its checkpoints from a thread")
-        return DeepSpeedLayout(self.ds, self.world, group, ema=self.ema)
+        return DeepSpeedLayout(self.ds, self.world, group, participants)
 
     def state_bytes(self) -> dict[str, int]:
         return tensor_bytes(self.model, self.ds.optimizer)

@@ -102,6 +102,10 @@ class PartitionEMA(WeightsEMA):
             "updates": self.updates,
         }
 
+    def load_state_dict(self, state: dict) -> None:
+        """The DeepSpeed layout's load of a sharded participant: {"ranks": [every saved rank's state_dict()]}."""
+        self.load_from(state["ranks"])
+
     @torch.no_grad()
     def load_from(self, saved: list[dict]) -> None:
         """Fill this rank's fragments from every rank's saved state (any world size)."""

@@ -28,6 +28,8 @@ WARMUP_POWER = 2 / 3  # timm ModelEmaV3's warmup_power (its warmup_gamma: 1)
 
 
 class WeightsEMA:
+    checkpoint_kind = "sharded"  # saved and resharded by the engine's checkpoint layout (ckpt/participants.py)
+
     def __init__(self, model: nn.Module, decay: float, warmup: bool = False):
         self.model, self.decay, self.warmup = model, decay, warmup
         self.updates = 0
