@@ -434,3 +434,114 @@ def test_saves_after_the_first_commit_when_torch_closes_its_stager_after_each_st
     for (name, a), b in zip(engine.model.state_dict().items(), restored.model.state_dict().values()):
         assert torch.equal(a, b), name
     manager.close()
+
+
+# ------------------------------------------------------------------------------------------- participants
+class Counter:
+    """A participant as anything new would be one: a Stateful whose class says where its state belongs."""
+
+    def __init__(self, kind: str, count: int = 0):
+        self.checkpoint_kind, self.count, self.resets = kind, count, 0
+
+    def state_dict(self):
+        return {"count": torch.tensor([self.count])} if self.checkpoint_kind == "sharded" else {"count": self.count}
+
+    def load_state_dict(self, state):
+        count = state["count"]
+        self.count = int(count.item() if torch.is_tensor(count) else count)
+
+    def reset(self):
+        self.resets += 1
+
+
+class DealtCounter(Counter):
+    """A per-rank participant that takes every saved rank's state at another world size (as the data does)."""
+
+    def load_state_dicts(self, by_rank, saved_world_size):
+        self.count = sum(state["count"] for state in by_rank.values()) * 10 + saved_world_size
+
+
+def test_a_participant_of_each_kind_is_saved_and_restored_by_name_through_the_real_manager(tmp_path, bigclip_log):
+    """Adding a participant is one entry in the mapping the manager is handed: a counter per rank (the rank's
+    file), one for the run (train_state.json) and one sharded with the engine's state (DCP, under its name)."""
+    from bigclip.ckpt.dcp_safe_read import SafeFileSystemReader
+
+    kinds = {"per_rank": "rank", "record": "record", "sharded": "sharded"}
+    saved = {name: Counter(kind, count=7 + i) for i, (name, kind) in enumerate(kinds.items())}
+    manager = CheckpointManager(str(tmp_path / "a"), tiny_engine(), World(), participants=saved, async_mode="off")
+    manager.save("step_3", 3, 0)
+    manager.close()
+    step_3 = tmp_path / "a" / "step_3"
+    assert torch.load(step_3 / "rng" / "rank_00000.pt") == {"per_rank": {"count": 7}}
+    assert json.load(open(step_3 / "train_state.json")) == {"record": {"count": 8}}
+    assert "sharded.count" in SafeFileSystemReader(str(step_3)).read_metadata().state_dict_metadata
+
+    restored = {name: Counter(kind) for name, kind in kinds.items()}
+    restored["late"] = Counter("rank")  # a participant the checkpoint does not hold: reset, not an error
+    manager = CheckpointManager(str(tmp_path / "b"), tiny_engine(seed=1), World(), participants=restored)
+    assert manager.load(str(step_3)).step == 3
+    assert {name: p.count for name, p in restored.items()} == {"per_rank": 7, "record": 8, "sharded": 9, "late": 0}
+    assert restored["late"].resets == 1 and any("holds no late: it starts afresh" in line for line in bigclip_log)
+    manager.close()
+    with pytest.raises(ValueError, match="must say checkpoint_kind"):
+        CheckpointManager(str(tmp_path / "c"), tiny_engine(), World(), participants={"x": object()})
+
+
+def _rewrite(directory, rel, data: bytes, manifest: dict) -> None:
+    """Replace a file of a checkpoint and its manifest entry (a test's way to make another format's files)."""
+    from bigclip.ckpt.manifest import checksum_file
+
+    path = os.path.join(directory, rel)
+    with open(path, "wb") as f:
+        f.write(data)
+    entry = checksum_file(path)
+    manifest["files"][rel] = {"size": entry.size, "crc32": entry.crc32}
+
+
+def test_another_world_size_deals_out_every_ranks_state_to_participants_that_take_it(tmp_path, bigclip_log):
+    """A checkpoint of 2 ranks resumed by one: a per-rank participant with load_state_dicts gets both ranks'
+    states (as the data position does), one without gets its own rank's (as the RNG does)."""
+    import io
+
+    ckpt = tmp_path / "a" / "step_1"
+    saved = {"dealt": DealtCounter("rank", 2), "own": Counter("rank", 5)}
+    CheckpointManager(str(tmp_path / "a"), tiny_engine(), World(), participants=saved, async_mode="off").save(
+        "step_1", 1, 0
+    )
+    manifest = json.load(open(ckpt / MANIFEST))
+    buf = io.BytesIO()
+    torch.save({"dealt": {"count": 3}, "own": {"count": 6}}, buf)
+    _rewrite(ckpt, "rng/rank_00001.pt", buf.getvalue(), manifest)  # rank 1's file, as a 2-rank run leaves it
+    manifest["world_size"] = 2
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+
+    restored = {"dealt": DealtCounter("rank"), "own": Counter("rank")}
+    CheckpointManager(str(tmp_path / "b"), tiny_engine(seed=1), World(), participants=restored).load(str(ckpt))
+    assert restored["dealt"].count == (2 + 3) * 10 + 2 and restored["own"].count == 5
+    assert any("saved by 2 ranks, resumed on 1: dealt dealt out from all 2 ranks' files; own from the same" in line
+               for line in bigclip_log)  # fmt: skip
+
+
+def test_a_checkpoint_of_format_2_resumes_exactly(reference, tmp_path):
+    """Checkpoints written before participants had names (bigclip-checkpoint-2: the RNG state's keys at the top
+    of each rank file beside "data", the train state's fields at the top of train_state.json beside "config")
+    still resume, and continue exactly."""
+    import io
+
+    run_dir, full = reference
+    old = str(tmp_path / "old" / "step_16")
+    shutil.copytree(os.path.join(run_dir, "checkpoints", "step_16"), old)
+    manifest = json.load(open(os.path.join(old, MANIFEST)))
+    rank = torch.load(os.path.join(old, "rng", "rank_00000.pt"))
+    buf = io.BytesIO()
+    torch.save({**rank["rng"], "data": rank["data"]}, buf)
+    _rewrite(old, "rng/rank_00000.pt", buf.getvalue(), manifest)
+    record = json.load(open(os.path.join(old, "train_state.json")))
+    flat = json.dumps({**record["train_state"], "config": record["config"]}, indent=1).encode()
+    _rewrite(old, "train_state.json", flat, manifest)
+    manifest["format"] = "bigclip-checkpoint-2"
+    with open(os.path.join(old, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    resumed = step_losses(run(tmp_path, "from_old", "--resume", old))
+    assert sorted(resumed) == list(range(17, 25))
+    assert_same_losses(resumed, full, range(17, 25))
