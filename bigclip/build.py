@@ -14,16 +14,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from bigclip.config.sections import Sections, recheck_model
 from bigclip.data import DataConfig, get_data, image_transform
 from bigclip.dist import World, raise_together
 from bigclip.engine import EngineConfig, build_engine
 from bigclip.engine import build_model as engine_build_model
 from bigclip.loss import LossConfig, build_loss
 from bigclip.model import create_model, get_tokenizer, preprocess_cfg
-from bigclip.model.config import ModelConfig
+from bigclip.model.config import ModelConfig, check_model
 from bigclip.model.fp8_linear import check_fp8_device
 from bigclip.model.pretrained import model_weights, resolve_pretrained, resolve_pretrained_image, timm_model_name
-from bigclip.model.registry import CONFIG_NAME, is_schema_name
+from bigclip.model.registry import CONFIG_NAME, HF_HUB_PREFIX, check_hub_name, fetch_hub_config, is_schema_name
 
 logger = logging.getLogger("bigclip")
 
@@ -34,7 +35,9 @@ __all__ = [
     "build_model",
     "build_tokenizer",
     "build_transforms",
+    "fetch_model_configs",
     "model_factory",
+    "run_sections",
     "seed_everything",
     "training_normalize_at",
 ]
@@ -47,11 +50,44 @@ def seed_everything(seed: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- model
+def _hub_models(cfg: ModelConfig) -> list[str]:
+    return [name for name in (cfg.model, cfg.distill_model) if name is not None and name.startswith(HF_HUB_PREFIX)]
+
+
+def fetch_model_configs(cfg: ModelConfig, world: World) -> None:
+    """The open_clip_config.json of an hf-hub: --model or --distill-model, fetched into the hub cache where the
+    model is built (flag validation only reads that cache): by local rank 0 of each node while the others wait,
+    then read from its cache by all; then the model flags' checks run on it on every rank (validation checked
+    only the name's form of a config the cache lacked), before any weights are fetched. Collective."""
+    names = _hub_models(cfg)
+    if not names:
+        return
+
+    def fetch() -> None:
+        for name in names:
+            fetch_hub_config(check_hub_name(name), cfg.cache_dir)
+
+    raise_together(world, fetch, runs_here=world.local_rank == 0)
+    raise_together(world, lambda: check_model(cfg), runs_here=True)
+
+
+def run_sections(sections: Sections, world: World) -> Sections:
+    """A run's sections, its hf-hub: model configs fetched (fetch_model_configs) and what validation could not
+    check or decide without them done now (config/sections.py's recheck_model: whether the model captions, so the
+    loss adds a caption term). What a run builds from; the first thing it does after joining the world."""
+    if not _hub_models(sections.model):
+        return sections
+    fetch_model_configs(sections.model, world)
+    return raise_together(world, lambda: recheck_model(sections), runs_here=True)
+
+
 def model_factory(cfg: ModelConfig, world: World):
-    """create_model with the run's model flags bound; `factory(device="meta")` for sharding engines. The weights
-    are resolved here, once per node; on meta they are checked now and streamed into each rank's shards later."""
+    """create_model with the run's model flags bound; `factory(device="meta")` for sharding engines. An hf-hub:
+    config is fetched and checked first (fetch_model_configs); the weights are resolved here, once per node; on
+    meta they are checked now and streamed into each rank's shards later."""
     if cfg.use_fp8_linear is not None:
         check_fp8_device(world.device)  # also where sharding engines build on meta
+    fetch_model_configs(cfg, world)
     weights = pretrained_weights(cfg, world)
     image_weights = pretrained_image_weights(cfg, world, weights)
 

@@ -17,7 +17,15 @@ import yaml
 from torch.distributed.checkpoint.stateful import Stateful
 
 from bigclip import dry_run
-from bigclip.build import build_data, build_engine, build_loss_fn, build_model, build_teacher, seed_everything
+from bigclip.build import (
+    build_data,
+    build_engine,
+    build_loss_fn,
+    build_model,
+    build_teacher,
+    run_sections,
+    seed_everything,
+)
 from bigclip.ckpt.checkpointer import Checkpointer
 from bigclip.ckpt.participants import Recorded
 from bigclip.ckpt.rng import RankRNG
@@ -73,20 +81,20 @@ def _resolve_run_name(cfg: TrainConfig, world: World) -> str:
 def run(cfg: TrainConfig, local_rank: int | None = None) -> int:
     world = join_world(cfg.sections.dist, local_rank)
     try:
+        sections = run_sections(cfg.sections, world)  # an hf-hub: model's config fetched and checked, before any work
         if cfg.dry_run:
-            lines = dry_run.report(cfg.sections.model, cfg.sections.engine, world, cfg.sections.loss)
+            lines = dry_run.report(sections.model, sections.engine, world, sections.loss)
             if world.is_main:
                 print("\n".join(lines), flush=True)
             return 0
-        return _run(cfg, world)
+        return _run(cfg, sections, world)
     finally:
         shutdown()
 
 
-def _run(cfg: TrainConfig, world: World) -> int:
+def _run(cfg: TrainConfig, run: Sections, world: World) -> int:
     """The run's setup, in order (docs/architecture.md): run folder and logs, model, engine, loss, data,
     checkpointer (resuming if asked), then the epochs."""
-    run = cfg.sections
     name = _resolve_run_name(cfg, world)
     logs = local_logs_dir(run.checkpoint.logs)  # --logs s3://… writes locally and uploads (--remote-sync)
     paths = run_paths(logs, name)

@@ -193,10 +193,12 @@ def test_hf_hub_from_a_hand_built_cache_offline(vit_dir, tmp_path, offline):
     assert preprocess_cfg(name, cache_dir=cache) == {**PREPROCESS, "size": (32, 32)}
     tokens = get_tokenizer(name, cache_dir=cache)(TEXTS)
     assert torch.equal(tokens, open_clip.get_tokenizer(name, cache_dir=cache)(TEXTS))
-    # An empty cache with downloads off: one line naming the repository and the cache.
+    # An empty cache with downloads off: validation reads only the cache (the name's form here); the build, which
+    # fetches the config, stops in one line naming the repository and the cache.
     empty = str(tmp_path / "empty")
+    cfg = resolve({"model": name, "cache_dir": empty, "dataset_type": "synthetic"})
     with pytest.raises(UserError) as e:
-        resolve({"model": name, "cache_dir": empty, "dataset_type": "synthetic"})
+        build_model(cfg.sections.model, cfg.sections.engine, World())
     message = str(e.value)
     assert "\n" not in message and REPO_ID in message and empty in message and "HF_HUB_OFFLINE" in message
 

@@ -7,7 +7,9 @@ passed here and nowhere else: the loss family's starting logit scale and bias go
 slice to the engine, the chosen engine's resolved settings (DeepSpeed's JSON) into the engine's slice.
 
 Building the sections is flag validation: resolve() builds them once (TrainConfig.sections caches them), so
-every rule runs before any work, and nothing is written back onto the flags.
+every rule runs before any work, and nothing is written back onto the flags. It has no side effects: an hf-hub:
+model's config is read from the hub cache only; where the cache does not hold it yet, what needs it is checked and
+decided where the model is built, once it is fetched (build.py's run_sections, with `recheck_model` here).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from bigclip.loop import LoopConfig
 from bigclip.loss import LossConfig, check_loss, loss_family
 from bigclip.metrics.trackers import ReportConfig, report_targets
 from bigclip.model.config import ModelConfig, captions, check_model
+from bigclip.model.registry import config_at_hand
 from bigclip.optim import OptimizerConfig, check_optimizer
 from bigclip.schedule import ScheduleConfig, check_schedule
 
@@ -70,7 +73,7 @@ def build_sections(flags: Any) -> Sections:
     dist = slice_of(flags, DistConfig)
     check_dist(dist)
     engine = check_engine_config(slice_of(flags, EngineConfig, optimizer=optimizer, resolved=None))
-    loss = slice_of(flags, LossConfig, captioning=captions(model_flags))
+    loss = slice_of(flags, LossConfig, captioning=_captioning(model_flags))
     check_loss(loss)
     check_data(data)
     checkpoint = slice_of(flags, CheckpointConfig)
@@ -90,3 +93,19 @@ def build_sections(flags: Any) -> Sections:
         loop=slice_of(flags, LoopConfig),
         dist=dist,
     )
+
+
+def _captioning(model: ModelConfig) -> bool:
+    """Whether --model captions (CoCa), so the loss adds a caption term: from its config where it is at hand
+    without fetching; an hf-hub: config the hub cache lacks decides it where the model is built (recheck_model)."""
+    return config_at_hand(model.model, model.cache_dir) and captions(model, local_files_only=True)
+
+
+def recheck_model(sections: Sections) -> Sections:
+    """`sections` once the hf-hub: configs of --model and --distill-model are in the hub cache (fetched where the
+    model is built, build.py): the model flags' checks, and what the model decides for the loss (whether it
+    captions), made again on configs validation may not have had, and the loss flags checked with that."""
+    check_model(sections.model)
+    loss = dataclasses.replace(sections.loss, captioning=_captioning(sections.model))
+    check_loss(loss)
+    return dataclasses.replace(sections, loss=loss)

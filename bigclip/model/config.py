@@ -10,7 +10,7 @@ from bigclip.errors import UserError
 from bigclip.flag_fields import MISC, MODEL, TRAIN, flag, optional, positive_int, unit_interval
 from bigclip.model.fp8_linear import FP8_RECIPES, check_fp8_device
 from bigclip.model.pretrained import check_pretrained, check_pretrained_image
-from bigclip.model.registry import get_model_config, is_schema_name, list_models
+from bigclip.model.registry import config_at_hand, get_model_config, is_schema_name, list_models
 from bigclip.model.switchback import SWITCHBACK_VARIANTS
 
 
@@ -100,14 +100,19 @@ class ModelConfig:
         return size[0] if size is not None and len(size) == 1 else (tuple(size) if size else None)
 
 
-def captions(cfg: ModelConfig) -> bool:
-    """Whether --model captions as well as embeds (CoCa: a multimodal_cfg), so its loss has a caption term."""
-    return "multimodal_cfg" in get_model_config(cfg.model, cfg.cache_dir)
+def captions(cfg: ModelConfig, local_files_only: bool = False) -> bool:
+    """Whether --model captions as well as embeds (CoCa: a multimodal_cfg), so its loss has a caption term
+    (local_files_only: an hf-hub: config only from the hub cache, UserError where it holds none)."""
+    return "multimodal_cfg" in get_model_config(cfg.model, cfg.cache_dir, local_files_only)
 
 
 def check_model(cfg: ModelConfig) -> None:
     """The model flags' rules, before any work: a known architecture (OpenCLIP's local-dir:/hf-hub: configs there
-    and well formed), weights that exist, overrides in range."""
+    and well formed), weights that exist, overrides in range.
+
+    Reads configs without side effects: an hf-hub: config only from the hub cache, never fetched. Where the cache
+    does not hold it yet, only the name's form is checked here, and the checks that need the config run again
+    where the model is built, once it is fetched (build.py)."""
     _check_architecture("--model", cfg.model, cfg.cache_dir)
     if cfg.use_bnb_linear is not None:
         SWITCHBACK_VARIANTS.entry(cfg.use_bnb_linear)
@@ -131,8 +136,8 @@ def check_model(cfg: ModelConfig) -> None:
         raise UserError(f"--force-image-size {size!r}: give one or two positive integers")
     if cfg.pretrained:
         check_pretrained(cfg.model, cfg.pretrained)
-    if cfg.pretrained_image:
-        check_pretrained_image(cfg.model, cfg.cache_dir)
+    if cfg.pretrained_image and config_at_hand(cfg.model, cfg.cache_dir):
+        check_pretrained_image(cfg.model, cfg.cache_dir, local_files_only=True)
     if (cfg.distill_model is None) != (cfg.distill_pretrained is None):
         given, missing = (
             ("--distill-model", "--distill-pretrained") if cfg.distill_pretrained is None else
@@ -147,7 +152,8 @@ def check_model(cfg: ModelConfig) -> None:
 def _check_architecture(flag: str, name: str, cache_dir: str | None) -> None:
     models = list_models()
     if is_schema_name(name):
-        get_model_config(name, cache_dir)  # OpenCLIP's open_clip_config.json: there and well formed
+        if config_at_hand(name, cache_dir):  # else the form of its name only (checked by config_at_hand)
+            get_model_config(name, cache_dir, local_files_only=True)  # open_clip_config.json: there, well formed
         models = [*models, name]
     if name not in models:
         raise UserError(f"{flag} {name!r}: unknown architecture; choose one of {', '.join(models)}")

@@ -102,8 +102,9 @@ def resolve_pretrained(
     how = "the cache holds no copy and downloads are off (HF_HUB_OFFLINE)" if offline else "the download failed"
     raise UserError(
         f"--pretrained {value}: the {model} weights of this tag ({repo_id} on the Hugging Face hub) could not be "
-        f"had: {how} ({type(problem).__name__}); cache directory {where}. Fetch them once with network access "
-        f"(same --cache-dir), or pass a local file to --pretrained"
+        f"had: {how} ({type(problem).__name__}); cache directory {where}. Fetch them where the hub is reachable "
+        f"(`bigclip fetch --model {model} --pretrained {value}`, same --cache-dir), or pass a local file to "
+        f"--pretrained"
     )
 
 
@@ -161,16 +162,17 @@ def model_weights(model: str, cache_dir: str | None, local_files_only: bool = Fa
         raise UserError(
             f"--model {model}: the weights of {identifier} on the Hugging Face hub ({' or '.join(HUB_FILENAMES)}) "
             f"could not be had: {hub_problem(problem, local_files_only)}; cache directory {hub_cache_dir(cache_dir)}. "
-            f"Fetch them once with network access (same --cache-dir), or pass a local file to --pretrained"
+            f"Fetch them where the hub is reachable (`bigclip fetch --model {model}`, same --cache-dir), or pass a "
+            f"local file to --pretrained"
         )
     if verify:
         verify_hub_blob(path, model, flag="--model")
     return path
 
 
-def timm_model_name(model: str, cache_dir: str | None = None) -> str | None:
+def timm_model_name(model: str, cache_dir: str | None = None, local_files_only: bool = False) -> str | None:
     """The timm model of --model's image tower (vision_cfg timm_model_name), or None for other towers."""
-    cfg = get_model_config(model, cache_dir)
+    cfg = get_model_config(model, cache_dir, local_files_only)
     return cfg["vision_cfg"]["timm_model_name"] if is_timm_tower(cfg) else None
 
 
@@ -189,9 +191,9 @@ def timm_weights_repo(timm_name: str) -> tuple[str, str | None, tuple[str, ...]]
     return repo_id, revision, filenames
 
 
-def check_pretrained_image(model: str, cache_dir: str | None = None) -> None:
+def check_pretrained_image(model: str, cache_dir: str | None = None, local_files_only: bool = False) -> None:
     """Flag validation: --pretrained-image needs a timm image tower with weights timm publishes on the hub."""
-    timm_name = timm_model_name(model, cache_dir)
+    timm_name = timm_model_name(model, cache_dir, local_files_only)
     if timm_name is None:
         raise UserError(
             f"--pretrained-image: pretrained image towers currently only supported for timm models "
@@ -212,7 +214,8 @@ def resolve_pretrained_image(
         raise UserError(
             f"--pretrained-image: timm's weights for {timm_name} ({repo_id} on the Hugging Face hub, "
             f"{' or '.join(filenames)}) could not be had: {hub_problem(problem, local_files_only)}; cache directory "
-            f"{hub_cache_dir(cache_dir)}. Fetch them once with network access (same --cache-dir)"
+            f"{hub_cache_dir(cache_dir)}. Fetch them where the hub is reachable (`bigclip fetch --model M "
+            f"--pretrained-image`, same --cache-dir)"
         )
     if verify:
         verify_hub_blob(path, timm_name, flag="--pretrained-image")

@@ -7,8 +7,10 @@ OpenCLIP's two schemas.
                             architecture with QuickGELU
     local-dir:DIR           DIR/open_clip_config.json, as OpenCLIP writes it ({"model_cfg": …, "preprocess_cfg":
                             …}); the weights OpenCLIP keeps beside it are the model's weights (model/pretrained.py)
-    hf-hub:ORG/NAME         the same file of a Hugging Face hub repository, fetched through huggingface_hub into
-                            --cache-dir (the hub's cache layout) and read from that cache offline (HF_HUB_OFFLINE=1)
+    hf-hub:ORG/NAME         the same file of a Hugging Face hub repository, read from --cache-dir (the hub's
+                            cache layout; also offline, HF_HUB_OFFLINE=1). Flag validation only reads that cache;
+                            the file is fetched into it where the model is built (build.py: once per node) or
+                            ahead of a run by `bigclip fetch`
 
 A schema's image preprocessing is OpenCLIP's defaults (OpenAI mean/std, bicubic, shortest-side resize) with the
 file's preprocess_cfg on top, as open_clip.create_model merges them.
@@ -102,9 +104,35 @@ def hub_cache_dir(cache_dir: str | None) -> str:
     return cache_dir or HF_HUB_CACHE
 
 
+def check_hub_name(name: str) -> str:
+    """The ORG/NAME of an hf-hub: name, its form checked (the hub's own rule for repository names); reads nothing."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    _, repo_id = parse_model_name(name)
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise UserError(
+            f"--model {name}: not a Hugging Face hub repository name; pass hf-hub:ORG/NAME (letters, digits, '-', "
+            f"'_' and '.')"
+        ) from None
+    return repo_id
+
+
+def cached_hub_config(repo_id: str, cache_dir: str | None) -> str | None:
+    """The open_clip_config.json of `repo_id` in the hub cache (its main revision), or None where the cache holds
+    none: a read of the cache only, no network and nothing written (what flag validation may do)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, CONFIG_NAME, cache_dir=cache_dir)
+    return found if isinstance(found, str) else None  # None, or the hub's marker of a file known to be absent
+
+
 @cache
-def _hub_config_path(repo_id: str, cache_dir: str | None) -> str:
-    """The cached open_clip_config.json of `repo_id` (fetched once per process; failures are not remembered)."""
+def fetch_hub_config(repo_id: str, cache_dir: str | None) -> str:
+    """Fetch the open_clip_config.json of `repo_id` into the hub cache (or find it there under HF_HUB_OFFLINE=1)
+    and return its path; once per process (failures are not remembered). Called where the model is built
+    (build.py: one process per node) and by `bigclip fetch`, never by flag validation."""
     from huggingface_hub import hf_hub_download
 
     try:
@@ -112,16 +140,32 @@ def _hub_config_path(repo_id: str, cache_dir: str | None) -> str:
     except Exception as e:  # noqa: BLE001 — offline, missing repo or file, network: one line
         raise UserError(
             f"--model hf-hub:{repo_id}: {CONFIG_NAME} of {repo_id} on the Hugging Face hub could not be had: "
-            f"{hub_problem(e)}; cache directory {hub_cache_dir(cache_dir)}. Fetch it once with network access "
-            f"(same --cache-dir), or pass --model local-dir:DIR"
+            f"{hub_problem(e)}; cache directory {hub_cache_dir(cache_dir)}. Check the name, and fetch it where the hub "
+            f"is reachable (`bigclip fetch --model hf-hub:{repo_id}`, same --cache-dir), or pass --model local-dir:DIR"
         ) from None
 
 
-def config_file(name: str, cache_dir: str | None = None) -> str:
-    """The open_clip_config.json a local-dir: or hf-hub: name points at (fetched into the hub cache if needed)."""
+def _hub_config_path(repo_id: str, cache_dir: str | None, local_files_only: bool = False) -> str:
+    """The cached open_clip_config.json of `repo_id`: the cache's copy when it has one, else fetched into it
+    (UserError instead when local_files_only)."""
+    path = cached_hub_config(repo_id, cache_dir)
+    if path is not None:
+        return path
+    if local_files_only:
+        raise UserError(
+            f"--model hf-hub:{repo_id}: the hub cache {hub_cache_dir(cache_dir)} holds no {CONFIG_NAME} of "
+            f"{repo_id} yet; the run fetches it when it builds the model, or fetch it ahead with "
+            f"`bigclip fetch --model hf-hub:{repo_id}` (same --cache-dir)"
+        )
+    return fetch_hub_config(repo_id, cache_dir)
+
+
+def config_file(name: str, cache_dir: str | None = None, local_files_only: bool = False) -> str:
+    """The open_clip_config.json a local-dir: or hf-hub: name points at: an hf-hub: one from the hub cache, fetched
+    into it first where the cache has none (never when local_files_only)."""
     schema, identifier = parse_model_name(name)
     if schema == "hf-hub":
-        return _hub_config_path(identifier, cache_dir)
+        return _hub_config_path(check_hub_name(name), cache_dir, local_files_only)
     if not os.path.isdir(identifier):
         raise UserError(f"--model {name}: {identifier} is not a directory; pass local-dir:DIR with {CONFIG_NAME}")
     path = os.path.join(identifier, CONFIG_NAME)
@@ -130,9 +174,16 @@ def config_file(name: str, cache_dir: str | None = None) -> str:
     return path
 
 
-def open_clip_config(name: str, cache_dir: str | None = None) -> dict:
+def config_at_hand(name: str, cache_dir: str | None = None) -> bool:
+    """Whether `name`'s config can be read without fetching anything: a built-in, a local-dir:, or an hf-hub: name
+    whose config the hub cache holds. Flag validation reads only what is at hand (it has no side effects); an
+    hf-hub: config that is not is checked where the model is built, which fetches it first (build.py)."""
+    return parse_model_name(name)[0] != "hf-hub" or cached_hub_config(check_hub_name(name), cache_dir) is not None
+
+
+def open_clip_config(name: str, cache_dir: str | None = None, local_files_only: bool = False) -> dict:
     """The whole open_clip_config.json of a local-dir: or hf-hub: name, checked: {"model_cfg", "preprocess_cfg"}."""
-    path = config_file(name, cache_dir)
+    path = config_file(name, cache_dir, local_files_only)
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -154,14 +205,15 @@ def open_clip_config(name: str, cache_dir: str | None = None) -> dict:
     return {"model_cfg": model_cfg, "preprocess_cfg": preprocess}
 
 
-def get_model_config(name: str, cache_dir: str | None = None) -> dict:
+def get_model_config(name: str, cache_dir: str | None = None, local_files_only: bool = False) -> dict:
     """A copy of the architecture config `name` (OpenCLIP's JSON layout): a built-in, local-dir:DIR or
-    hf-hub:ORG/NAME (cache_dir: the hub cache for the latter).
+    hf-hub:ORG/NAME (cache_dir: the hub cache for the latter; read from it, fetched into it first where it holds
+    none, UserError instead when local_files_only).
 
     As in OpenCLIP, a `-quickgelu` suffix names the same built-in architecture with QuickGELU.
     """
     if is_schema_name(name):
-        return copy.deepcopy(open_clip_config(name, cache_dir)["model_cfg"])
+        return copy.deepcopy(open_clip_config(name, cache_dir, local_files_only)["model_cfg"])
     configs = _load_configs()
     base = name.removesuffix(QUICKGELU_SUFFIX)
     if base not in configs:
