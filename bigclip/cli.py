@@ -14,6 +14,7 @@ from bigclip.cli_args import build_train_parser, parse_train_args  # noqa: F401 
 from bigclip.commands import COMMANDS, DEFAULT_COMMAND
 from bigclip.commands import eval as _eval  # noqa: F401  (each command module registers its command)
 from bigclip.commands import export as _export  # noqa: F401
+from bigclip.commands import fetch as _fetch  # noqa: F401
 from bigclip.commands import generate as _generate  # noqa: F401
 from bigclip.commands import models as _models  # noqa: F401
 from bigclip.commands import plan as _plan  # noqa: F401
