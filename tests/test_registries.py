@@ -244,5 +244,6 @@ def test_help_lists_exactly_the_subcommands_the_dispatch_runs(capsys):
     out = capsys.readouterr().out
     listed = out[out.index("subcommands:") :].splitlines()[1:]
     shown = {line.split()[1].strip("[]") for line in listed if line.startswith("  bigclip ")}
-    assert shown == set(COMMANDS.names()) == {"train", "eval", "models", "export", "plan", "generate", "report"}
+    expected = {"train", "eval", "models", "export", "fetch", "plan", "generate", "report"}
+    assert shown == set(COMMANDS.names()) == expected
     assert cli.main(["models"]) == 0 and "ViT-B-32" in capsys.readouterr().out
