@@ -190,7 +190,7 @@ def test_every_openclip_flag_of_the_reference_exists():
 def test_openclip_mains_engine_flags_are_bigclips(tmp_path):
     """An OpenCLIP-main launch line's FSDP flags run unchanged: --fsdp is --engine fsdp."""
     cfg = parse("--fsdp", "--fsdp-offload-cpu", "--fsdp-no-reshard-after-forward", "--fsdp-checkpoint", "sharded")
-    assert cfg.sections.engine.engine == "fsdp" and cfg.sections.engine.fsdp_offload_cpu
+    assert cfg.sections.engine.engine == "fsdp" and cfg.sections.engine.engine_flags.fsdp_offload_cpu
     assert parse("--fsdp-checkpoint", "full").sections.checkpoint.fsdp_checkpoint == "full"  # any engine
     assert parse("--fsdp", "--engine", "fsdp").sections.engine.engine == "fsdp"
     assert parse("--visual-layer-decay", "0.5").sections.optimizer.image_layer_decay == 0.5

@@ -20,7 +20,7 @@ from bigclip.ckpt.config import CheckpointConfig
 from bigclip.config.sections import build_sections
 from bigclip.data import DataConfig
 from bigclip.dist import DistConfig
-from bigclip.engine import EngineConfig
+from bigclip.engine import EngineConfig, engine_flag_classes
 from bigclip.evaluation.config import EvalConfig
 from bigclip.flag_fields import DIST, GROUPS, LOG, MISC, TRAIN, flag, internal, is_flag, unsupported
 from bigclip.loop import LoopConfig
@@ -87,6 +87,7 @@ OWNERS = (
     ScheduleConfig,
     OptimizerConfig,
     EngineConfig,
+    *engine_flag_classes().values(),  # each engine's own flags (engine/ddp.py, fsdp.py, deepspeed.py)
     LossConfig,
     CheckpointConfig,
     ReportConfig,

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from bigclip.ckpt.config import CheckpointConfig, check_checkpoint
 from bigclip.data import DataConfig, check_data, check_source
 from bigclip.dist import DistConfig, check_dist, run_device_type
-from bigclip.engine import EngineConfig
+from bigclip.engine import EngineConfig, engine_flag_classes
 from bigclip.engine import check_config as check_engine_config
 from bigclip.evaluation.config import EvalConfig, check_eval
 from bigclip.loop import LoopConfig
@@ -72,7 +72,10 @@ def build_sections(flags: Any) -> Sections:
     report_targets(report.report_to)
     dist = slice_of(flags, DistConfig)
     check_dist(dist)
-    engine = check_engine_config(slice_of(flags, EngineConfig, optimizer=optimizer, resolved=None))
+    given_engine_flags = {name: slice_of(flags, own) for name, own in engine_flag_classes().items()}
+    engine = check_engine_config(
+        slice_of(flags, EngineConfig, optimizer=optimizer, resolved=None, given_engine_flags=given_engine_flags)
+    )
     loss = slice_of(flags, LossConfig, captioning=_captioning(model_flags))
     check_loss(loss)
     check_data(data)

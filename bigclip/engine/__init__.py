@@ -46,23 +46,35 @@ def engine_selected_by(flags: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def engine_flag_classes() -> dict[str, type]:
+    """Each engine's own flags (its Flags dataclass), in registry order: composed into the flags and --help
+    (config/flags.py) and sliced for EngineConfig.given_engine_flags (config/sections.py)."""
+    return {name: cls.Flags for name, cls in ENGINES.items()}
+
+
+def refuse_other_engines_flags(cfg: EngineConfig) -> None:
+    """The one rule for every engine: a flag of an engine other than the run's, set to anything but its default,
+    is refused in one line naming it and its engine (it would do nothing)."""
+    for name, given in cfg.given_engine_flags.items():
+        if name == cfg.engine:
+            continue
+        for f in dataclasses.fields(given):
+            if getattr(given, f.name) != f.default:
+                raise UserError(
+                    f"--{f.name.replace('_', '-')}: only applies to --engine {name} (the engine is {cfg.engine}); "
+                    "drop the flag or choose that engine"
+                )
+
+
 def check_config(cfg: EngineConfig) -> EngineConfig:
-    """Flag validation's engine part: the chosen engine exists, and every engine checks the flags it owns. Returns
-    the config completed with what the chosen engine resolved (`resolved`); `cfg` itself is left as it was."""
+    """Flag validation's engine part: the chosen engine exists, no other engine's flag is set, and the chosen
+    engine checks its flags. Returns the config completed with what the chosen engine resolved (`resolved`);
+    `cfg` itself is left as it was."""
     chosen = ENGINES.get(cfg.engine)
     if cfg.sharded_init not in SHARDED_INIT_MODES:
         raise UserError(f"--sharded-init {cfg.sharded_init!r}: choose one of {', '.join(SHARDED_INIT_MODES)}")
-    resolved = None
-    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    for _, cls in ENGINES.items():
-        if cls is not chosen:
-            for name in cls.own_flags:
-                if getattr(cfg, name) != defaults[name]:
-                    raise UserError(
-                        f"--{name.replace('_', '-')}: only applies to --engine {cls.name} (the engine is {cfg.engine})"
-                    )
-        result = cls.check_config(cfg)
-        resolved = result if cls is chosen else resolved
+    refuse_other_engines_flags(cfg)
+    resolved = chosen.check_config(cfg)
     in_backward.check_config(cfg)
     if cfg.ema_warmup and cfg.ema_decay is None:
         raise UserError("--ema-warmup: only applies with --ema-decay; add it or drop the flag")
@@ -173,6 +185,7 @@ __all__ = [
     "frozen_bytes",
     "build_model",
     "check_config",
+    "engine_flag_classes",
     "engine_selected_by",
     "memory_notes",
     "memory_setups",

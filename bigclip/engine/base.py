@@ -3,9 +3,8 @@
 An engine is built from (config, model, world). It owns the wrapped model, the optimizer, loss scaling,
 gradient synchronisation and the on-disk format of its state. Callers use only:
 
-    Engine.check_config(cfg)               classmethod, at flag validation: the rules of the flags this engine
-                                           owns (every engine is asked, so --fsdp-* flags under DDP are refused);
-                                           the run's engine returns what it resolved from them (DeepSpeed: its
+    Engine.check_config(cfg)               classmethod, at flag validation, of the run's engine: the rules of the
+                                           flags it owns; returns what it resolved from them (DeepSpeed: its
                                            JSON), which the EngineConfig then carries as `resolved`
     Engine.build_model(cfg, world, factory)
                                            classmethod, before the engine exists: where the model is built. The
@@ -20,6 +19,10 @@ gradient synchronisation and the on-disk format of its state. Callers use only:
                                            --dry-run print (DeepSpeed: one setup per ZeRO stage, and offload)
     Engine.memory_notes()                  classmethod: what `bigclip plan` says under its table about these rows
     Engine.selected_by                     flags that pick this engine without --engine (--ds_config, --deepspeed)
+    Engine.Flags                           this engine's own flags: a frozen dataclass of flag() fields, composed
+                                           through ENGINES into the flags and --help; the run's engine reads
+                                           them as cfg.engine_flags, and one rule (engine/__init__.py's
+                                           check_config) refuses any of them given to another engine
     engine.module(images=..., texts=...)   forward (features dict), also for eval; a collective when sharded
     engine.model                           the unwrapped model (named parameters, constraints, logging)
     engine.train() / engine.eval()
@@ -76,6 +79,11 @@ StateBytes = Callable[[int, int, StateRecipe, ModelSize | None], float | None]
 
 
 @dataclass(frozen=True)
+class NoEngineFlags:
+    """The flags of an engine without flags of its own."""
+
+
+@dataclass(frozen=True)
 class WorkingBytes:
     """Memory beyond the training state, per GPU: what lives from the forward to the end of the backward besides
     the activations (autocast's 16-bit copies of fp32 weights), and the optimizer step's temporaries; and whether
@@ -94,14 +102,14 @@ class Engine(abc.ABC):
     name: str = "base"
     help: str = ""  # --engine's help for this name
     selected_by: tuple[str, ...] = ()  # flags (config field names) that select this engine without --engine
-    # EngineConfig fields only this engine honours: given to another engine they are refused in one line (one rule
-    # for every engine, engine/__init__.py's check_config), never silently ignored
-    own_flags: tuple[str, ...] = ()
+    # The flags only this engine honours (a frozen dataclass of flag() fields): given to another engine they are
+    # refused in one line (one rule for every engine, engine/__init__.py's check_config), never silently ignored
+    Flags: type = NoEngineFlags
 
     @classmethod
     def check_config(cls, cfg: EngineConfig) -> object:
-        """Raise a UserError for a flag this engine owns that the run cannot honour. When this engine is the
-        run's (cfg.engine == cls.name), return what it resolved from the flags for later (None by default)."""
+        """Raise a UserError for a flag the run cannot honour under this engine (the run's: cfg.engine ==
+        cls.name); return what it resolved from the flags for later (None by default)."""
         return None
 
     @classmethod

@@ -1,13 +1,16 @@
 """EngineConfig: the slice of the flags engines read, and what an engine's memory model is given.
 
-Engines own how the model is wrapped, sharded, optimised and saved; these are the flags that decide it (the
-engine's own, and the run's values an engine must agree with: precision, batch sizes, clipping, the optimizer).
+Engines own how the model is wrapped, sharded, optimised and saved; these are the flags that decide it: the ones
+every engine honours (locks, precision, checkpointing, compile, EMA), the run's values an engine must agree with
+(batch sizes, clipping, the optimizer), and each engine's own flags, which the engine declares itself (its
+`Flags` dataclass, next to its code) and which reach it as `engine_flags`.
 `resolved` holds what the chosen engine's check_config returned at validation (DeepSpeed: its JSON config with
 every "auto" the flags decide filled), so the file is read once and validation changes nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,28 +87,10 @@ class EngineConfig:
     )
     engine: str = flag(
         DEFAULT_ENGINE,
-        "Parallelism (new in bigclip); --ds_config FILE or --deepspeed selects deepspeed.",
+        "Parallelism (new in bigclip); --ds_config FILE or --deepspeed selects deepspeed, --fsdp fsdp. Each "
+        "engine's own flags are listed with it and refused under the others.",
         DIST,
         choices=ENGINES,
-    )
-    ds_config: str | None = flag(
-        None,
-        "DeepSpeed JSON config (ds_configs/zero{1,2,3}.json, zero3_offload.json, zero3_nvme.json); "
-        '"auto" values are filled from bigclip\'s flags. Selects --engine '
-        "deepspeed.",
-        DIST,
-        aliases=["--ds_config", "--deepspeed_config", "--deepspeed-config"],
-        metavar="FILE",
-    )
-    zero_nvme_path: str | None = flag(
-        None,
-        "Folder on a local NVMe drive where DeepSpeed ZeRO-Infinity swaps the parameters: fills "
-        '"nvme_path": "auto" in --ds_config (ds_configs/zero3_nvme.json); new in bigclip.',
-        DIST,
-        metavar="DIR",
-    )
-    deepspeed: bool = flag(
-        False, "Use the DeepSpeed engine (DeepSpeed's own flag; ZeRO-2 unless --ds_config says otherwise).", DIST
     )
     sharded_init: str = flag(
         "auto",
@@ -125,22 +110,6 @@ class EngineConfig:
     ema_warmup: bool = flag(
         False, "With --ema-decay: timm ModelEmaV3's warm-up, decay_t = min(decay, 1 - (1 + t)^(-2/3)).", TRAIN
     )
-    fsdp: bool = flag(False, "Use the FSDP2 engine (OpenCLIP main's spelling of --engine fsdp).", DIST)
-    fsdp_offload_cpu: bool = flag(False, "FSDP: keep parameter, gradient and optimizer shards in host memory.", DIST)
-    fsdp_no_reshard_after_forward: bool = flag(
-        False,
-        "FSDP: keep each block's gathered parameters from forward to backward (more memory, one all-gather less).",
-        DIST,
-    )
-    fsdp_hybrid: bool = flag(False, "FSDP: shard within each node and replicate across nodes (HSDP).", DIST)
-    fsdp_replicate_degree: int = flag(
-        1,
-        "FSDP: replicate across this many groups, sharding within each "
-        "(HSDP; --fsdp-hybrid sets it to the number of nodes).",
-        DIST,
-    )
-    ddp_static_graph: bool = flag(False, "DDP static graph.", DIST)
-    use_bn_sync: bool = flag(False, "Synchronise BatchNorm statistics across processes.", DIST)
     # read here, owned by another slice (its flag is declared there)
     device: str = "cuda"
     batch_size: int = 64
@@ -148,6 +117,15 @@ class EngineConfig:
     seed: int = 0
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     resolved: Any = None  # the chosen engine's check_config result (DeepSpeed: the resolved JSON)
+    # Every engine's own flags as given (engine name -> its Engine.Flags instance): the chosen engine reads its own
+    # (engine_flags); the others' are there so one rule can refuse any of them that was set (check_config).
+    given_engine_flags: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def engine_flags(self) -> Any:
+        """The chosen engine's own flags (its Engine.Flags); their defaults when the config was built by hand."""
+        given = self.given_engine_flags.get(self.engine)
+        return given if given is not None else ENGINES.get(self.engine).Flags()
 
     def device_type(self) -> str:
         """The device type the run will use, known at flag validation (before the world is set up)."""

@@ -6,6 +6,7 @@ On CPU no device_ids are passed (DDP rejects them for CPU modules).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,16 +19,23 @@ from bigclip.engine import in_backward
 from bigclip.engine.base import StateBytes, TorchOptimizerEngine, WorkingBytes
 from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
 from bigclip.errors import UserError
+from bigclip.flag_fields import DIST, flag
+
+
+@dataclass(frozen=True)
+class DDPFlags:
+    ddp_static_graph: bool = flag(False, "DDP static graph (--engine ddp).", DIST)
+    use_bn_sync: bool = flag(False, "Synchronise BatchNorm statistics across processes (--engine ddp).", DIST)
 
 
 class DDPEngine(TorchOptimizerEngine):
     name = "ddp"
     help = "torch DistributedDataParallel: every rank holds the whole model and optimizer state"
-    own_flags = ("ddp_static_graph", "use_bn_sync")
+    Flags = DDPFlags
 
     @classmethod
     def check_config(cls, cfg: EngineConfig) -> None:
-        if cfg.engine == cls.name and cfg.sharded_init == "always":
+        if cfg.sharded_init == "always":
             raise UserError(
                 "--sharded-init always: needs an engine that shards parameters (--engine fsdp, or "
                 "deepspeed with ZeRO stage 3)"
@@ -68,7 +76,7 @@ class DDPEngine(TorchOptimizerEngine):
     def __init__(self, cfg: EngineConfig, model: nn.Module, world: World):
         super().__init__(cfg, model, world)
         self.model = model.to(device=world.device, dtype=self.precision.param_dtype)
-        if cfg.use_bn_sync and world.distributed:
+        if cfg.engine_flags.use_bn_sync and world.distributed:
             self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
         self.module = self.model
         if world.distributed and cfg.optimizer_in_backward:
@@ -82,7 +90,10 @@ class DDPEngine(TorchOptimizerEngine):
             if world.distributed:
                 # Gradients as views of the all-reduce buckets: otherwise the reducer keeps its bucket copy of
                 # every gradient beside .grad for the whole run (one more gradient's bytes per parameter).
-                ddp_kwargs: dict[str, Any] = {"static_graph": cfg.ddp_static_graph, "gradient_as_bucket_view": True}
+                ddp_kwargs: dict[str, Any] = {
+                    "static_graph": cfg.engine_flags.ddp_static_graph,
+                    "gradient_as_bucket_view": True,
+                }
                 if world.device.type == "cuda":
                     ddp_kwargs["device_ids"] = [world.device]
                 self.module = DistributedDataParallel(self.model, **ddp_kwargs)

@@ -59,6 +59,7 @@ from bigclip.engine.sharded_init import (
 )
 from bigclip.engine.single import ensure_process_group
 from bigclip.errors import UserError
+from bigclip.flag_fields import DIST, flag
 from bigclip.optim import optimizer_kind
 
 logger = logging.getLogger("bigclip")
@@ -147,25 +148,46 @@ def mark_blocks_as_leaves(model: nn.Module) -> None:
             set_z3_leaf_module(block, True)
 
 
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedFlags:
+    ds_config: str | None = flag(
+        None,
+        "DeepSpeed JSON config (ds_configs/zero{1,2,3}.json, zero3_offload.json, zero3_nvme.json); "
+        '"auto" values are filled from bigclip\'s flags. Selects --engine '
+        "deepspeed.",
+        DIST,
+        aliases=["--ds_config", "--deepspeed_config", "--deepspeed-config"],
+        metavar="FILE",
+    )
+    zero_nvme_path: str | None = flag(
+        None,
+        "Folder on a local NVMe drive where DeepSpeed ZeRO-Infinity swaps the parameters: fills "
+        '"nvme_path": "auto" in --ds_config (ds_configs/zero3_nvme.json); new in bigclip.',
+        DIST,
+        metavar="DIR",
+    )
+    deepspeed: bool = flag(
+        False, "Use the DeepSpeed engine (DeepSpeed's own flag; ZeRO-2 unless --ds_config says otherwise).", DIST
+    )
+
+
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
     help = "DeepSpeed ZeRO stages 0-3 and offload, as --ds_config says (ZeRO-2 without one)"
     selected_by = ("ds_config", "deepspeed")  # DeepSpeed's launch lines name a config, not an engine
-    own_flags = ("zero_nvme_path",)
+    Flags = DeepSpeedFlags
 
     @classmethod
     def check_config(cls, cfg: EngineConfig) -> dict[str, Any] | None:
         """Read the --ds_config JSON once and fill what the flags decide; contradictions and bad JSON stop the
         run here, before any work. Returns the result for the engine to complete (EngineConfig.resolved)."""
-        if cfg.engine != cls.name:
-            return None
         ds = dsc.resolve_flags(cfg, cfg.device_type())
         dsc.for_run(ds, cfg, None, None)  # nothing but world- and model-sized "auto" left
         stage = dsc.stage(ds)
         if cfg.sharded_init == "always" and stage != 3:
             raise UserError(
                 f"--sharded-init always: DeepSpeed partitions parameters only at ZeRO stage 3, "
-                f"and {cfg.ds_config or 'the default config'} has stage {stage}"
+                f"and {cfg.engine_flags.ds_config or 'the default config'} has stage {stage}"
             )
         mixed = [name for name in ("bf16", "fp16") if ds.get(name, {}).get("enabled")]
         if optimizer_kind(cfg.optimizer).per_tensor and (stage or mixed):
@@ -185,7 +207,7 @@ class DeepSpeedEngine(Engine):
                 "use --engine fsdp (steps each shard after its reduce-scatter) or --engine ddp"
             )
         if dsc.offloads_to_nvme(ds):
-            _check_async_io(cfg.ds_config or "the default DeepSpeed config")
+            _check_async_io(cfg.engine_flags.ds_config or "the default DeepSpeed config")
         if optimizer_kind(cfg.optimizer).quantized_state:
             # DeepSpeed keeps its own fp32 partitions and saves optimizer state with torch.save of plain tensors;
             # it has no 8-bit Adam of its own (its 1-bit Adam compresses communication, not state).
@@ -216,9 +238,8 @@ class DeepSpeedEngine(Engine):
         ]
         nvme = dsc.offloads_to_nvme(ds)
         setup = ("zero3_nvme" if nvme else "zero3_offload") if stage == 3 and offload else f"zero{stage}"
-        line = (
-            f"deepspeed: ZeRO stage {stage} over {world.world_size} rank(s) ({cfg.ds_config or 'the default config'})"
-        )
+        source = cfg.engine_flags.ds_config or "the default config"
+        line = f"deepspeed: ZeRO stage {stage} over {world.world_size} rank(s) ({source})"
         if offload:
             line += f", {' and '.join(offload)} offloaded to " + ("NVMe (ZeRO-Infinity)" if nvme else "host memory")
         if stage == 3:

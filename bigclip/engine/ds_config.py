@@ -148,8 +148,10 @@ def _require_objects(ds: dict[str, Any], path: str) -> None:
 def resolve_flags(cfg: EngineConfig, device_type: str, raw: dict[str, Any] | None = None) -> dict[str, Any]:
     """The file (read once, here) with every value that depends on flags alone filled and checked: what
     flag validation computes and the engine later completes with for_run()."""
-    path = cfg.ds_config or "the default DeepSpeed config"
-    ds = copy.deepcopy(raw if raw is not None else (read(cfg.ds_config) if cfg.ds_config else DEFAULT_CONFIG))
+    path = cfg.engine_flags.ds_config or "the default DeepSpeed config"
+    ds = copy.deepcopy(
+        raw if raw is not None else (read(cfg.engine_flags.ds_config) if cfg.engine_flags.ds_config else DEFAULT_CONFIG)
+    )
     _require_objects(ds, path)
 
     _fill(
@@ -229,7 +231,7 @@ def for_run(
     """resolve_flags()'s dict completed with what the run adds: train_batch_size from the world size, bucket
     sizes from the model's width. Any "auto" left after that is an error."""
     ds = copy.deepcopy(flag_values)
-    path = cfg.ds_config or "the default DeepSpeed config"
+    path = cfg.engine_flags.ds_config or "the default DeepSpeed config"
     zero = ds["zero_optimization"]
     if world_size is not None:
         total = cfg.batch_size * cfg.accum_freq * world_size
@@ -321,20 +323,24 @@ def _fill_nvme_paths(zero: dict[str, Any], cfg: EngineConfig, path: str) -> None
                 f'at zero_optimization.stage 3 (this file: {zero.get("stage", 0)}); use stage 3 or device "cpu"'
             )
         if offload.get("nvme_path", AUTO) == AUTO:
-            if not cfg.zero_nvme_path:
+            if not cfg.engine_flags.zero_nvme_path:
                 raise UserError(
                     f'{path}: {where} is "auto"; pass --zero-nvme-path DIR (a folder on a local NVMe drive) or '
                     f"write the folder into the file"
                 )
-            offload["nvme_path"] = cfg.zero_nvme_path
-        elif cfg.zero_nvme_path and offload["nvme_path"] != cfg.zero_nvme_path:
+            offload["nvme_path"] = cfg.engine_flags.zero_nvme_path
+        elif cfg.engine_flags.zero_nvme_path and offload["nvme_path"] != cfg.engine_flags.zero_nvme_path:
             raise UserError(
                 f"{path}: {where} is {json.dumps(offload['nvme_path'])} but --zero-nvme-path says "
-                f'{json.dumps(cfg.zero_nvme_path)}; make them agree or set it to "auto"'
+                f'{json.dumps(cfg.engine_flags.zero_nvme_path)}; make them agree or set it to "auto"'
             )
         folder = offload["nvme_path"]
         if not (isinstance(folder, str) and os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)):
-            source = f"--zero-nvme-path {folder}" if folder == cfg.zero_nvme_path else f"{path}: {where} {folder!r}"
+            source = (
+                f"--zero-nvme-path {folder}"
+                if folder == cfg.engine_flags.zero_nvme_path
+                else f"{path}: {where} {folder!r}"
+            )
             raise UserError(f"{source}: not a writable folder; create it (on a local NVMe drive) or name another")
 
 

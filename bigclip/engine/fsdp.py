@@ -20,6 +20,7 @@ the R groups (HSDP): all-gathers stay inside a node, only one all-reduce of grad
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,13 +35,32 @@ from bigclip.engine.memory import tensor_bytes
 from bigclip.engine.sharded_init import build_for_sharding, is_meta, materialise, wants_sharded_init
 from bigclip.engine.single import ensure_process_group
 from bigclip.errors import UserError
+from bigclip.flag_fields import DIST, flag
+
+
+@dataclass(frozen=True)
+class FSDPFlags:
+    fsdp: bool = flag(False, "Use the FSDP2 engine (OpenCLIP main's spelling of --engine fsdp).", DIST)
+    fsdp_offload_cpu: bool = flag(False, "FSDP: keep parameter, gradient and optimizer shards in host memory.", DIST)
+    fsdp_no_reshard_after_forward: bool = flag(
+        False,
+        "FSDP: keep each block's gathered parameters from forward to backward (more memory, one all-gather less).",
+        DIST,
+    )
+    fsdp_hybrid: bool = flag(False, "FSDP: shard within each node and replicate across nodes (HSDP).", DIST)
+    fsdp_replicate_degree: int = flag(
+        1,
+        "FSDP: replicate across this many groups, sharding within each "
+        "(HSDP; --fsdp-hybrid sets it to the number of nodes).",
+        DIST,
+    )
 
 
 def replicate_degree(cfg: EngineConfig, world: World) -> int:
     """How many replica groups HSDP keeps (1: plain sharding over every rank); --fsdp-hybrid: one per node."""
-    if cfg.fsdp_hybrid:
+    if cfg.engine_flags.fsdp_hybrid:
         return max(1, world.world_size // max(1, world.local_world_size))
-    return cfg.fsdp_replicate_degree or 1
+    return cfg.engine_flags.fsdp_replicate_degree or 1
 
 
 def build_mesh(cfg: EngineConfig, world: World):
@@ -101,12 +121,13 @@ class FSDPEngine(TorchOptimizerEngine):
     replicated_state = False  # each rank holds and saves its own shards
     selected_by = ("fsdp",)  # OpenCLIP main's launch lines say --fsdp
 
-    own_flags = ("fsdp_offload_cpu", "fsdp_no_reshard_after_forward", "fsdp_hybrid", "fsdp_replicate_degree")
+    Flags = FSDPFlags
 
     @classmethod
     def check_config(cls, cfg: EngineConfig) -> None:
-        if not isinstance(cfg.fsdp_replicate_degree, int) or cfg.fsdp_replicate_degree < 1:
-            raise UserError(f"--fsdp-replicate-degree {cfg.fsdp_replicate_degree!r}: must be a positive integer")
+        degree = cfg.engine_flags.fsdp_replicate_degree
+        if not isinstance(degree, int) or degree < 1:
+            raise UserError(f"--fsdp-replicate-degree {degree!r}: must be a positive integer")
 
     @classmethod
     def build_model(cls, cfg: EngineConfig, world: World, factory) -> nn.Module:
@@ -149,7 +170,7 @@ class FSDPEngine(TorchOptimizerEngine):
         if replicas > 1:
             layout = f"HSDP: {replicas} replicas, each sharded over {world.world_size // replicas} rank(s)"
         init = "on meta, initialised shard by shard" if wants_sharded_init(cfg, num_params) else "whole, then sharded"
-        extra = ", shards offloaded to host memory" if cfg.fsdp_offload_cpu else ""
+        extra = ", shards offloaded to host memory" if cfg.engine_flags.fsdp_offload_cpu else ""
         if cfg.optimizer_in_backward:
             extra += ", each shard stepped after its reduce-scatter (no gradients kept)"
         return cls.name, f"fsdp2: fully_shard per transformer block, then the root; {layout}; model built {init}{extra}"
@@ -168,7 +189,7 @@ class FSDPEngine(TorchOptimizerEngine):
         kwargs = dict(
             mesh=self.mesh, mp_policy=mixed_precision_policy(self.precision), offload_policy=self._offload_policy()
         )
-        reshard = not cfg.fsdp_no_reshard_after_forward
+        reshard = not cfg.engine_flags.fsdp_no_reshard_after_forward
         for block in model.transformer_blocks():
             fully_shard(block, reshard_after_forward=reshard, **kwargs)
         # The root's parameters (embeddings, projections, logit scale) are needed again right at the start of
@@ -177,7 +198,7 @@ class FSDPEngine(TorchOptimizerEngine):
         if on_meta:
             materialise(
                 model,
-                world.device if not cfg.fsdp_offload_cpu else torch.device("cpu"),
+                world.device if not cfg.engine_flags.fsdp_offload_cpu else torch.device("cpu"),
                 cfg.seed,
                 self.mesh.get_local_rank("shard"),
             )
@@ -192,14 +213,14 @@ class FSDPEngine(TorchOptimizerEngine):
             self.scaler = ShardedGradScaler(world.device.type)
 
     def _offload_policy(self) -> OffloadPolicy:
-        if self.cfg.fsdp_offload_cpu:
+        if self.cfg.engine_flags.fsdp_offload_cpu:
             # Pinned host memory needs CUDA; on a CPU-only run the shards already live in host memory.
             return CPUOffloadPolicy(pin_memory=self.world.device.type == "cuda")
         return OffloadPolicy()
 
     def frozen(self, module: nn.Module) -> nn.Module:
         # Sharded over the ranks that shard the model; in host memory with --fsdp-offload-cpu.
-        device = self.world.device if not self.cfg.fsdp_offload_cpu else torch.device("cpu")
+        device = self.world.device if not self.cfg.engine_flags.fsdp_offload_cpu else torch.device("cpu")
         stored = self.precision.param_dtype if self.precision.autocast_dtype is None else None  # as the model's
         return shard_frozen(
             module,
