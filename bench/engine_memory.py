@@ -20,14 +20,6 @@ import harness
 import ranks
 from ranks import write_from_rank0
 
-ENGINES = {
-    "ddp": {"engine": "ddp"},
-    "zero1": harness.zero(1),
-    "zero2": harness.zero(2),
-    "zero3": harness.zero(3),
-    "fsdp": {"engine": "fsdp"},
-}
-
 
 # ------------------------------------------------------------------------------------------- worker side
 def worker(args) -> None:
@@ -36,7 +28,7 @@ def worker(args) -> None:
 
     world = init_distributed("cpu")
     cfg = harness.config(model=args.model, precision=args.precision, batch_size=args.batch_size,
-                         grad_checkpointing=args.grad_checkpointing, **ENGINES[args.engine])  # fmt: skip
+                         grad_checkpointing=args.grad_checkpointing, **harness.setup_flags(args.engine))  # fmt: skip
     bench = harness.build(cfg, world)
     state, times = [], []
     for step, (images, texts) in enumerate(harness.synthetic_batches(cfg, world, args.steps)):
@@ -65,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="ViT-B-32")
     p.add_argument("--world-sizes", nargs="+", type=int, default=[2])
-    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    setups = harness.measurable_setups()
+    p.add_argument("--engines", nargs="+", default=setups, choices=setups, help="memory setups (bigclip plan's rows)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--precision", default="fp32")
@@ -79,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
 
-    from bigclip.plan import model_facts, state_bytes
+    from bigclip.memory import model_facts, state_bytes
 
     facts = model_facts(args.model)
     plan_precision = "fp32" if args.precision == "fp32" else "amp"

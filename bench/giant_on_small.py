@@ -35,11 +35,11 @@ import ranks
 from ranks import write_from_rank0
 
 GB = 1e9
-SETUPS = {
-    "fp32_adamw": ({"precision": "fp32", "opt": "adamw"}, 16),
-    "bf16_adamw": ({"precision": "pure_bf16", "opt": "adamw"}, 8),
-    "bf16_adamw8bit": ({"precision": "pure_bf16", "opt": "adamw8bit"}, 6),
-    "bf16_adamw8bit_in_backward": ({"precision": "pure_bf16", "opt": "adamw8bit", "optimizer_in_backward": True}, 4),
+SETUPS = {  # name -> the flags; the state's bytes per parameter are the memory model's (StateRecipe.per_param)
+    "fp32_adamw": {"precision": "fp32", "opt": "adamw"},
+    "bf16_adamw": {"precision": "pure_bf16", "opt": "adamw"},
+    "bf16_adamw8bit": {"precision": "pure_bf16", "opt": "adamw8bit"},
+    "bf16_adamw8bit_in_backward": {"precision": "pure_bf16", "opt": "adamw8bit", "optimizer_in_backward": True},
 }
 FIT_SHARE = 0.85
 
@@ -50,7 +50,7 @@ def worker(args) -> None:
     from bigclip.engine.memory import peak_rss_bytes
 
     world = init_distributed("cpu")
-    flags, _ = SETUPS[args.setup]
+    flags = SETUPS[args.setup]
     cfg = harness.config(model=args.model, engine="fsdp", batch_size=args.batch_size, grad_checkpointing=True,
                          **flags)  # fmt: skip
     bench = harness.build(cfg, world)
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
 
-    from bigclip.plan import model_facts
+    from bigclip.memory import StateRecipe, model_facts
 
     available = _meminfo()["MemAvailable"]
     total = _meminfo()["MemTotal"]
@@ -156,9 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models:
         psi = model_facts(model).params
         for setup in args.setups:
-            state_per_param = SETUPS[setup][1]
+            flags = SETUPS[setup]
+            recipe = StateRecipe(flags["precision"], flags["opt"], flags.get("optimizer_in_backward", False))
+            state_per_param = recipe.per_param
             if state_per_param * psi > FIT_SHARE * available:
-                print(f"| {model} | {setup} | ({state_per_param}) | does not fit: {state_per_param * psi / GB:.1f} GB "
+                need = f"{state_per_param * psi / GB:.1f} GB"
+                print(f"| {model} | {setup} | ({state_per_param:.2f}) | does not fit: {need} "
                       f"of state, {available / GB:.1f} GB available | | | | |", flush=True)  # fmt: skip
                 continue
             result, machine_peak = launch(model, setup, args)

@@ -34,6 +34,7 @@ from bigclip.build import build_engine, build_loss_fn, build_model, seed_everyth
 from bigclip.config import resolve  # noqa: E402
 from bigclip.dist import World  # noqa: E402
 from bigclip.loop import forward_backward, optimizer_step  # noqa: E402
+from bigclip.memory import memory_setup, memory_setups  # noqa: E402
 from bigclip.model import get_model_config, preprocess_cfg  # noqa: E402
 from bigclip.precision import resolve_precision  # noqa: E402
 
@@ -51,6 +52,20 @@ def config(**flags):
 def zero(stage: int) -> dict:
     """The flags that select DeepSpeed ZeRO-`stage` with the repository's config (ds_configs/zero<stage>.json)."""
     return {"ds_config": os.path.join(REPO, "ds_configs", f"zero{stage}.json")}
+
+
+def setup_flags(setup: str) -> dict:
+    """The flags that select memory setup `setup` (a row of `bigclip plan`), as its engine lists them
+    (bigclip.memory.memory_setups(); the shipped configs' paths made absolute)."""
+    return {
+        name: os.path.join(REPO, value) if isinstance(value, str) and value.startswith("ds_configs/") else value
+        for name, value in memory_setup(setup).flags.items()
+    }
+
+
+def measurable_setups() -> list[str]:
+    """Every memory setup whose state is on the device (offloaded ones hold only buffers there), in plan order."""
+    return [name for name, setup in memory_setups().items() if not setup.offloaded]
 
 
 def synthetic_batches(cfg, world: World, steps: int, seed: int | None = None) -> Iterator[tuple]:

@@ -3,14 +3,16 @@
     python bench/plan_check.py --model ViT-B-32 --batch-size 16
     python bench/plan_check.py --model ViT-L-14 --batch-size 2 --engines ddp fsdp
 
-Setups: precision (fp32, amp, pure_bf16) x optimizer (AdamW, 8-bit AdamW) x engine (DDP, FSDP2, DeepSpeed ZeRO-3)
-x gradients kept or the optimizer stepped in the backward. A setup bigclip refuses is listed with its one-line
+Setups: every memory setup bigclip's engines list whose state is on the GPU (bigclip.memory.memory_setups(): ddp,
+fsdp, zero1-3, each selected by the flags it names) x every distinct precision and optimizer footprint
+(bigclip.memory.recipes(): fp32, amp, bf16 weights x AdamW, 8-bit AdamW) x gradients kept or the optimizer stepped
+in the backward. A setup bigclip refuses is listed with its one-line
 refusal. Each other setup runs in a fresh 2-rank `torchrun` launch on this CPU (gloo): the real engine, loss and
 loop step (build_model -> build_engine -> forward_backward -> optimizer_step) on random batches. Measured: the
 rank's resident memory above its baseline, taken after imports and the process group and before the model is
 built (Linux's VmHWM, reset at the baseline through /proc/self/clear_refs), the larger of the two ranks. Glibc
 returns freed tensors of 1 MiB+ to the system (MALLOC_MMAP_THRESHOLD_), so resident memory follows live bytes.
-Predicted: bigclip.plan.peak_parts for a CPU (the larger of the backward's and the optimizer step's peak, what
+Predicted: bigclip.memory.peak_parts for a CPU (the larger of the backward's and the optimizer step's peak, what
 `bigclip plan` and `--dry-run` count) plus the runtime: the same setup measured the same way on test-tiny (almost
 no state), what a training step costs on this machine besides the model (autograd, gloo, oneDNN, the compiler
 behind torchao's updates), where a GPU's reserve stands in the plan.
@@ -24,17 +26,11 @@ import json
 import os
 import sys
 
+import harness
 import ranks
 from ranks import write_from_rank0
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINES = {
-    "ddp": {"engine": "ddp"},
-    "fsdp": {"engine": "fsdp"},
-    "zero3": {"ds_config": os.path.join(REPO, "ds_configs", "zero3.json")},
-}
-PRECISIONS = ("fp32", "amp", "pure_bf16")
-OPTIMIZERS = ("adamw", "adamw8bit")
 WORLD = 2
 
 
@@ -49,7 +45,7 @@ def flags(model: str, batch: int, engine: str, precision: str, opt: str, in_back
         "lr": 1e-4,
         "warmup": 1,
         "workers": 0,
-        **ENGINES[engine],
+        **harness.setup_flags(engine),
     }
 
 
@@ -123,8 +119,7 @@ def refusal(engine: str, precision: str, opt: str, in_backward: bool, args) -> s
 
 def render(rows: list[dict], model: str, batch: int) -> list[str]:
     """The table: each measured row next to the plan's prediction for it (recomputed: the arithmetic may change)."""
-    from bigclip.engine import StateRecipe
-    from bigclip.plan import model_facts, peak_parts
+    from bigclip.memory import StateRecipe, model_facts, peak_parts
 
     facts = model_facts(model)
     MiB = 2**20
@@ -153,13 +148,20 @@ def render(rows: list[dict], model: str, batch: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, REPO)
+    import bigclip.engine  # noqa: F401  (the engines list their memory setups)
+    from bigclip.memory import distinct_optimizers, distinct_precisions
+    from bigclip.optim import OPTIMIZERS
+    from bigclip.precision import PRECISIONS
+
+    on_gpu = harness.measurable_setups()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="ViT-B-32")
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
-    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
-    p.add_argument("--opts", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
+    p.add_argument("--engines", nargs="+", default=on_gpu, choices=on_gpu, help="memory setups (bigclip plan's rows)")
+    p.add_argument("--precisions", nargs="+", default=distinct_precisions(), choices=PRECISIONS.names())
+    p.add_argument("--opts", nargs="+", default=distinct_optimizers(), choices=OPTIMIZERS.names())
     p.add_argument("--stepping", nargs="+", default=["kept", "in-backward"], choices=("kept", "in-backward"),
                    help="gradients kept until the step, or the optimizer stepped in the backward")  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="also write the measurements to FILE")
@@ -175,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    sys.path.insert(0, REPO)
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)

@@ -2,15 +2,15 @@
 
 Run under the real launcher (torchrun, the DeepSpeed launcher, srun), it joins the process group (so the
 rendezvous itself is tested), then rank 0 prints the world as every rank sees it (one line per node), the
-engine's layout and the memory each GPU would need (bigclip.plan's arithmetic for this model, engine, world
+engine's layout and the memory each GPU would need (bigclip.memory's arithmetic for this model, engine, world
 size, micro-batch and precision).
 """
 
 from __future__ import annotations
 
-from bigclip import plan
+from bigclip import memory
 from bigclip.dist import World, describe_world
-from bigclip.engine import EngineConfig, StateRecipe, describe_plan, frozen_bytes
+from bigclip.engine import EngineConfig, describe_plan, frozen_bytes
 from bigclip.loss import LossConfig
 from bigclip.model.config import ModelConfig
 
@@ -19,29 +19,29 @@ def _memory_lines(
     cfg: EngineConfig,
     world: World,
     setup: str,
-    facts: plan.ModelFacts,
+    facts: memory.ModelFacts,
     teacher_bytes: float = 0.0,
     loss: LossConfig | None = None,
 ) -> list[str]:
-    recipe = StateRecipe(cfg.precision, cfg.optimizer.opt, cfg.optimizer_in_backward, cfg.ema_decay is not None)
+    recipe = memory.StateRecipe(cfg.precision, cfg.optimizer.opt, cfg.optimizer_in_backward, cfg.ema_decay is not None)
     where = (
         f"memory per GPU ({setup}, {recipe.describe()}, {world.world_size} rank(s), micro-batch {cfg.batch_size}"
         f"{', --grad-checkpointing' if cfg.grad_checkpointing else ''})"
     )
-    parts = plan.peak_parts(
+    parts = memory.peak_parts(
         setup, facts, world.world_size, recipe, cfg.batch_size, cfg.grad_checkpointing, world.device.type, loss
     )
     if parts is None:
         return [f"{where}: this engine cannot keep the state so"]
-    gib = plan.GiB
+    gib = memory.GiB
     moment = "the optimizer step" if parts["step"] > parts["backward"] else "the start of the backward"
-    total = parts["peak"] + plan.OVERHEAD_BYTES + teacher_bytes
+    total = parts["peak"] + memory.OVERHEAD_BYTES + teacher_bytes
     teacher = f" + the teacher's weights {teacher_bytes / gib:.1f} GiB" if teacher_bytes else ""
     return [
         f"{where}: state {parts['state'] / gib:.1f} GiB, activations {parts['activations'] / gib:.1f} GiB, "
         f"contrastive loss {parts['loss'] / gib:.2f} GiB, working "
         f"buffers {parts['working'] / gib:.1f} GiB; peak at {moment} {parts['peak'] / gib:.1f} GiB + "
-        f"{plan.OVERHEAD_BYTES / gib:.0f} GiB reserved{teacher} = {total / gib:.1f} GiB"
+        f"{memory.OVERHEAD_BYTES / gib:.0f} GiB reserved{teacher} = {total / gib:.1f} GiB"
         + (f" + the {facts.uncounted}'s activations, not estimated" if facts.uncounted else ""),
     ]
 
@@ -50,16 +50,16 @@ def report(model: ModelConfig, engine: EngineConfig, world: World, loss: LossCon
     """The lines to print (on rank 0). Collective: every rank must call it."""
     lines = describe_world(world)
     # Every architecture bigclip builds has facts (towers without an activation formula say so themselves).
-    facts = plan.model_facts(model.model, model.force_image_size[0] if model.force_image_size else None)
+    facts = memory.model_facts(model.model, model.force_image_size[0] if model.force_image_size else None)
     setup, layout = describe_plan(engine, world, facts.params)
     lines.append(f"model {model.model}: {facts.params / 1e6:.1f}M parameters")
     lines.append(f"engine {layout}")
     teacher_bytes = 0.0
     if model.distill_model is not None:  # --distill-model: its weights, placed as the engine places the model
-        teacher = plan.model_facts(model.distill_model, None)
+        teacher = memory.model_facts(model.distill_model, None)
         teacher_bytes = frozen_bytes(engine, world, teacher.params)
         lines.append(
             f"teacher {model.distill_model}: {teacher.params / 1e6:.1f}M parameters, "
-            f"{teacher_bytes / plan.GiB:.2f} GiB of weights per GPU (its forward's activations are not estimated)"
+            f"{teacher_bytes / memory.GiB:.2f} GiB of weights per GPU (its forward's activations are not estimated)"
         )
     return lines + _memory_lines(engine, world, setup, facts, teacher_bytes, loss)

@@ -29,9 +29,10 @@ from helpers import REPO, subprocess_env, torchrun_cmd
 
 from bigclip.config import Sections, TrainConfig, config_fields, resolve
 from bigclip.config.flags import OWNERS
-from bigclip.engine import ENGINES, memory_setups
+from bigclip.engine import ENGINES
 from bigclip.errors import UserError
 from bigclip.flag_fields import default_of, is_flag
+from bigclip.memory import memory_setups
 from bigclip.train_state import TrainState
 
 PACKAGE = os.path.join(REPO, "bigclip")
@@ -248,11 +249,12 @@ COMPONENTS = {"model", "loss", "data", "ckpt"}
 ALLOWED = {
     **{m: FOUNDATION for m in FOUNDATION},
     **{m: FOUNDATION for m in COMPONENTS},
-    "engine": FOUNDATION | {"ckpt"},
+    "memory": FOUNDATION | COMPONENTS,
+    "engine": FOUNDATION | {"ckpt", "memory"},
 }
 # The run: may import anything below (and each other).
 RUN = {
-    "config", "build", "loop", "train", "run", "metrics", "evaluation", "report", "plan", "dry_run", "commands",
+    "config", "build", "loop", "train", "run", "metrics", "evaluation", "report", "dry_run", "commands",
     "cli_args", "cli", "__main__",
 }  # fmt: skip
 

@@ -235,7 +235,7 @@ def test_dry_run_counts_the_teachers_weights_where_the_engine_places_them(tmp_pa
     ZeRO-3, in the dtype each engine stores."""
     from bigclip import dry_run
     from bigclip.engine import frozen_bytes
-    from bigclip.plan import model_facts
+    from bigclip.memory import model_facts
 
     (tmp_path / "t.pt").write_bytes(b"")
     teacher = model_facts("ViT-L-14").params

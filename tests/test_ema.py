@@ -155,7 +155,7 @@ def test_swapped_in_puts_the_average_in_and_the_live_weights_back():
 def test_the_plan_counts_the_average_where_the_engine_keeps_it():
     """4 bytes per parameter: whole under DDP, a shard under FSDP2 and DeepSpeed ZeRO (a fragment of each rank's
     fp32 master partition)."""
-    from bigclip.engine import StateRecipe, state_bytes
+    from bigclip.memory import StateRecipe, state_bytes
 
     psi, n = 1_000_000, 8
     for setup, per_rank in (

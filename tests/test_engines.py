@@ -203,7 +203,7 @@ def test_giant_models_are_built_on_meta_under_sharding_engines():
 
 # --------------------------------------------------------------------------------------- bigclip plan
 def test_plan_arithmetic_and_printout(capsys):
-    from bigclip.plan import model_facts, state_bytes
+    from bigclip.memory import model_facts, state_bytes
 
     facts = model_facts("ViT-bigG-14")
     psi = facts.params
@@ -223,7 +223,7 @@ def test_plan_for_towers_without_an_activation_formula(capsys, tmp_path):
     are said to be partial and no batch size is suggested, rather than a traceback or a made-up number."""
     import open_clip
 
-    from bigclip.plan import max_batch, model_facts, state_bytes
+    from bigclip.memory import max_batch, model_facts, state_bytes
 
     facts = model_facts("RN50")
     assert facts.params == sum(p.numel() for p in open_clip.create_model("RN50").parameters())

@@ -10,10 +10,9 @@ import os
 import pytest
 from helpers import REPO
 
-from bigclip.engine import StateRecipe
 from bigclip.loss import LossConfig
 from bigclip.loss.memory import chosen_impl, loss_peak_bytes
-from bigclip.plan import contrastive_loss_bytes, model_facts, peak_parts
+from bigclip.memory import StateRecipe, contrastive_loss_bytes, model_facts, peak_parts
 
 GiB = 2**30
 

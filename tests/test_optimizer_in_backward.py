@@ -13,7 +13,7 @@ from helpers import REPO, TINY_SYNTHETIC, step_losses, subprocess_env
 from test_engine_multiprocess import run_worker
 
 from bigclip import cli
-from bigclip.engine import StateRecipe
+from bigclip.memory import StateRecipe
 from bigclip.model import create_model
 
 

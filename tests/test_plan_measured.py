@@ -12,8 +12,7 @@ import sys
 import pytest
 from helpers import REPO, subprocess_env
 
-from bigclip.engine import StateRecipe
-from bigclip.plan import activation_bytes, model_facts, peak_parts, state_bytes
+from bigclip.memory import StateRecipe, activation_bytes, model_facts, peak_parts, state_bytes
 
 
 def test_the_peak_is_the_backward_or_the_step_whichever_is_larger():

@@ -16,13 +16,15 @@ import torch.nn.functional as F
 from helpers import TINY_SYNTHETIC, read_metrics, step_losses
 from torch import nn
 
-from bigclip import cli, optim, plan
+from bigclip import cli, optim
+from bigclip.commands.plan import render as render_plan
 from bigclip.data import DATA_SOURCES
 from bigclip.data.sources import DataSource, batch_sampler, map_style_loader
 from bigclip.engine import ENGINES
 from bigclip.engine.base import TorchOptimizerEngine
 from bigclip.errors import UserError
 from bigclip.loss import LOSSES, LossFamily
+from bigclip.memory import MemorySetup, model_facts
 from bigclip.metrics.trackers import REPORT_TARGETS
 from bigclip.model import create_model, get_model_config
 from bigclip.model.fp8_linear import FP8_RECIPES
@@ -158,7 +160,7 @@ def test_recipe_an_image_tower_kind(tmp_path):
     )
     with registered(IMAGE_TOWERS, "pool", kind):
         run_dir = train(tmp_path, "tower", "--model", f"local-dir:{model_dir}")
-        facts = plan.model_facts(f"local-dir:{model_dir}")
+        facts = model_facts(f"local-dir:{model_dir}")
         with pytest.raises(UserError, match="has a pooling image tower, which bigclip does not give layer scale"):
             create_model(f"local-dir:{model_dir}", layer_scale_init=0.1)
     assert facts.uncounted == "image tower (pool)" and len(facts.towers) == 1  # the text transformer's
@@ -199,8 +201,8 @@ class PlainEngine(TorchOptimizerEngine):
     help = "the bare model, one process"
 
     @classmethod
-    def memory_models(cls):
-        return {cls.name: lambda psi, n, precision, size: 16 * psi}
+    def memory_setups(cls):
+        return {cls.name: MemorySetup(lambda psi, n, recipe, size: 16 * psi, flags={"engine": cls.name})}
 
     def __init__(self, cfg, model, world):
         super().__init__(cfg, model, world)
@@ -217,7 +219,7 @@ def test_recipe_an_engine(tmp_path, capsys):
             tmp_path, "engine2", "--engine", "plain", "--resume", os.path.join(run_dir, "checkpoints", "epoch_1")
         )
         assert cli.main(["--model", "test-tiny", "--engine", "plain", "--dry-run"]) == 0
-        table = plan.render(["test-tiny"], [2], [1.0], 4, "amp")
+        table = render_plan(["test-tiny"], [2], [1.0], 4, "amp")
     assert "engine plain" in capsys.readouterr().out
     assert "| plain |" in table and "| ddp |" in table
     assert json.load(open(os.path.join(run_dir, "checkpoints", "epoch_1", "manifest.json")))["engine"] == "plain"

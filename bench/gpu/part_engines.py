@@ -18,8 +18,7 @@ from common import Recorder, device, free_memory, part_args
 
 from bigclip.dist import World
 from bigclip.engine import describe_plan
-from bigclip.engine.config import StateRecipe
-from bigclip.plan import model_facts, peak_parts
+from bigclip.memory import StateRecipe, model_facts, peak_parts
 
 ENGINES = {  # label -> the flags that select it (the first is the reference the others are compared with)
     "ddp": {"engine": "ddp"},

@@ -15,8 +15,7 @@ from common import Recorder, device, free_memory, is_oom, part_args
 
 from bigclip.dist import World
 from bigclip.engine import describe_plan
-from bigclip.engine.config import StateRecipe
-from bigclip.plan import model_facts, peak_parts
+from bigclip.memory import StateRecipe, model_facts, peak_parts
 
 # setup name -> the flags it adds (the smoke run on CPU uses fp32 for the first: CPU autocast is not measured here)
 SETUPS = {
@@ -30,7 +29,7 @@ SETUPS = {
 
 
 def train_steps(model: str, batch: int, steps: int, world: World, flags: dict) -> tuple[list[float], float, float, str]:
-    """Step times, peak bytes, build seconds, and the memory setup (engine/memory.py) the flags select."""
+    """Step times, peak bytes, build seconds, and the memory setup (bigclip/memory/setups.py) the flags select."""
     cfg = harness.config(model=model, batch_size=batch, lr=1e-5, engine="fsdp", grad_checkpointing=True, **flags)
     t = time.perf_counter()
     bench = harness.build(cfg, world)

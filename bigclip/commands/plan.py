@@ -1,22 +1,46 @@
-"""`bigclip plan [--model M ...]`: the memory table of bigclip.plan for the given models, GPU counts and sizes."""
+"""`bigclip plan`: how much GPU memory a run needs per GPU under each engine, before renting the GPUs.
+
+    bigclip plan --model ViT-bigG-14 --gpus 8 64 256 1024 --gpu-mem 40 80 --batch-size 32
+
+The arithmetic is bigclip/memory/ (memory/peak.py says what counts); this command renders its table for the given
+models, GPU counts and sizes: state per GPU under every registered memory setup, the largest micro-batch that
+fits, and which setups fit a given batch.
+"""
 
 from __future__ import annotations
 
-from bigclip import plan
 from bigclip.commands import COMMANDS, Command
-from bigclip.engine import StateRecipe
+from bigclip.engine import memory_notes
 from bigclip.errors import OneLineErrorParser
 from bigclip.loss import LOSS_IMPLS, LOSS_PRECISIONS, LossConfig, check_loss
+from bigclip.loss.memory import chosen_impl
+from bigclip.memory import (
+    OVERHEAD_BYTES,
+    GiB,
+    ModelFacts,
+    StateRecipe,
+    activation_bytes,
+    contrastive_loss_bytes,
+    feature_bytes,
+    fitting_setups,
+    max_batch,
+    memory_setups,
+    model_facts,
+    state_bytes,
+)
+from bigclip.optim import OPTIMIZERS
+from bigclip.precision import PRECISIONS
 
 
 def main(argv: list[str]) -> int:
-    parser = OneLineErrorParser(prog="bigclip plan", description=plan.__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(prog="bigclip plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", nargs="+", default=["ViT-H-14", "ViT-bigG-14"])
     parser.add_argument("--gpus", nargs="+", type=int, default=[8, 64, 256, 1024])
     parser.add_argument("--gpu-mem", nargs="+", type=float, default=[40, 80], help="GB per GPU")
     parser.add_argument("--batch-size", type=int, default=32, help="micro-batch per GPU")
-    parser.add_argument("--precision", choices=("amp", "amp_bf16", "fp32", "pure_bf16", "bf16"), default="amp")
-    parser.add_argument("--opt", choices=("adamw", "adamw8bit"), default="adamw", help="optimizer state to count")
+    parser.add_argument("--precision", choices=PRECISIONS.names(), default="amp")
+    optimizers = [name for name, _ in OPTIMIZERS.items() if not OPTIMIZERS.entry(name).prefix]
+    parser.add_argument("--opt", choices=optimizers, default="adamw", help="optimizer state to count")
     parser.add_argument("--optimizer-in-backward", action="store_true", help="gradients are not kept until the step")
     parser.add_argument("--ema", action="store_true", help="a float32 moving average of the weights (--ema-decay)")
     parser.add_argument("--force-image-size", type=int, default=None)
@@ -36,8 +60,93 @@ def main(argv: list[str]) -> int:
         local_loss=args.local_loss,
     )
     check_loss(loss)
-    print(plan.render(args.model, args.gpus, args.gpu_mem, args.batch_size, recipe, args.force_image_size, loss))
+    print(render(args.model, args.gpus, args.gpu_mem, args.batch_size, recipe, args.force_image_size, loss))
     return 0
+
+
+def _gb(x: float) -> str:
+    return f"{x / GiB:.1f}"
+
+
+def _fit_lines(facts: ModelFacts, n: int, gpu_mem: list[float], batch: int, loss: LossConfig) -> list[str]:
+    lines = []
+    for mem in gpu_mem:
+        fits = fitting_setups(facts, n, mem * 1e9, batch, loss)
+        where = f"{batch} samples per GPU with --grad-checkpointing on {n} GPUs of {mem:g} GB"
+        if facts.uncounted:
+            lines.append(f"{where}: not estimated (the {facts.uncounted}'s activations are not counted)")
+        elif not fits:
+            lines.append(f"{where}: no setup fits without offloading to host memory or NVMe")
+        else:
+            (most, setup, recipe), (least, lean_setup, lean_recipe) = fits[0], fits[-1]
+            lines.append(
+                f"{where}: the setup that keeps the most state and fits is {setup} ({recipe.describe()}: "
+                f"{_gb(most)} GiB of state); the leanest is {lean_setup} ({lean_recipe.describe()}: {_gb(least)} GiB)"
+            )
+    return lines
+
+
+def render(
+    models: list[str],
+    gpus: list[int],
+    gpu_mem: list[float],
+    batch: int,
+    recipe: StateRecipe | str,
+    image_size: int | None = None,
+    loss: LossConfig | None = None,
+) -> str:
+    recipe = StateRecipe(recipe) if isinstance(recipe, str) else recipe
+    loss = loss or LossConfig()
+    lines = []
+    for name in models:
+        facts = model_facts(name, image_size)
+        act = activation_bytes(facts, batch, False, recipe.activation_bytes)
+        act_ckpt = activation_bytes(facts, batch, True, recipe.activation_bytes)
+        loss_line = "; ".join(
+            f"{n} GPUs: {chosen_impl(loss, batch, n, feature_bytes(recipe))} "
+            f"{contrastive_loss_bytes(loss, facts, n, recipe, batch) / GiB:.2f} GiB"
+            for n in gpus
+        )
+        lines += [
+            f"## {name}: {facts.params / 1e9:.2f}B parameters (largest block "
+            f"{facts.block_params / 1e6:.0f}M, outside blocks {facts.root_params / 1e6:.0f}M), "
+            f"{recipe.describe()}",
+            "",
+            f"Activations for {batch} samples per GPU: {_gb(act)} GiB, with --grad-checkpointing {_gb(act_ckpt)} GiB"
+            + (f" (not counting the {facts.uncounted}: no batch size is suggested)." if facts.uncounted else "."),
+            "",
+            f"Contrastive loss per GPU at {batch} samples per GPU (--loss-impl {loss.loss_impl}, "
+            f"{'siglip' if loss.siglip or loss.loss == 'siglip' else loss.loss}): {loss_line}.",
+            "",
+            "State per GPU (GiB) = parameters + gradients + optimizer state; then the largest "
+            f"micro-batch per GPU whose peak (peak_parts: the backward's or the optimizer step's) fits "
+            f"({_gb(OVERHEAD_BYTES)} GiB reserved), without / with checkpointing.",
+            "",
+        ]
+        header = (
+            "| engine | "
+            + " | ".join(f"{n} GPUs" for n in gpus)
+            + " | "
+            + " | ".join(f"max batch @ {m:g} GB, {gpus[0]} GPUs" for m in gpu_mem)
+            + " |"
+        )
+        lines += [header, "|" + "---|" * (1 + len(gpus) + len(gpu_mem))]
+        for engine in memory_setups():
+            states = [state_bytes(engine, facts.params, n, recipe, facts) for n in gpus]
+            if states[0] is None:
+                lines.append(f"| {engine} | " + " | ".join("cannot" for _ in gpus + gpu_mem) + " |")
+                continue
+            fits = []
+            for mem in gpu_mem:
+                gpu_bytes = mem * 1e9
+                a = max_batch(facts, engine, gpus[0], gpu_bytes, False, recipe, loss)
+                b = max_batch(facts, engine, gpus[0], gpu_bytes, True, recipe, loss)
+                fits.append("n/a" if a is None else f"{a} / {b}")
+            lines.append(f"| {engine} | " + " | ".join(_gb(x) for x in states) + " | " + " | ".join(fits) + " |")
+        lines += ["", *_fit_lines(facts, gpus[0], gpu_mem, batch, loss), ""]
+    for note in memory_notes():  # what each engine says about reading its rows
+        lines += [note, ""]
+    return "\n".join(lines).rstrip("\n")
 
 
 COMMANDS.register(

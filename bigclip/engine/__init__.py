@@ -24,16 +24,20 @@ from torch import nn
 
 from bigclip.dist import World
 from bigclip.engine import in_backward
-from bigclip.engine.base import Engine, StateBytes, WorkingBytes
-from bigclip.engine.config import DEFAULT_ENGINE, ENGINES, SHARDED_INIT_MODES, EngineConfig, ModelSize, StateRecipe
+from bigclip.engine.base import Engine
+from bigclip.engine.config import DEFAULT_ENGINE, ENGINES, SHARDED_INIT_MODES, EngineConfig
 from bigclip.engine.ddp import DDPEngine
 from bigclip.engine.deepspeed import DeepSpeedEngine
 from bigclip.engine.fsdp import FSDPEngine
 from bigclip.errors import UserError
+from bigclip.memory import add_setup_source
 
-# --engine NAME -> the Engine class. To add an engine: a subclass in its own file, and one line here.
+# --engine NAME -> the Engine class. To add an engine: a subclass in its own file (its flags, rules, memory
+# setups), and one line here.
 for _cls in (DDPEngine, FSDPEngine, DeepSpeedEngine):
     ENGINES.register(_cls.name, _cls, help=_cls.help)
+# bigclip.memory lists the registered engines' memory setups (bigclip plan's rows, --dry-run's)
+add_setup_source(lambda: {setup: memory for _, cls in ENGINES.items() for setup, memory in cls.memory_setups().items()})
 
 
 def engine_selected_by(flags: dict[str, Any]) -> tuple[str, str] | None:
@@ -110,33 +114,9 @@ def frozen_bytes(cfg: EngineConfig, world: World, num_params: int) -> float:
     return ENGINES.get(cfg.engine).frozen_bytes(cfg, world, num_params)
 
 
-def memory_setups() -> dict[str, StateBytes]:
-    """Every engine's memory setups (ddp, fsdp, zero1 ... zero3_offload), in registry order: `bigclip plan`'s rows."""
-    return {setup: model for _, cls in ENGINES.items() for setup, model in cls.memory_models().items()}
-
-
 def memory_notes() -> list[str]:
     """What every engine says under `bigclip plan`'s table about reading its rows."""
     return [note for _, cls in ENGINES.items() for note in cls.memory_notes()]
-
-
-def state_bytes(
-    setup: str, psi: int, n: int, recipe: StateRecipe | str = "amp", size: ModelSize | None = None
-) -> float | None:
-    """Parameters + gradients + optimizer state per GPU (bytes) for Ψ = `psi` parameters on `n` ranks, kept as
-    `recipe` says (a --precision name alone: AdamW, gradients kept); None where the setup cannot run it."""
-    models = memory_setups()
-    if setup not in models:
-        raise UserError(f"memory setup {setup!r}: choose one of {', '.join(models)}")
-    return models[setup](psi, n, StateRecipe(recipe) if isinstance(recipe, str) else recipe, size)
-
-
-def working_bytes(
-    setup: str, psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str = "cuda"
-) -> WorkingBytes:
-    """What `setup` allocates per GPU beyond the state (its engine's own arithmetic, see Engine.working_bytes)."""
-    owner = next(cls for _, cls in ENGINES.items() if setup in cls.memory_models())
-    return owner.working_bytes(setup, psi, n, recipe, size, device_type)
 
 
 def apply_locks(model: nn.Module, cfg: EngineConfig) -> None:
@@ -175,8 +155,6 @@ __all__ = [
     "ENGINES",
     "Engine",
     "EngineConfig",
-    "ModelSize",
-    "StateRecipe",
     "DDPEngine",
     "FSDPEngine",
     "DeepSpeedEngine",
@@ -188,8 +166,4 @@ __all__ = [
     "engine_flag_classes",
     "engine_selected_by",
     "memory_notes",
-    "memory_setups",
-    "state_bytes",
-    "working_bytes",
-    "WorkingBytes",
 ]

@@ -12,11 +12,13 @@ gradient synchronisation and the on-disk format of its state. Callers use only:
                                            may return factory(device="meta") for giant models and materialise
                                            the shards themselves.
     Engine.describe_plan(cfg, world, num_params)
-                                           classmethod, for --dry-run: (the memory setup of memory_models() this
+                                           classmethod, for --dry-run: (the memory setup of memory_setups() this
                                            run is, one line saying how it would be laid out)
-    Engine.memory_models()                 classmethod: setup name -> state bytes per GPU (parameters, gradients,
-                                           optimizer state) for Ψ parameters on N ranks: what `bigclip plan` and
-                                           --dry-run print (DeepSpeed: one setup per ZeRO stage, and offload)
+    Engine.memory_setups()                 classmethod: setup name -> MemorySetup (bigclip/memory/setups.py):
+                                           state bytes per GPU (parameters, gradients, optimizer state) for Ψ
+                                           parameters on N ranks, working memory, the flags that select it: what
+                                           `bigclip plan` and --dry-run print (DeepSpeed: one setup per ZeRO
+                                           stage, and offload)
     Engine.memory_notes()                  classmethod: what `bigclip plan` says under its table about these rows
     Engine.selected_by                     flags that pick this engine without --engine (--ds_config, --deepspeed)
     Engine.Flags                           this engine's own flags: a frozen dataclass of flag() fields, composed
@@ -64,38 +66,21 @@ from bigclip import optim
 from bigclip.ckpt.dcp_layout import DCPLayout
 from bigclip.ckpt.layout import CheckpointLayout
 from bigclip.dist import World
-from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
+from bigclip.engine.config import EngineConfig
 from bigclip.engine.ema import WeightsEMA
 from bigclip.engine.in_backward import PerParameterOptimizers, StepInBackward
 from bigclip.engine.memory import tensor_bytes
 from bigclip.engine.sharded_init import is_meta, materialise
 from bigclip.errors import UserError
+from bigclip.memory import MemorySetup, ModelSize, StateRecipe, WorkingBytes
 from bigclip.precision import Precision, resolve_precision
 
 ParameterFix = Callable[[torch.Tensor], object]
-# (Ψ parameters, N data-parallel ranks, the state's recipe, the model's block sizes or None) -> bytes per GPU, or
-# None where the engine cannot run that recipe (DeepSpeed with 8-bit moments)
-StateBytes = Callable[[int, int, StateRecipe, ModelSize | None], float | None]
 
 
 @dataclass(frozen=True)
 class NoEngineFlags:
     """The flags of an engine without flags of its own."""
-
-
-@dataclass(frozen=True)
-class WorkingBytes:
-    """Memory beyond the training state, per GPU: what lives from the forward to the end of the backward besides
-    the activations (autocast's 16-bit copies of fp32 weights), and the optimizer step's temporaries; and whether
-    the gradients' memory stays allocated between steps (DDP's buckets, DeepSpeed's flat buffers) or is freed
-    after each step and filled again during the backward (FSDP2: one block's unsharded gradients at a time)."""
-
-    backward: float = 0.0
-    step: float = 0.0
-    gradients_persist: bool = True
-    # held when the text tower's backward ends, beyond the state at the backward's start: its largest tensor's (the
-    # token embedding's) gradient in flight, and the text tower's kept gradients where they were freed at the step
-    text_end: float = 0.0
 
 
 class Engine(abc.ABC):
@@ -119,7 +104,7 @@ class Engine(abc.ABC):
 
     @classmethod
     def describe_plan(cls, cfg: EngineConfig, world: World, num_params: int) -> tuple[str, str]:
-        """(this run's setup in memory_models(), a line describing the layout) without building anything."""
+        """(this run's setup in memory_setups(), a line describing the layout) without building anything."""
         return cls.name, cls.name
 
     @classmethod
@@ -129,8 +114,10 @@ class Engine(abc.ABC):
         return num_params * resolve_precision(cfg.precision, world.device).param_dtype.itemsize
 
     @classmethod
-    def memory_models(cls) -> dict[str, StateBytes]:
-        """Setup name -> parameters + gradients + optimizer state per GPU, in bytes (ZeRO paper arithmetic)."""
+    def memory_setups(cls) -> dict[str, MemorySetup]:
+        """Setup name -> how this engine keeps the state that way: parameters + gradients + optimizer state per GPU
+        in bytes (ZeRO paper arithmetic), its working memory (working_bytes), and the flags that select it.
+        bigclip.memory's memory_setups() lists them for every registered engine."""
         return {}
 
     @classmethod
@@ -218,7 +205,7 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def state_bytes(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state this rank holds (see engine/memory.py)."""
+        """Bytes of parameters, gradients and optimizer state this rank holds (see bigclip/engine/memory.py)."""
 
 
 class TorchOptimizerEngine(Engine):

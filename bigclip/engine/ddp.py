@@ -16,10 +16,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bigclip.dist import World
 from bigclip.engine import in_backward
-from bigclip.engine.base import StateBytes, TorchOptimizerEngine, WorkingBytes
-from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
+from bigclip.engine.base import TorchOptimizerEngine
+from bigclip.engine.config import EngineConfig
 from bigclip.errors import UserError
 from bigclip.flag_fields import DIST, flag
+from bigclip.memory import MemorySetup, ModelSize, StateRecipe, WorkingBytes
 
 
 @dataclass(frozen=True)
@@ -51,19 +52,17 @@ class DDPEngine(TorchOptimizerEngine):
         return cls.name, f"ddp: the whole model, its gradients and AdamW state on each of {world.world_size} rank(s)"
 
     @classmethod
-    def memory_models(cls) -> dict[str, StateBytes]:
+    def memory_setups(cls) -> dict[str, MemorySetup]:
         def ddp(psi: int, n: int, recipe: StateRecipe, size: ModelSize | None) -> float:
             # the whole state on every rank (amp keeps fp32 weights); stepped in the backward, at most one
             # block's gradients are in flight
             in_flight = recipe.weight_bytes * size.block_params if recipe.in_backward and size else 0
             return recipe.per_param * psi + in_flight
 
-        return {cls.name: ddp}
+        return {cls.name: MemorySetup(ddp, cls._working, flags={"engine": cls.name})}
 
-    @classmethod
-    def working_bytes(
-        cls, setup: str, psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str
-    ) -> WorkingBytes:
+    @staticmethod
+    def _working(psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str) -> WorkingBytes:
         # amp: autocast keeps a 16-bit copy of every fp32 weight from its first use in the forward until the
         # backward is done with it; every rank steps every parameter
         copies = 2 * psi if recipe.mixed else 0

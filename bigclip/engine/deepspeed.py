@@ -43,9 +43,10 @@ from bigclip import optim
 from bigclip.ckpt.deepspeed_layout import DeepSpeedLayout
 from bigclip.ckpt.layout import CheckpointLayout
 from bigclip.dist import World
+from bigclip.engine import deepspeed_memory
 from bigclip.engine import ds_config as dsc
-from bigclip.engine.base import Engine, StateBytes, WorkingBytes, clip_and_measure
-from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
+from bigclip.engine.base import Engine, clip_and_measure
+from bigclip.engine.config import EngineConfig
 from bigclip.engine.deepspeed_ema import PartitionEMA
 from bigclip.engine.fsdp import shard_frozen
 from bigclip.engine.memory import tensor_bytes
@@ -60,12 +61,10 @@ from bigclip.engine.sharded_init import (
 from bigclip.engine.single import ensure_process_group
 from bigclip.errors import UserError
 from bigclip.flag_fields import DIST, flag
+from bigclip.memory import MemorySetup
 from bigclip.optim import optimizer_kind
 
 logger = logging.getLogger("bigclip")
-
-# DeepSpeed's default for zero_optimization.stage3_max_live_parameters (parameters kept gathered at once)
-STAGE3_MAX_LIVE_PARAMETERS = 10**9
 
 
 def _prepare_environment(world: World) -> None:
@@ -252,55 +251,12 @@ class DeepSpeedEngine(Engine):
         return setup, line
 
     @classmethod
-    def memory_models(cls) -> dict[str, StateBytes]:
-        """ZeRO paper arithmetic, K = 12 bytes of fp32 master weights + Adam moments per parameter, plus the
-        working copy of weights and gradients: 2 bytes each under --precision amp (bf16/fp16), 4 under fp32
-        (DeepSpeed keeps a separate fp32 master even then)."""
-
-        def setup(stage_bytes):  # stage_bytes(Ψ, N, working-copy bytes per parameter) -> bytes
-            def state(psi: int, n: int, recipe: StateRecipe, size: ModelSize | None) -> float | None:
-                if recipe.opt == "adamw8bit" or recipe.in_backward:
-                    return None  # refused by check_config: DeepSpeed keeps its own fp32 Adam state and steps
-                # --ema-decay: a float32 average of each rank's fp32 master partition (engine/deepspeed_ema.py)
-                return stage_bytes(psi, n, 4 if recipe.precision == "fp32" else 2) + (4 * psi / n if recipe.ema else 0)
-
-            return state
-
-        return {
-            "zero1": setup(lambda psi, n, w: 2 * w * psi + 12 * psi / n),  # full weights and gradients
-            "zero2": setup(lambda psi, n, w: w * psi + (12 + w) * psi / n),  # gradients partitioned too
-            "zero3": setup(lambda psi, n, w: (12 + 2 * w) * psi / n),  # everything partitioned
-            "zero3_offload": setup(lambda psi, n, w: 0.0),  # all of it in host memory: GPU buffers only
-            "zero3_nvme": setup(lambda psi, n, w: 0.0),  # weights on NVMe, the rest in host memory: GPU buffers
-        }
-
-    @classmethod
-    def working_bytes(
-        cls, setup: str, psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str
-    ) -> WorkingBytes:
-        # ZeRO-3 keeps the parameters it gathered in the forward for the backward, up to stage3_max_live_parameters
-        # (DeepSpeed's default, 1e9; bigclip's configs leave it), in the working dtype
-        gathered = 0.0
-        if setup.startswith("zero3"):
-            gathered = (4 if recipe.precision == "fp32" else 2) * min(psi, STAGE3_MAX_LIVE_PARAMETERS)
-        if "offload" in setup or "nvme" in setup:
-            return WorkingBytes(backward=gathered)  # the step runs in host memory (DeepSpeed's CPU Adam)
-        # ZeRO's step flattens the rank's gradient partition into a new float32 tensor (the .grad of its fp32
-        # master partition, whatever --precision), then the client optimizer (torch's AdamW) steps that one tensor
-        masters = dataclasses.replace(recipe, precision="fp32")
-        return WorkingBytes(gathered, 4 * psi / n + masters.step_scratch_bytes(psi / n, psi / n, device_type))
+    def memory_setups(cls) -> dict[str, MemorySetup]:
+        return deepspeed_memory.memory_setups()
 
     @classmethod
     def memory_notes(cls) -> list[str]:
-        return [
-            "zero3_offload keeps weights, gradients and Adam state in host memory (16Ψ/N bytes per "
-            "rank there); its GPU column is working buffers only.",
-            "zero3_nvme (ZeRO-Infinity) swaps the 16-bit weights to NVMe files and keeps fp32 masters, gradients "
-            "and Adam state in host memory (as zero3_offload); the GPU holds working buffers only.",
-            "zero1 is the ZeRO paper's stage 1 (full gradients), which DeepSpeed holds while it "
-            "accumulates over --accum-freq micro-batches; with --accum-freq 1 it reduces gradients into "
-            "partitions during backward and measures like zero2.",
-        ]
+        return deepspeed_memory.MEMORY_NOTES
 
     @classmethod
     def build_model(cls, cfg: EngineConfig, world: World, factory) -> nn.Module:

@@ -29,13 +29,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from bigclip.dist import World
-from bigclip.engine.base import StateBytes, TorchOptimizerEngine, WorkingBytes
-from bigclip.engine.config import EngineConfig, ModelSize, StateRecipe
+from bigclip.engine.base import TorchOptimizerEngine
+from bigclip.engine.config import EngineConfig
 from bigclip.engine.memory import tensor_bytes
 from bigclip.engine.sharded_init import build_for_sharding, is_meta, materialise, wants_sharded_init
 from bigclip.engine.single import ensure_process_group
 from bigclip.errors import UserError
 from bigclip.flag_fields import DIST, flag
+from bigclip.memory import MemorySetup, ModelSize, StateRecipe, WorkingBytes
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ class FSDPEngine(TorchOptimizerEngine):
         return super().frozen_bytes(cfg, world, num_params) / world.world_size  # sharded like the model
 
     @classmethod
-    def memory_models(cls) -> dict[str, StateBytes]:
+    def memory_setups(cls) -> dict[str, MemorySetup]:
         def fsdp(psi: int, n: int, recipe: StateRecipe, size: ModelSize | None) -> float:
             state = recipe.per_param * psi / n  # shards of weights, gradients and optimizer state
             if size is not None:
@@ -150,12 +151,10 @@ class FSDPEngine(TorchOptimizerEngine):
                 state += recipe.weight_bytes * size.block_params / n
             return state
 
-        return {cls.name: fsdp}
+        return {cls.name: MemorySetup(fsdp, cls._working, flags={"engine": cls.name})}
 
-    @classmethod
-    def working_bytes(
-        cls, setup: str, psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str
-    ) -> WorkingBytes:
+    @staticmethod
+    def _working(psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str) -> WorkingBytes:
         # the 16-bit all-gathers are in the state (above); each rank steps its own shards
         step = recipe.step_scratch_bytes(psi / n, size.largest_tensor / n, device_type)
         # the largest tensor's unsharded gradient and its reduce-scattered shard; the text tower's gradient shards

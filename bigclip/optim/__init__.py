@@ -139,6 +139,12 @@ class OptimizerKind:
     # the global gradient norm).
     steps_per_parameter: bool = False
     check: Callable[[OptimizerConfig], None] = lambda cfg: None
+    # Bytes of optimizer state per parameter, given the weights' bytes (the memory model, bigclip/memory/): two
+    # moments in the weights' dtype (Adam's) unless the optimizer says otherwise.
+    state_bytes: Callable[[int], float] = lambda weight_bytes: 2 * weight_bytes
+    # True when torch's multi-tensor update (CUDA) builds a float32 moment-sized temporary of every parameter at
+    # once, and stepped tensor by tensor two float32 temporaries of one tensor (measured for torch's AdamW)
+    float32_step_temporaries: bool = False
 
 
 def _no_decay(name: str, p: torch.Tensor) -> bool:
@@ -344,7 +350,13 @@ def _timm(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
         raise UserError(f"--opt {cfg.opt}: timm cannot build it ({e}); see timm.optim.list_optimizers()") from None
 
 
-OPTIMIZERS.register("adamw", OptimizerKind(_adamw, steps_per_parameter=True), help="torch's AdamW")
+# --opt adamw8bit's state per parameter: two 8-bit moments, each with a float32 scale per block of 256 values
+# (tensors under 4096 values keep float32 moments; not counted).
+ADAMW8BIT_BYTES = 2 * (1 + 4 / 256)
+
+OPTIMIZERS.register(
+    "adamw", OptimizerKind(_adamw, steps_per_parameter=True, float32_step_temporaries=True), help="torch's AdamW"
+)
 OPTIMIZERS.register(
     "nadamw",
     OptimizerKind(_nadamw, steps_per_parameter=True),
@@ -352,12 +364,20 @@ OPTIMIZERS.register(
 )
 OPTIMIZERS.register(
     "stableadamw",
-    OptimizerKind(_stableadamw, per_tensor=True, steps_per_parameter=True, check=_check_stableadamw),
+    OptimizerKind(
+        _stableadamw,
+        per_tensor=True,
+        steps_per_parameter=True,
+        check=_check_stableadamw,
+        float32_step_temporaries=True,
+    ),
     help="AdamW with per-tensor update clipping, Wortsman et al. 2023; new in bigclip",
 )
 OPTIMIZERS.register(
     "adamw8bit",
-    OptimizerKind(_adamw8bit, quantized_state=True, steps_per_parameter=True),
+    OptimizerKind(
+        _adamw8bit, quantized_state=True, steps_per_parameter=True, state_bytes=lambda weight_bytes: ADAMW8BIT_BYTES
+    ),
     help="AdamW with 8-bit blockwise-quantized moments (torchao; 2 bytes per parameter instead of 8); new in bigclip",
 )
 OPTIMIZERS.register(

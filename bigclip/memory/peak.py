@@ -1,11 +1,9 @@
-"""`bigclip plan`: how much GPU memory a run needs per GPU under each engine, before renting the GPUs.
-
-    bigclip plan --model ViT-bigG-14 --gpus 8 64 256 1024 --gpu-mem 40 80 --batch-size 32
+"""The predicted peak memory per GPU of a training step: the engine's state (memory/setups.py), activations, the
+contrastive loss and the engine's working buffers, at the three moments that can be the peak.
 
 Training state per GPU (Ψ parameters, N data-parallel ranks; ZeRO paper arithmetic, Rajbhandari et al. 2020):
-each engine states its own memory model (Engine.memory_models in engine/ddp.py, fsdp.py, deepspeed.py, one row
-per setup it can run) and what to know when reading its rows (Engine.memory_notes); this module measures the
-model and adds the activations.
+each engine states its own memory model (one MemorySetup per way it keeps the state, in engine/ddp.py, fsdp.py,
+deepspeed.py) and what to know when reading its rows (Engine.memory_notes); this module adds the activations.
 
 Activations per sample (Korthikanti et al. 2022 without dropout and with fused attention, which saves no s×s
 scores): each block stores about s·h·(8 + 2r) values (s tokens, width h, MLP ratio r), 2 bytes each (amp, pure
@@ -25,57 +23,16 @@ estimated, and no batch size is suggested for them.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
-from bigclip.engine import ModelSize, StateRecipe, memory_notes, memory_setups, working_bytes
-from bigclip.engine import state_bytes as engine_state_bytes
 from bigclip.loss import LossConfig
-from bigclip.loss.memory import chosen_impl, loss_peak_bytes
-from bigclip.model import create_model
+from bigclip.loss.memory import loss_peak_bytes
+from bigclip.memory.recipe import StateRecipe, recipes
+from bigclip.memory.setups import memory_setups, state_bytes, working_bytes
+from bigclip.memory.size import ModelFacts
 
 GiB = 1024**3
 # CUDA context, allocator fragmentation, communication buckets: kept out of the arithmetic, reserved here.
 OVERHEAD_BYTES = 3 * GiB
-
-
-@dataclass(frozen=True)
-class ModelFacts(ModelSize):
-    name: str = ""
-    towers: tuple[tuple[int, int, int, float], ...] = ()  # (layers, tokens, width, mlp ratio) per transformer tower
-    # A tower whose activations the arithmetic does not describe (ResNet and timm image towers): its
-    # parameters count, its activations do not, so a batch size that "fits" would be a guess.
-    uncounted: str | None = None
-    embed_dim: int = 0  # the features' width, which the contrastive loss's memory grows with
-
-
-def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
-    model = create_model(name, device="meta", image_size=image_size)
-    block_sizes = [sum(p.numel() for p in b.parameters()) for b in model.transformer_blocks()]
-    params = sum(p.numel() for p in model.parameters())
-    largest = max(p.numel() for p in model.parameters())
-    text_params = sum(p.numel() for p in model.text.parameters())
-    vision, text = model.visual.activation_shape(), model.text.activation_shape()
-    towers = tuple(shape for shape in (vision, text) if shape is not None)
-    uncounted = None if vision else f"image tower ({model.visual.description})"
-    return ModelFacts(
-        params,
-        max(block_sizes),
-        params - sum(block_sizes),
-        largest_tensor=largest,
-        text_params=text_params,
-        name=name,
-        towers=towers,
-        uncounted=uncounted,
-        embed_dim=model.embed_dim,
-    )
-
-
-def state_bytes(
-    setup: str, psi: int, n: int, recipe: StateRecipe | str = "amp", facts: ModelSize | None = None
-) -> float | None:
-    """Parameters + gradients + optimizer state per GPU (bytes): the engine's own memory model for `setup` (None
-    where that engine cannot keep the state as `recipe` says)."""
-    return engine_state_bytes(setup, psi, n, recipe, facts)
 
 
 def activation_bytes(facts: ModelFacts, batch: int, checkpointing: bool, element_bytes: int = 2) -> float:
@@ -187,16 +144,6 @@ def max_batch(
     return low
 
 
-# The recipes `bigclip plan --gpu-mem` weighs against each other: every precision's weights, AdamW or 8-bit
-# moments, gradients kept or stepped in the backward.
-RECIPES = tuple(
-    StateRecipe(precision, opt, in_backward)
-    for precision in ("fp32", "amp", "pure_bf16")
-    for opt in ("adamw", "adamw8bit")
-    for in_backward in (False, True)
-)
-
-
 def fitting_setups(
     facts: ModelFacts, n: int, gpu_bytes: float, batch: int, loss: LossConfig | None = None
 ) -> list[tuple[float, str, StateRecipe]]:
@@ -205,97 +152,12 @@ def fitting_setups(
     if facts.uncounted:
         return []
     fits = []
-    for setup in memory_setups():
-        if "offload" in setup or "nvme" in setup:
+    for setup, memory in memory_setups().items():
+        if memory.offloaded:
             continue
-        for recipe in RECIPES:
+        for recipe in recipes():
             parts = peak_parts(setup, facts, n, recipe, batch, True, loss=loss)
             if parts is not None and parts["peak"] + OVERHEAD_BYTES <= gpu_bytes:
                 state = parts["state"]
                 fits.append((state, setup, recipe))
     return sorted(fits, key=lambda fit: -fit[0])
-
-
-def _gb(x: float) -> str:
-    return f"{x / GiB:.1f}"
-
-
-def _fit_lines(facts: ModelFacts, n: int, gpu_mem: list[float], batch: int, loss: LossConfig) -> list[str]:
-    lines = []
-    for mem in gpu_mem:
-        fits = fitting_setups(facts, n, mem * 1e9, batch, loss)
-        where = f"{batch} samples per GPU with --grad-checkpointing on {n} GPUs of {mem:g} GB"
-        if facts.uncounted:
-            lines.append(f"{where}: not estimated (the {facts.uncounted}'s activations are not counted)")
-        elif not fits:
-            lines.append(f"{where}: no setup fits without offloading to host memory or NVMe")
-        else:
-            (most, setup, recipe), (least, lean_setup, lean_recipe) = fits[0], fits[-1]
-            lines.append(
-                f"{where}: the setup that keeps the most state and fits is {setup} ({recipe.describe()}: "
-                f"{_gb(most)} GiB of state); the leanest is {lean_setup} ({lean_recipe.describe()}: {_gb(least)} GiB)"
-            )
-    return lines
-
-
-def render(
-    models: list[str],
-    gpus: list[int],
-    gpu_mem: list[float],
-    batch: int,
-    recipe: StateRecipe | str,
-    image_size: int | None = None,
-    loss: LossConfig | None = None,
-) -> str:
-    recipe = StateRecipe(recipe) if isinstance(recipe, str) else recipe
-    loss = loss or LossConfig()
-    lines = []
-    for name in models:
-        facts = model_facts(name, image_size)
-        act = activation_bytes(facts, batch, False, recipe.activation_bytes)
-        act_ckpt = activation_bytes(facts, batch, True, recipe.activation_bytes)
-        loss_line = "; ".join(
-            f"{n} GPUs: {chosen_impl(loss, batch, n, feature_bytes(recipe))} "
-            f"{contrastive_loss_bytes(loss, facts, n, recipe, batch) / GiB:.2f} GiB"
-            for n in gpus
-        )
-        lines += [
-            f"## {name}: {facts.params / 1e9:.2f}B parameters (largest block "
-            f"{facts.block_params / 1e6:.0f}M, outside blocks {facts.root_params / 1e6:.0f}M), "
-            f"{recipe.describe()}",
-            "",
-            f"Activations for {batch} samples per GPU: {_gb(act)} GiB, with --grad-checkpointing {_gb(act_ckpt)} GiB"
-            + (f" (not counting the {facts.uncounted}: no batch size is suggested)." if facts.uncounted else "."),
-            "",
-            f"Contrastive loss per GPU at {batch} samples per GPU (--loss-impl {loss.loss_impl}, "
-            f"{'siglip' if loss.siglip or loss.loss == 'siglip' else loss.loss}): {loss_line}.",
-            "",
-            "State per GPU (GiB) = parameters + gradients + optimizer state; then the largest "
-            f"micro-batch per GPU whose peak (peak_parts: the backward's or the optimizer step's) fits "
-            f"({_gb(OVERHEAD_BYTES)} GiB reserved), without / with checkpointing.",
-            "",
-        ]
-        header = (
-            "| engine | "
-            + " | ".join(f"{n} GPUs" for n in gpus)
-            + " | "
-            + " | ".join(f"max batch @ {m:g} GB, {gpus[0]} GPUs" for m in gpu_mem)
-            + " |"
-        )
-        lines += [header, "|" + "---|" * (1 + len(gpus) + len(gpu_mem))]
-        for engine in memory_setups():
-            states = [state_bytes(engine, facts.params, n, recipe, facts) for n in gpus]
-            if states[0] is None:
-                lines.append(f"| {engine} | " + " | ".join("cannot" for _ in gpus + gpu_mem) + " |")
-                continue
-            fits = []
-            for mem in gpu_mem:
-                gpu_bytes = mem * 1e9
-                a = max_batch(facts, engine, gpus[0], gpu_bytes, False, recipe, loss)
-                b = max_batch(facts, engine, gpus[0], gpu_bytes, True, recipe, loss)
-                fits.append("n/a" if a is None else f"{a} / {b}")
-            lines.append(f"| {engine} | " + " | ".join(_gb(x) for x in states) + " | " + " | ".join(fits) + " |")
-        lines += ["", *_fit_lines(facts, gpus[0], gpu_mem, batch, loss), ""]
-    for note in memory_notes():  # what each engine says about reading its rows
-        lines += [note, ""]
-    return "\n".join(lines).rstrip("\n")

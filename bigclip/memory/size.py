@@ -1,0 +1,51 @@
+"""What the memory model needs to know of a model: its parameters, its largest block and tensor, the towers'
+activation shapes. Measured on the meta device (nothing is allocated), so a ViT-bigG-14 costs nothing to plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bigclip.model import create_model
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What an engine's memory model needs to know of a model."""
+
+    params: int
+    block_params: int  # the largest transformer block
+    root_params: int  # parameters outside the blocks (embeddings, projections, norms, logit scale)
+    largest_tensor: int = 0  # the largest single parameter (the token embedding in CLIP's text towers)
+    text_params: int = 0  # the text tower's parameters (its backward runs first: its forward runs last)
+
+
+@dataclass(frozen=True)
+class ModelFacts(ModelSize):
+    name: str = ""
+    towers: tuple[tuple[int, int, int, float], ...] = ()  # (layers, tokens, width, mlp ratio) per transformer tower
+    # A tower whose activations the arithmetic does not describe (ResNet and timm image towers): its
+    # parameters count, its activations do not, so a batch size that "fits" would be a guess.
+    uncounted: str | None = None
+    embed_dim: int = 0  # the features' width, which the contrastive loss's memory grows with
+
+
+def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
+    model = create_model(name, device="meta", image_size=image_size)
+    block_sizes = [sum(p.numel() for p in b.parameters()) for b in model.transformer_blocks()]
+    params = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters())
+    text_params = sum(p.numel() for p in model.text.parameters())
+    vision, text = model.visual.activation_shape(), model.text.activation_shape()
+    towers = tuple(shape for shape in (vision, text) if shape is not None)
+    uncounted = None if vision else f"image tower ({model.visual.description})"
+    return ModelFacts(
+        params,
+        max(block_sizes),
+        params - sum(block_sizes),
+        largest_tensor=largest,
+        text_params=text_params,
+        name=name,
+        towers=towers,
+        uncounted=uncounted,
+        embed_dim=model.embed_dim,
+    )
