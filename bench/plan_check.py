@@ -21,7 +21,6 @@ behind torchao's updates), where a GPU's reserve stands in the plan.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -34,19 +33,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 2
 
 
-def flags(model: str, batch: int, engine: str, precision: str, opt: str, in_backward: bool) -> dict:
-    return {
-        "model": model,
-        "dataset_type": "synthetic",
-        "precision": precision,
-        "opt": opt,
-        "optimizer_in_backward": in_backward,
-        "batch_size": batch,
-        "lr": 1e-4,
-        "warmup": 1,
-        "workers": 0,
-        **harness.setup_flags(engine),
-    }
+def config(model: str, batch: int, setup: str, precision: str, opt: str, in_backward: bool):
+    """The resolved config of one measured setup (bench/harness.py: synthetic data, no workers)."""
+    return harness.config(
+        model=model,
+        precision=precision,
+        opt=opt,
+        optimizer_in_backward=in_backward,
+        batch_size=batch,
+        **harness.setup_flags(setup),
+    )
 
 
 def _rss() -> int:
@@ -61,38 +57,20 @@ def _reset_peak() -> None:
 
 # ------------------------------------------------------------------------------------------- worker side
 def worker(args) -> None:
-    import torch
     import torch.distributed as dist
 
-    from bigclip.build import build_engine, build_loss_fn, build_model
-    from bigclip.config import resolve
     from bigclip.dist import init_distributed, shutdown
     from bigclip.engine.memory import peak_rss_bytes
-    from bigclip.loop import forward_backward, optimizer_step
-    from bigclip.model import create_model, get_model_config
 
     world = init_distributed("cpu")
-    cfg = resolve(flags(args.model, args.batch_size, args.engine, args.precision, args.opt, args.in_backward))
-    arch = get_model_config(cfg.model)
-    size, context = arch["vision_cfg"]["image_size"], arch["text_cfg"]["context_length"]
-    run = cfg.sections
-    loss_fn = build_loss_fn(run.loss, world)
-    g = torch.Generator().manual_seed(world.rank)
-    batches = [
-        (torch.randn(cfg.batch_size, 3, size, size, generator=g), torch.randint(1, 250, (cfg.batch_size, context)))
-        for _ in range(args.steps)
-    ]
+    cfg = config(args.model, args.batch_size, args.engine, args.precision, args.opt, args.in_backward)
+    batches = list(harness.synthetic_batches(cfg, world, args.steps))  # made before the baseline: not counted
     dist.barrier()
     baseline = _rss()
     _reset_peak()
-    torch.manual_seed(0)
-    model = build_model(run.model, run.engine, world, functools.partial(create_model, cfg.model))
-    engine = build_engine(run.engine, model, world)
-    engine.train()
+    bench = harness.build(cfg, world)  # the model, engine and (tiny) loss as `bigclip train` builds them
     for images, texts in batches:
-        images = images.to(dtype=engine.precision.param_dtype)  # what the loop does (pure bf16 takes bf16 input)
-        forward_backward(engine, loss_fn, [(images, texts)], world)
-        optimizer_step(engine)
+        bench.step(images, texts)
     out = {"rank": world.rank, "above_baseline": peak_rss_bytes() - baseline, "baseline": baseline}
     write_from_rank0(out, args.out, world.world_size, world.rank)
     shutdown()
@@ -107,11 +85,10 @@ def launch(engine: str, precision: str, opt: str, in_backward: bool, args, model
 
 
 def refusal(engine: str, precision: str, opt: str, in_backward: bool, args) -> str | None:
-    from bigclip.config import resolve
     from bigclip.errors import UserError
 
     try:
-        resolve(flags(args.model, args.batch_size, engine, precision, opt, in_backward))
+        config(args.model, args.batch_size, engine, precision, opt, in_backward)
     except UserError as e:
         return str(e)
     return None
