@@ -7,18 +7,16 @@ against a hub served from memory on 127.0.0.1 (HF_ENDPOINT; these machines reach
 requests huggingface_hub makes for a file (HEAD for its metadata, GET for its bytes).
 """
 
-import hashlib
-import http.server
 import json
 import os
 import subprocess
 import sys
-import threading
 
 import huggingface_hub
 import huggingface_hub.file_download
 import pytest
 import torch
+from fake_hub import FakeHub
 from helpers import subprocess_env
 from safetensors.torch import load_file
 from test_model_sources import REPO_ID, VIT_CFG, hub_cache, offline, vit_dir  # noqa: F401
@@ -118,52 +116,6 @@ def test_an_uncached_config_with_downloads_off_stops_the_run_in_one_line_before_
     assert code == 2 and err.count("\n") == 1, err
     assert f"--model {NAME}" in err and "HF_HUB_OFFLINE" in err and "bigclip fetch" in err
     assert not (logs / "r").exists()
-
-
-class FakeHub:
-    """Repositories served from memory on 127.0.0.1 as the hub serves a file (`{repo}/resolve/main/{file}`): HEAD
-    for its metadata, GET for its bytes; a missing repository or file is the hub's 404 with its error code."""
-
-    def __init__(self, repos: dict[str, dict[str, bytes]]):
-        self.requests: list[str] = []
-        hub = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def _headers(self) -> bytes | None:
-                hub.requests.append(f"{self.command} {self.path}")
-                repo, _, filename = self.path.lstrip("/").partition("/resolve/main/")
-                data = repos.get(repo, {}).get(filename)
-                if data is None:
-                    self.send_response(404)
-                    self.send_header("X-Error-Code", "EntryNotFound" if repo in repos else "RepoNotFound")
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return None
-                self.send_response(200)
-                self.send_header("X-Repo-Commit", hashlib.sha1(repo.encode()).hexdigest())
-                self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                return data
-
-            def do_HEAD(self):  # noqa: N802 — http.server's naming
-                self._headers()
-
-            def do_GET(self):  # noqa: N802
-                data = self._headers()
-                if data is not None:
-                    self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def bigclip_child(args: list[str], **env: str) -> subprocess.CompletedProcess:

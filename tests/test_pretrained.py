@@ -7,16 +7,15 @@ built from random OpenCLIP weights. OpenCLIP's model with the same weights is th
 """
 
 import hashlib
-import http.server
 import os
 import subprocess
 import sys
-import threading
 
 import huggingface_hub
 import open_clip
 import pytest
 import torch
+from fake_hub import FakeHub
 from helpers import subprocess_env
 from safetensors.torch import save
 
@@ -114,48 +113,6 @@ def test_a_corrupt_cache_entry_is_refused(openclip_vit_b_32, monkeypatch, tmp_pa
         resolve_pretrained("ViT-B-32", TAG, str(copy))
 
 
-class FakeHub:
-    """The two requests huggingface_hub makes for one file (HEAD for metadata, GET for the bytes), served from
-    memory on 127.0.0.1: the real download path, with HF_ENDPOINT pointing here."""
-
-    def __init__(self, repo_id: str, filename: str, data: bytes, etag: str | None = None):
-        self.data, self.path = data, f"/{repo_id}/resolve/main/{filename}"
-        self.etag = etag or hashlib.sha256(data).hexdigest()
-        hub = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def _headers(self) -> bool:
-                if self.path != hub.path:
-                    self.send_response(404)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return False
-                self.send_response(200)
-                self.send_header("X-Repo-Commit", "0" * 40)
-                self.send_header("ETag", f'"{hub.etag}"')
-                self.send_header("Content-Length", str(len(hub.data)))
-                self.end_headers()
-                return True
-
-            def do_HEAD(self):  # noqa: N802 — http.server's naming
-                self._headers()
-
-            def do_GET(self):  # noqa: N802
-                if self._headers():
-                    self.wfile.write(hub.data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def resolve_in_child(cache: str, **env: str) -> subprocess.CompletedProcess:
     # huggingface_hub reads HF_ENDPOINT when it is imported: a fresh interpreter per setting.
     code = (
@@ -170,7 +127,7 @@ def resolve_in_child(cache: str, **env: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_tag_is_downloaded_into_the_cache_then_used_offline(tmp_path):
     data = os.urandom(1 << 20)
-    hub = FakeHub(REPO_ID, "open_clip_model.safetensors", data)
+    hub = FakeHub({REPO_ID: {"open_clip_model.safetensors": data}})
     cache = str(tmp_path / "hub")
     try:
         first = resolve_in_child(cache, HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0")
@@ -188,7 +145,10 @@ def test_tag_is_downloaded_into_the_cache_then_used_offline(tmp_path):
 
 def test_a_download_that_does_not_match_its_hash_is_refused(tmp_path):
     data = os.urandom(1 << 16)
-    hub = FakeHub(REPO_ID, "open_clip_model.safetensors", data, etag=hashlib.sha256(b"other bytes").hexdigest())
+    hub = FakeHub(
+        {REPO_ID: {"open_clip_model.safetensors": data}},
+        etags={"open_clip_model.safetensors": hashlib.sha256(b"other bytes").hexdigest()},
+    )
     try:
         child = resolve_in_child(str(tmp_path / "hub"), HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0")
     finally:
