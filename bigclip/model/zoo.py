@@ -4,7 +4,8 @@ towers belong to (`bigclip models`), and why bigclip refuses to build one that O
 
 A family names the image tower (OpenCLIP's rule: `timm_model_name` a timm trunk, named here by the timm module that
 defines it; a list of stage depths a ResNet; otherwise a ViT), then a text tower other than CLIP's text transformer
-(a Hugging Face model, by its hub name), and CoCa when the config has a caption decoder (`multimodal_cfg`).
+(a Hugging Face model, by its name on the hub without the organisation), and CoCa when the config has a caption
+decoder (`multimodal_cfg`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def image_family(vision_cfg: dict) -> str:
 
 def text_family(text_cfg: dict) -> str | None:
     """The text tower's family when it is not CLIP's text transformer (None)."""
-    if "hf_model_name" in text_cfg:
-        return f"HF text: {text_cfg['hf_model_name']}"
+    if "hf_model_name" in text_cfg:  # the model's name without its organisation (roberta-base, mt5-xl)
+        return f"HF text: {text_cfg['hf_model_name'].rstrip('/').rsplit('/', 1)[-1]}"
     if text_cfg.get("text_arch", "clip") != "clip":
         return f"{text_cfg['text_arch']} text"
     return None
