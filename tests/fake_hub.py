@@ -11,7 +11,8 @@ class FakeHub:
     """Repositories served from memory on 127.0.0.1 as the hub serves a file (`{repo}/resolve/main/{file}`): HEAD
     for its metadata, GET for its bytes; a missing repository or file is the hub's 404 with its error code. HF_ENDPOINT
     pointed here, huggingface_hub takes its real download path. `etags`: a filename's ETag when it should not be the
-    SHA-256 of its bytes (a download that does not match its hash)."""
+    SHA-256 of its bytes (a download that does not match its hash). The hub's API (/api/models/...) is not served: for
+    a repository held here it answers as for a missing entry."""
 
     def __init__(self, repos: dict[str, dict[str, bytes]], etags: dict[str, str] | None = None):
         self.requests: list[str] = []
@@ -22,6 +23,11 @@ class FakeHub:
             def _headers(self) -> bytes | None:
                 hub.requests.append(f"{self.command} {self.path}")
                 repo, _, filename = self.path.lstrip("/").partition("/resolve/main/")
+                if self.path.startswith("/api/models/"):
+                    # the hub's API (repository info, folder listings: transformers' tokenizers ask for their chat
+                    # templates) is not served: for a repository held here it answers as for a missing entry, which
+                    # clients take as "nothing there", not as a missing repository
+                    repo, filename = "/".join(self.path.split("?")[0].split("/")[3:5]), None
                 data = repos.get(repo, {}).get(filename)
                 if data is None:
                     self.send_response(404)

@@ -8,6 +8,7 @@ from typing import Any
 
 from bigclip.errors import UserError
 from bigclip.flag_fields import MISC, MODEL, TRAIN, flag, optional, positive_int, unit_interval
+from bigclip.model import zoo
 from bigclip.model.fp8_linear import FP8_RECIPES, check_fp8_device
 from bigclip.model.pretrained import check_pretrained, check_pretrained_image
 from bigclip.model.registry import config_at_hand, get_model_config, is_schema_name, list_models
@@ -157,3 +158,7 @@ def _check_architecture(flag: str, name: str, cache_dir: str | None) -> None:
         models = [*models, name]
     if name not in models:
         raise UserError(f"{flag} {name!r}: unknown architecture; choose one of {', '.join(models)}")
+    if config_at_hand(name, cache_dir):
+        refused = zoo.refusal(name, get_model_config(name, cache_dir, local_files_only=True), flag)
+        if refused is not None:  # a family bigclip has no towers for: said now, not when the model is built
+            raise UserError(refused)

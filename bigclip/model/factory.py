@@ -16,9 +16,10 @@ import torch
 
 from bigclip.errors import UserError
 from bigclip.model import fp8_linear as fp8_linear_module
-from bigclip.model import switchback
+from bigclip.model import switchback, zoo
 from bigclip.model.clip import CLIP, DEFAULT_INIT_LOGIT_SCALE
 from bigclip.model.coca import CoCa
+from bigclip.model.hf_text import fetch_or_explain
 from bigclip.model.pretrained import model_weights, resolve_pretrained_image, timm_model_name
 from bigclip.model.registry import (
     CONFIG_DIR,
@@ -79,7 +80,30 @@ def get_tokenizer(model_name: str, context_length: int | None = None, cache_dir:
         return open_clip.get_tokenizer(model_name, context_length=length, cache_dir=cache_dir)
     if model_name in open_clip.list_models():
         return open_clip.get_tokenizer(model_name, context_length=length)
+    text_cfg = cfg["text_cfg"]
+    if "hf_tokenizer_name" in text_cfg:  # one of OpenCLIP main's configs (gte-modernbert): its get_tokenizer's rule
+        return _hf_tokenizer(open_clip, model_name, text_cfg, length, cache_dir)
     return open_clip.SimpleTokenizer(context_length=length)  # a bigclip-only architecture: OpenCLIP's default
+
+
+def _hf_tokenizer(open_clip, model_name: str, text_cfg: dict, length: int, cache_dir: str | None):
+    """What OpenCLIP main's get_tokenizer makes of a built-in config naming a Hugging Face tokenizer: its HFTokenizer
+    (3.3's gives the same ids where the config does not ask strip_sep_token), the config's tokenizer_kwargs and
+    tokenizer_mode; a text_cfg pad_id that is not the tokenizer's is refused, as main refuses it (pad masks and
+    pooling would disagree)."""
+    name = text_cfg["hf_tokenizer_name"]
+    with fetch_or_explain(name, "its tokenizer"):
+        tokenizer = open_clip.tokenizer.HFTokenizer(
+            name,
+            context_length=length,
+            cache_dir=cache_dir,
+            tokenizer_mode=text_cfg.get("tokenizer_mode"),
+            **text_cfg.get("tokenizer_kwargs", {}),
+        )
+    pad_id, theirs = text_cfg.get("pad_id"), tokenizer.tokenizer.pad_token_id
+    if pad_id is not None and theirs is not None and pad_id != theirs:
+        raise UserError(f"--model {model_name}: text_cfg pad_id {pad_id} is not tokenizer {name}'s pad id {theirs}")
+    return tokenizer
 
 
 def use_int8_linears(model: CLIP, variant: str, name: str) -> None:
@@ -152,6 +176,9 @@ def create_model(
     refused on a device without fp8 tensor cores.
     """
     cfg = get_model_config(name, cache_dir)
+    refused = zoo.refusal(name, cfg)  # a family bigclip has no towers for (OpenCLIP main's audio, NaFlex, ...)
+    if refused is not None:
+        raise UserError(refused)
     tower = image_tower_kind(cfg["vision_cfg"])
     if pretrained_image and not tower.pretrained_trunk:
         raise UserError(
