@@ -26,13 +26,14 @@ The vocabulary therefore has 259 ids.
 from __future__ import annotations
 
 import html
+import os
 import re
 from contextlib import contextmanager
 
 import torch
 
 from bigclip.errors import UserError, first_line
-from bigclip.model.registry import hub_cache_dir
+from bigclip.model.registry import hub_cache_dir, parse_model_name
 
 # text_cfg keys that describe the tokenizer, not the tower (OpenCLIP's CLIPTextCfg)
 TOKENIZER_KEYS = ("hf_tokenizer_name", "tokenizer_mode", "tokenizer_kwargs")
@@ -99,6 +100,16 @@ def tokenizer_kind(name: str, model_cfg: dict, schema: bool = False) -> str:
     if model_cfg.get("text_cfg", {}).get("hf_tokenizer_name"):
         return "hf"
     return "siglip" if not schema and "siglip" in name.lower() else "bpe"
+
+
+def hub_tokenizer(name: str, model_cfg: dict) -> str | None:
+    """The Hugging Face hub repository architecture `name` reads its tokenizer from (its text_cfg hf_tokenizer_name,
+    unless that is a local folder or the name a local-dir:, whose folder holds it), or None."""
+    schema, _ = parse_model_name(name)
+    if schema == "local-dir" or tokenizer_kind(name, model_cfg, schema is not None) != "hf":
+        return None
+    source = model_cfg["text_cfg"]["hf_tokenizer_name"]
+    return None if os.path.isdir(source) else source
 
 
 def known_vocab_size(name: str, model_cfg: dict, schema: bool = False) -> int | None:
