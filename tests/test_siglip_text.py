@@ -171,6 +171,21 @@ def test_openclip_weights_give_openclips_features_and_the_export_loads_back(fami
         assert (a - b).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("family, unlocked", [("siglip2", 0), ("siglip2", 1), ("siglip_i18n", 2), ("clipa", 3)])
+def test_lock_text_freezes_what_openclip_freezes(family, unlocked, tmp_path):
+    """OpenCLIP's groups of these towers: embeddings, each block (the last with ln_final), the projection (an
+    nn.Linear with its bias; none without a projection)."""
+    name, theirs = save_local_dir(str(tmp_path / family), FAMILIES[family])
+    ours = create_model(name)
+    theirs.lock_text_tower(unlocked)
+    ours.lock_text_tower(unlocked)
+    names = {v: k for k, v in ours.openclip_names().items()}  # OpenCLIP's name -> bigclip's
+    expected = {n: p.requires_grad for n, p in theirs.named_parameters() if not n.startswith(("visual.", "logit"))}
+    got = dict(ours.named_parameters())
+    assert {n: got[names.get(n, n)].requires_grad for n in expected} == expected
+    assert any(expected.values()) == bool(unlocked)
+
+
 def test_pooling_and_masking_are_what_the_config_says():
     """The OpenCLIP configs' keys reach the tower; and with the same weights, a token after the first eos_id leaves a
     causal eos-pooled feature unchanged but changes the bidirectional one."""
