@@ -11,7 +11,6 @@ Either way `--resume latest` (CheckpointCatalog.resume) restores the newest step
 first, and `--keep-last-k` (the manager's keep_last_k) prunes only what is older than the k newest.
 """
 
-import logging
 import os
 import re
 
@@ -19,13 +18,11 @@ import pytest
 import torch
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 from tcp_proxy import TcpProxy
+from test_ckpt import bigclip_log, tiny_engine  # noqa: F401  (bigclip_log: a fixture)
 
 from bigclip.ckpt import CheckpointManager
 from bigclip.ckpt.manifest import MANIFEST
-from bigclip.config import resolve
 from bigclip.dist import World
-from bigclip.engine import build_engine
-from bigclip.model import create_model
 
 
 @pytest.fixture
@@ -33,29 +30,6 @@ def proxy(s3):
     p = TcpProxy(("127.0.0.1", s3.port))
     yield p
     p.close()
-
-
-@pytest.fixture
-def bigclip_log():
-    lines = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-
-    logger = logging.getLogger("bigclip")
-    handler, level = Collect(logging.INFO), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield lines
-    logger.removeHandler(handler)
-    logger.setLevel(level)
-
-
-def tiny_engine(seed=0):
-    cfg = resolve(dict(model="test-tiny", dataset_type="synthetic", precision="fp32"))
-    torch.manual_seed(seed)
-    return build_engine(cfg.sections.engine, create_model("test-tiny"), World())
 
 
 def first_weight(engine) -> torch.Tensor:
