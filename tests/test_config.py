@@ -58,7 +58,7 @@ def test_precedence_defaults_yaml_flags(tmp_path):
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["--model", "ViT-Q-99"], "--model 'ViT-Q-99': unknown architecture; choose one of"),
+        (["--model", "EVA02-E14"], "--model 'EVA02-E14': unknown architecture; did you mean EVA02-E-14"),
         (["--batch-size", "-4"], "--batch-size -4: must be a positive integer"),
         (["--precision", "fp8"], "--precision 'fp8': choose one of amp"),
         (

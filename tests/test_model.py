@@ -103,9 +103,19 @@ def test_openclips_hugging_face_and_coca_configs_are_built_in_as_openclip_writes
     assert set(names) <= set(list_models())
 
 
-def test_unknown_model_is_a_user_error():
-    with pytest.raises(UserError, match="--model ViT-Q-99: unknown architecture; choose one of .*ViT-B-32"):
-        create_model("ViT-Q-99")
+def test_unknown_model_is_one_short_line_with_close_names():
+    """The zoo holds ~180 names: the line names the flag, the name, a few close ones and where the rest are."""
+    with pytest.raises(UserError) as err:
+        create_model("vit-b-32")
+    line = str(err.value)
+    assert line.startswith("--model vit-b-32: unknown architecture; did you mean ViT-B-32, "), line
+    assert line.endswith("`bigclip models` lists them all (or local-dir:DIR / hf-hub:ORG/NAME)"), line
+    assert "\n" not in line and len(line) < 200 and line.count("ViT-") <= 3, line
+    with pytest.raises(UserError) as err:
+        create_model("EVA02-E14")
+    assert "did you mean EVA02-E-14" in str(err.value) and len(str(err.value)) < 200
+    with pytest.raises(UserError, match=r"^--model zzz: unknown architecture; `bigclip models` lists them all"):
+        create_model("zzz")  # nothing close: no guesses
 
 
 def test_overrides_and_preprocess_cfg():

@@ -12,7 +12,14 @@ from bigclip.model import zoo
 from bigclip.model.factory import get_tokenizer
 from bigclip.model.fp8_linear import FP8_RECIPES, check_fp8_device
 from bigclip.model.pretrained import check_pretrained, check_pretrained_image
-from bigclip.model.registry import config_at_hand, get_model_config, hub_offline, is_schema_name, list_models
+from bigclip.model.registry import (
+    config_at_hand,
+    get_model_config,
+    hub_offline,
+    is_schema_name,
+    list_models,
+    unknown_architecture,
+)
 from bigclip.model.switchback import SWITCHBACK_VARIANTS
 from bigclip.model.tokenizer import hub_tokenizer
 
@@ -164,7 +171,7 @@ def _check_architecture(flag: str, name: str, cache_dir: str | None) -> None:
             get_model_config(name, cache_dir, local_files_only=True)  # open_clip_config.json: there, well formed
         models = [*models, name]
     if name not in models:
-        raise UserError(f"{flag} {name!r}: unknown architecture; choose one of {', '.join(models)}")
+        raise UserError(unknown_architecture(flag, name, quoted=True))
     if config_at_hand(name, cache_dir):
         refused = zoo.refusal(name, get_model_config(name, cache_dir, local_files_only=True), flag)
         if refused is not None:  # a family bigclip has no towers for: said now, not when the model is built

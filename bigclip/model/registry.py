@@ -20,6 +20,7 @@ file's preprocess_cfg on top, as open_clip.create_model merges them.
 from __future__ import annotations
 
 import copy
+import difflib
 import importlib.util
 import json
 import os
@@ -83,6 +84,17 @@ def is_openclip_config(name: str) -> bool:
 def list_models() -> list[str]:
     """The built-in architectures (local-dir: and hf-hub: names are accepted besides these)."""
     return list(_load_configs())
+
+
+def unknown_architecture(flag: str, name: str, quoted: bool = False) -> str:
+    """The one line for an architecture name nobody has: the flag, the name (`quoted` as the flag checks quote
+    values), a few close names (the zoo holds ~180, too many for one line) and where the whole list is."""
+    by_lower = {model.lower(): model for model in list_models()}  # vit-b-32 means ViT-B-32 first
+    close = [by_lower[m] for m in difflib.get_close_matches(name.lower(), by_lower, n=3, cutoff=0.6)]
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    shown = repr(name) if quoted else name
+    where = "`bigclip models` lists them all (or local-dir:DIR / hf-hub:ORG/NAME)"
+    return f"{flag} {shown}: unknown architecture; {hint}{where}"
 
 
 def parse_model_name(name: str) -> tuple[str | None, str]:
@@ -232,10 +244,7 @@ def get_model_config(name: str, cache_dir: str | None = None, local_files_only: 
     configs = _load_configs()
     base = name.removesuffix(QUICKGELU_SUFFIX)
     if base not in configs:
-        raise UserError(
-            f"--model {name}: unknown architecture; choose one of {', '.join(configs)}, "
-            f"or local-dir:DIR / hf-hub:ORG/NAME (OpenCLIP's {CONFIG_NAME})"
-        )
+        raise UserError(unknown_architecture("--model", name))
     cfg = copy.deepcopy(configs[base])
     if base != name:
         cfg["quick_gelu"] = True
