@@ -219,17 +219,24 @@ def test_plan_arithmetic_and_printout(capsys):
 
 
 def test_plan_for_towers_without_an_activation_formula(capsys, tmp_path):
-    """ResNet and timm image towers: the state rows hold (parameter count as OpenCLIP's model), the activations
-    are said to be partial and no batch size is suggested, rather than a traceback or a made-up number."""
+    """ResNet and timm image towers: the state rows hold (parameter count as OpenCLIP's model), the activations are
+    traced on meta (memory/traced.py), so a batch size is suggested; a tower that cannot be traced says so."""
+    import dataclasses
+
     import open_clip
 
-    from bigclip.memory import max_batch, model_facts, state_bytes
+    from bigclip.memory import activation_bytes, max_batch, model_facts, state_bytes
 
     facts = model_facts("RN50")
     assert facts.params == sum(p.numel() for p in open_clip.create_model("RN50").parameters())
-    assert facts.uncounted == "image tower (ResNet)" and len(facts.towers) == 1  # the text transformer
+    assert facts.uncounted is None and len(facts.towers) == 1 and len(facts.traced) == 1  # text formula, image traced
+    (resnet,) = facts.traced
+    assert len(resnet.blocks) == 16  # the bottleneck blocks, the units checkpointed
     assert state_bytes("ddp", facts.params, 8) == 16 * facts.params
-    assert max_batch(facts, "ddp", 8, 80e9, False) is None
+    image_only = activation_bytes(dataclasses.replace(facts, towers=()), 1, False)
+    assert image_only == resnet.kept_bytes(False, 2) and 20 * 2**20 < image_only < 200 * 2**20
+    assert max_batch(facts, "ddp", 8, 80e9, False) > max_batch(facts, "ddp", 8, 40e9, False) > 0
+    assert max_batch(dataclasses.replace(facts, uncounted="image tower (X)"), "ddp", 8, 80e9, False) is None
     timm_dir = tmp_path / "timm"
     timm_dir.mkdir()
     text_cfg = {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}
@@ -239,9 +246,9 @@ def test_plan_for_towers_without_an_activation_formula(capsys, tmp_path):
     )
     assert cli.main(["plan", "--model", "RN50", f"local-dir:{timm_dir}", "--gpus", "8", "--gpu-mem", "40"]) == 0
     out = capsys.readouterr().out
-    assert "not counting the image tower (ResNet)" in out and "not counting the image tower (test_resnet)" in out
-    assert out.count("| ddp | ") == 2 and "| ddp | 1.5 | n/a |" in out
-    # --dry-run's memory line says the same
+    assert "not counting" not in out and "not estimated" not in out
+    assert out.count("| ddp | ") == 2 and "| ddp | 1.5 | n/a |" not in out
+    # --dry-run's memory line counts them too
     from bigclip import dry_run
     from bigclip.config import resolve
     from bigclip.dist import World
@@ -249,7 +256,7 @@ def test_plan_for_towers_without_an_activation_formula(capsys, tmp_path):
     cfg = resolve({"model": "RN50", "dataset_type": "synthetic", "batch_size": 16})
     lines = dry_run.report(cfg.sections.model, cfg.sections.engine, World())
     assert "model RN50: 102.0M parameters" in lines
-    assert lines[-1].endswith("+ the image tower (ResNet)'s activations, not estimated"), lines[-1]
+    assert "not estimated" not in lines[-1] and "activations 0.0 GiB" not in lines[-1], lines[-1]
 
 
 # ------------------------------------------------------------------------------------- world size 1

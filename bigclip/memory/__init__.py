@@ -1,6 +1,8 @@
 """The memory model: what a training run holds per GPU, predicted before any GPU is rented, and measured.
 
     size.py      ModelSize / ModelFacts: a model's parameters, largest block and tensor, towers' activation shapes
+    traced.py    TracedActivations: what an image tower no formula describes (timm, ResNet) saves per block,
+                 its forward traced on the meta device
     recipe.py    StateRecipe: bytes per parameter from the precision and optimizer registries; recipes(): every
                  distinct footprint they offer
     setups.py    memory_setups(): each registered engine's ways of keeping the state (its arithmetic, the flags

@@ -8,7 +8,9 @@ deepspeed.py) and what to know when reading its rows (Engine.memory_notes); this
 Activations per sample (Korthikanti et al. 2022 without dropout and with fused attention, which saves no s×s
 scores): each block stores about s·h·(8 + 2r) values (s tokens, width h, MLP ratio r), 2 bytes each (amp, pure
 bf16) or 4 (fp32). With --grad-checkpointing each block keeps only its s·h-value input, plus one block's full
-activations while it is recomputed. Both towers count. The contrastive loss counts at the start of the backward
+activations while it is recomputed. Both towers count. Image towers no formula describes (timm trunks: EVA,
+ConvNeXt, Swin, …; ResNet) are measured instead: their forward traced on the meta device (memory/traced.py), the
+same rule for checkpointing applied to what each block saves. The contrastive loss counts at the start of the backward
 (bigclip.loss.memory: the implementation --loss-impl auto picks on a GPU for the global batch, or the one named:
 OpenCLIP's naive loss holds four B_global x B_global logit matrices, the fused path a chunk of logits and O(B d)).
 
@@ -16,8 +18,8 @@ The peak (peak_parts) is the larger of the start of the backward (weights, optim
 memory where the engine keeps it between steps, activations, autocast's weight copies) and the optimizer step
 (the whole state and the step's temporaries: torch's multi-tensor AdamW builds one float32 moment-sized
 temporary on CUDA). Checked against measurement by bench/plan_check.py (CPU, every setup) and the GPU kit.
-ResNet and timm image towers are not transformers: their parameters count, their activations are not
-estimated, and no batch size is suggested for them.
+A tower whose forward cannot be traced on meta (an operation without a meta kernel) is not estimated, and no
+batch size is suggested for it.
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ def activation_bytes(facts: ModelFacts, batch: int, checkpointing: bool, element
     """Activation memory per GPU for `batch` samples, each saved value `element_bytes` wide (16-bit by default;
     4 under --precision fp32)."""
     full_per_block = [tokens * width * (8 + 2 * ratio) * element_bytes for _, tokens, width, ratio in facts.towers]
+    traced = sum(tower.kept_bytes(checkpointing, element_bytes) for tower in facts.traced)
     if not checkpointing:
-        return batch * sum(layers * f for (layers, *_), f in zip(facts.towers, full_per_block))
+        return batch * (sum(layers * f for (layers, *_), f in zip(facts.towers, full_per_block)) + traced)
     kept = sum(layers * tokens * width * element_bytes for layers, tokens, width, _ in facts.towers)
-    return batch * (kept + max(full_per_block))
+    recomputed = [*full_per_block, *(tower.largest_block_bytes(element_bytes) for tower in facts.traced)]
+    return batch * (kept + traced + max(recomputed, default=0.0))
 
 
 def peak_parts(
@@ -81,10 +85,8 @@ def peak_parts(
     # When the text tower's backward ends (it runs first: its forward ran last) the image tower's activations are
     # alive, and its largest tensor's gradient (the token embedding's) is in flight; stepped in the backward, that
     # tensor is updated then, with the step's temporaries.
-    image_first = dataclasses.replace(facts, towers=facts.towers[:-1])
-    image_activations = (
-        activation_bytes(image_first, batch, checkpointing, recipe.activation_bytes) if image_first.towers else 0
-    )
+    image_first = dataclasses.replace(facts, towers=facts.towers[:-1])  # a traced tower is an image tower
+    image_activations = activation_bytes(image_first, batch, checkpointing, recipe.activation_bytes)
     text_end = at_backward + image_activations + working.backward + working.text_end
     if recipe.in_backward:
         text_end, step = text_end + working.step, 0.0

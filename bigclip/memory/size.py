@@ -1,10 +1,12 @@
 """What the memory model needs to know of a model: its parameters, its largest block and tensor, the towers'
-activation shapes. Measured on the meta device (nothing is allocated), so a ViT-bigG-14 costs nothing to plan."""
+activation shapes, or, for an image tower no formula describes, what its forward saves (traced.py). Measured on
+the meta device (nothing is allocated), so a ViT-bigG-14 or an EVA02-E-14 costs nothing to plan."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bigclip.memory.traced import TracedActivations, trace_activations
 from bigclip.model import create_model
 
 
@@ -23,8 +25,10 @@ class ModelSize:
 class ModelFacts(ModelSize):
     name: str = ""
     towers: tuple[tuple[int, int, int, float], ...] = ()  # (layers, tokens, width, mlp ratio) per transformer tower
-    # A tower whose activations the arithmetic does not describe (ResNet and timm image towers): its
-    # parameters count, its activations do not, so a batch size that "fits" would be a guess.
+    # Image towers no formula describes (timm trunks, ResNet): what their forward saves, traced on meta.
+    traced: tuple[TracedActivations, ...] = ()
+    # A tower whose activations could not be traced (an operation without a meta kernel): its parameters
+    # count, its activations do not, so a batch size that "fits" would be a guess.
     uncounted: str | None = None
     embed_dim: int = 0  # the features' width, which the contrastive loss's memory grows with
 
@@ -37,7 +41,13 @@ def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
     text_params = sum(p.numel() for p in model.text.parameters())
     vision, text = model.visual.activation_shape(), model.text.activation_shape()
     towers = tuple(shape for shape in (vision, text) if shape is not None)
-    uncounted = None if vision else f"image tower ({model.visual.description})"
+    traced, uncounted = (), None
+    if vision is None:
+        try:
+            traced = (trace_activations(model.visual, model.visual.image_size, model.visual.blocks),)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:  # no meta kernel for an op
+            why = f"its forward does not run on meta, {type(e).__name__}"
+            uncounted = f"image tower ({model.visual.description}: {why})"
     return ModelFacts(
         params,
         max(block_sizes),
@@ -46,6 +56,7 @@ def model_facts(name: str, image_size: int | None = None) -> ModelFacts:
         text_params=text_params,
         name=name,
         towers=towers,
+        traced=traced,
         uncounted=uncounted,
         embed_dim=model.embed_dim,
     )

@@ -164,7 +164,8 @@ class TimmVisionTower(nn.Module):
         return self.model_name
 
     def activation_shape(self) -> None:
-        """Not a transformer: the memory plan's activation arithmetic does not describe this tower."""
+        """Not a transformer: no formula describes its activations; the memory plan traces its forward on meta
+        instead (memory/traced.py)."""
         return None
 
     def set_grad_checkpointing(self, every: int) -> None:
