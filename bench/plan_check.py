@@ -2,6 +2,7 @@
 
     python bench/plan_check.py --model ViT-B-32 --batch-size 16
     python bench/plan_check.py --model ViT-L-14 --batch-size 2 --engines ddp fsdp
+    python bench/plan_check.py --model local-dir:DIR --batch-size 8 --engines fsdp --grad-checkpointing
 
 Setups: every memory setup bigclip's engines list whose state is on the GPU (bigclip.memory.memory_setups(): ddp,
 fsdp, zero1-3, each selected by the flags it names) x every distinct precision and optimizer footprint
@@ -33,7 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 2
 
 
-def config(model: str, batch: int, setup: str, precision: str, opt: str, in_backward: bool):
+def config(model: str, batch: int, setup: str, precision: str, opt: str, in_backward: bool, checkpointing=False):
     """The resolved config of one measured setup (bench/harness.py: synthetic data, no workers)."""
     return harness.config(
         model=model,
@@ -41,6 +42,7 @@ def config(model: str, batch: int, setup: str, precision: str, opt: str, in_back
         opt=opt,
         optimizer_in_backward=in_backward,
         batch_size=batch,
+        grad_checkpointing=checkpointing,
         **harness.setup_flags(setup),
     )
 
@@ -63,7 +65,9 @@ def worker(args) -> None:
     from bigclip.engine.memory import peak_rss_bytes
 
     world = init_distributed("cpu")
-    cfg = config(args.model, args.batch_size, args.engine, args.precision, args.opt, args.in_backward)
+    cfg = config(
+        args.model, args.batch_size, args.engine, args.precision, args.opt, args.in_backward, args.grad_checkpointing
+    )
     batches = list(harness.synthetic_batches(cfg, world, args.steps))  # made before the baseline: not counted
     dist.barrier()
     baseline = _rss()
@@ -81,6 +85,7 @@ def launch(engine: str, precision: str, opt: str, in_backward: bool, args, model
     worker_args = ["--engine", engine, "--precision", precision, "--opt", opt, "--model", model, "--batch-size",
                    str(args.batch_size), "--steps", str(args.steps)]  # fmt: skip
     worker_args += ["--in-backward"] if in_backward else []
+    worker_args += ["--grad-checkpointing"] if args.grad_checkpointing else []
     return ranks.launch(__file__, WORLD, worker_args, args.timeout)
 
 
@@ -88,20 +93,21 @@ def refusal(engine: str, precision: str, opt: str, in_backward: bool, args) -> s
     from bigclip.errors import UserError
 
     try:
-        config(args.model, args.batch_size, engine, precision, opt, in_backward)
+        config(args.model, args.batch_size, engine, precision, opt, in_backward, args.grad_checkpointing)
     except UserError as e:
         return str(e)
     return None
 
 
-def render(rows: list[dict], model: str, batch: int) -> list[str]:
+def render(rows: list[dict], model: str, batch: int, checkpointing: bool = False) -> list[str]:
     """The table: each measured row next to the plan's prediction for it (recomputed: the arithmetic may change)."""
     from bigclip.memory import StateRecipe, model_facts, peak_parts
 
     facts = model_facts(model)
     MiB = 2**20
     lines = [
-        f"{model} ({facts.params / 1e6:.1f}M parameters), batch {batch} per rank, {WORLD} ranks, CPU + gloo",
+        f"{model} ({facts.params / 1e6:.1f}M parameters), batch {batch} per rank, {WORLD} ranks, CPU + gloo"
+        + (", --grad-checkpointing" if checkpointing else ""),
         "",
         "| engine | precision | optimizer | in backward | state MiB | activations MiB | working MiB | plan peak MiB "
         "| + runtime MiB | predicted MiB | measured MiB | measured/predicted | within 10% |",
@@ -113,7 +119,7 @@ def render(rows: list[dict], model: str, batch: int) -> list[str]:
             lines.append(f"{head} {r['result']} ||||||||")
             continue
         recipe = StateRecipe(r["precision"], r["opt"], r["in_backward"])
-        parts = peak_parts(r["engine"], facts, WORLD, recipe, batch, False, device_type="cpu")
+        parts = peak_parts(r["engine"], facts, WORLD, recipe, batch, checkpointing, device_type="cpu")
         predicted = parts["peak"] + r["runtime"]
         ratio = r["measured"] / predicted
         lines.append(
@@ -141,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--opts", nargs="+", default=distinct_optimizers(), choices=OPTIMIZERS.names())
     p.add_argument("--stepping", nargs="+", default=["kept", "in-backward"], choices=("kept", "in-backward"),
                    help="gradients kept until the step, or the optimizer stepped in the backward")  # fmt: skip
+    p.add_argument("--grad-checkpointing", action="store_true", help="recompute every block in backward")
     p.add_argument("--json", metavar="FILE", help="also write the measurements to FILE")
     p.add_argument("--from-json", metavar="FILE", help="only print the table of measurements written before")
     p.add_argument("--timeout", type=int, default=1800)
@@ -157,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
-        print("\n".join(render(saved["rows"], saved["model"], saved["batch"])))
+        print("\n".join(render(saved["rows"], saved["model"], saved["batch"], saved.get("checkpointing", False))))
         return 0
 
     rows = []
@@ -180,11 +187,12 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         measured = max(r["above_baseline"] for r in result)
                         rows.append({**row, "measured": measured, "runtime": max(r["above_baseline"] for r in runtime)})
-                    print(render(rows[-1:], args.model, args.batch_size)[-1], flush=True)
+                    print(render(rows[-1:], args.model, args.batch_size, args.grad_checkpointing)[-1], flush=True)
                     if args.json:
+                        saved = {"model": args.model, "batch": args.batch_size, "rows": rows}
                         with open(args.json, "w") as f:
-                            json.dump({"model": args.model, "batch": args.batch_size, "rows": rows}, f, indent=1)
-    print("\n".join(render(rows, args.model, args.batch_size)))
+                            json.dump({**saved, "checkpointing": args.grad_checkpointing}, f, indent=1)
+    print("\n".join(render(rows, args.model, args.batch_size, args.grad_checkpointing)))
     return 0
 
 

@@ -12,7 +12,8 @@ import sys
 import pytest
 from helpers import REPO, subprocess_env
 
-from bigclip.memory import StateRecipe, activation_bytes, model_facts, peak_parts, state_bytes
+import bigclip.engine  # noqa: F401  (the engines list their memory setups)
+from bigclip.memory import StateRecipe, activation_bytes, max_batch, model_facts, peak_parts, state_bytes
 
 
 def test_the_peak_is_the_backward_or_the_step_whichever_is_larger():
@@ -76,3 +77,69 @@ def test_the_predicted_peak_of_the_leanest_setup_is_within_10_percent_of_the_mea
     predicted = parts["peak"] + row["runtime"]
     assert row["measured"] == pytest.approx(predicted, rel=0.10), (row, parts)
     assert row["runtime"] < 0.3 * row["measured"]  # the model, not the runtime, is what was measured
+
+
+def test_traced_activations_of_bigclips_vit_agree_with_the_formula():
+    """The trace (memory/traced.py) and Korthikanti's formula are two ways to the same ViT's activations: they
+    agree within 5%, with and without checkpointing (the trace also counts the stem and head)."""
+    from bigclip.memory.traced import trace_activations
+    from bigclip.model import create_model
+
+    model = create_model("ViT-B-16", device="meta")
+    traced = trace_activations(model.visual, model.visual.image_size, model.visual.blocks)
+    image = dataclasses.replace(model_facts("ViT-B-16"), towers=(model.visual.activation_shape(),))
+    assert traced.kept_bytes(False, 2) == pytest.approx(activation_bytes(image, 1, False, 2), rel=0.05)
+    ckpt = traced.kept_bytes(True, 2) + traced.largest_block_bytes(2)
+    assert ckpt == pytest.approx(activation_bytes(image, 1, True, 2), rel=0.15)
+    assert len(traced.blocks) == 12 and len(set(traced.blocks)) == 1  # identical blocks save the same
+    # fp32 doubles what is saved in the tower's dtype
+    assert 1.9 < traced.kept_bytes(False, 4) / traced.kept_bytes(False, 2) <= 2
+
+
+def test_timm_towers_are_planned_from_their_trace():
+    """EVA02-E-14 (4.7B, timm's EVA) and convnext_base: every block traced on meta in seconds, a batch suggested."""
+    for name, blocks in (("EVA02-E-14", 64), ("convnext_base", 3 + 3 + 27 + 3)):
+        facts = model_facts(name)
+        assert facts.uncounted is None and len(facts.traced) == 1 and len(facts.traced[0].blocks) == blocks
+        full, kept = activation_bytes(facts, 1, False), activation_bytes(facts, 1, True)
+        assert 0 < kept < full / 4, (name, kept, full)
+        lean = StateRecipe("pure_bf16", "adamw8bit", True)
+        assert max_batch(facts, "fsdp", 1, 80e9, True, lean) > max_batch(facts, "fsdp", 1, 80e9, False, lean) > 0
+
+
+# Tiny timm towers (the smallest of each family timm has) with a byte-level text tower, as OpenCLIP local-dir: models
+TINY_TIMM = {
+    "eva": {"timm_model_name": "eva02_tiny_patch14_224", "timm_pool": "token", "timm_proj": None},
+    "convnext": {"timm_model_name": "convnext_atto", "timm_pool": "", "timm_proj": "linear"},
+}
+
+
+def tiny_timm_model(folder, family: str) -> str:
+    text = {"context_length": 16, "vocab_size": 259, "width": 64, "heads": 4, "layers": 2}
+    vision = {**TINY_TIMM[family], "image_size": 224}
+    folder.mkdir(parents=True, exist_ok=True)
+    model_cfg = {"embed_dim": 64, "tokenizer": "byte", "vision_cfg": vision, "text_cfg": text}
+    (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": model_cfg, "preprocess_cfg": {}}))
+    return f"local-dir:{folder}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "grad-checkpointing"])
+@pytest.mark.parametrize("family", sorted(TINY_TIMM))
+def test_traced_activations_of_tiny_timm_towers_against_the_measured_peak(tmp_path, family, checkpointing):
+    """bench/plan_check.py on a tiny EVA and a tiny ConvNeXt, batch 16 (activations most of the peak): the
+    predicted peak, its image tower's activations traced on meta, within 10% of the rank's measured memory."""
+    model = tiny_timm_model(tmp_path / family, family)
+    rows_file = tmp_path / "rows.json"
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "plan_check.py"), "--model", model, "--batch-size", "16",
+         "--steps", "2", "--engines", "fsdp", "--precisions", "pure_bf16", "--opts", "adamw8bit", "--stepping",
+         "in-backward", "--json", str(rows_file)] + (["--grad-checkpointing"] if checkpointing else []),
+        capture_output=True, text=True, timeout=900, env=subprocess_env(),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = json.loads(rows_file.read_text())["rows"]
+    facts = model_facts(model)
+    parts = peak_parts("fsdp", facts, 2, StateRecipe("pure_bf16", "adamw8bit", True), 16, checkpointing, "cpu")
+    assert parts["activations"] > 0.5 * parts["peak"]  # the activations are what is checked
+    assert row["measured"] == pytest.approx(parts["peak"] + row["runtime"], rel=0.10), (row, parts)
