@@ -163,7 +163,9 @@ def test_recipe_an_image_tower_kind(tmp_path):
         facts = model_facts(f"local-dir:{model_dir}")
         with pytest.raises(UserError, match="has a pooling image tower, which bigclip does not give layer scale"):
             create_model(f"local-dir:{model_dir}", layer_scale_init=0.1)
-    assert facts.uncounted == "image tower (pool)" and len(facts.towers) == 1  # the text transformer's
+    # no formula for it, so its forward is traced (memory/traced.py): the Linear keeps its 3-value input per sample
+    assert facts.uncounted is None and len(facts.towers) == 1  # the text transformer's
+    assert [(t.outside.values, t.outside.fixed, t.blocks) for t in facts.traced] == [(3.0, 0.0, ())]
     assert math.isfinite(step_losses(run_dir)[1])
 
 
