@@ -67,7 +67,13 @@ def test_smoke_run_reports_every_part_with_its_figures(tmp_path):
 
     saves = {r["writer"]: r for r in tables["ckpt"]["saves"]}
     assert set(saves) == {"thread", "process"} and all(r["commit_s"] > 0 for r in saves.values()), saves
-    assert tables["giant"]["giant"][0]["model"] == "test-tiny"
+    giant = tables["giant"]["giant"]
+    assert [r["model"] for r in giant[:2]] == ["test-tiny", "test-tiny"]
+    # EVA02-E-14's row, trained as a tiny EVA (the same timm trunk code) in the lean setup, planned with its
+    # activations traced on meta; peak memory is measured on CUDA only
+    eva = giant[2]
+    assert eva["model"].endswith("eva02-tiny") and "adamw8bit" in eva["setup"] and eva["s_per_step"] > 0, eva
+    assert "peak_gib" in eva and eva["plan_gib"] > eva["plan_state_gib"], eva
 
     assert all(r["mean_grey_levels"] < 0.3 for r in tables["decode"]["pixels"])  # the device path vs PIL's full decode
     loaders = {r["decode"]: r for r in tables["decode"]["loader"]}
