@@ -11,6 +11,9 @@ constraints=${1:?usage: .ci/torch_leg.sh CONSTRAINTS_FILE}
 [ -f "$constraints" ] || { echo "torch_leg.sh: no constraints file $constraints" >&2; exit 2; }
 name=$(basename "$constraints" .txt)
 venv=".venv-${name#constraints-}"
+# DeepSpeed's ops (built by the tests) are cached under torch's extensions folder, named by Python and CUDA only
+# (py311_cu130 for torch 2.11 and 2.14 alike): this leg builds its own, never waits on or loads another torch's.
+export TORCH_EXTENSIONS_DIR="$PWD/$venv/torch_extensions"
 start=$(date +%s)
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/pip" install -q -U pip
