@@ -143,3 +143,52 @@ def test_traced_activations_of_tiny_timm_towers_against_the_measured_peak(tmp_pa
     parts = peak_parts("fsdp", facts, 2, StateRecipe("pure_bf16", "adamw8bit", True), 16, checkpointing, "cpu")
     assert parts["activations"] > 0.5 * parts["peak"]  # the activations are what is checked
     assert row["measured"] == pytest.approx(parts["peak"] + row["runtime"], rel=0.10), (row, parts)
+
+
+def _kept_by_a_real_forward(tower, checkpointing: bool, batch: int = 4) -> float:
+    """Bytes per sample a real bf16 CPU forward leaves alive for its backward: every storage an operation of the
+    forward created that is still referenced once it returned (weights, buffers, the images and the output left
+    out). Found by watching allocations, not autograd's saved tensors: a reference the trace does not rely on."""
+    import gc
+
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    created: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    ref = StorageWeakRef(t.untyped_storage())
+                    created.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
+            return out
+
+    tower.to(torch.bfloat16).train()
+    tower.set_grad_checkpointing(1 if checkpointing else 0)
+    images = torch.randn(batch, 3, *tower.image_size, dtype=torch.bfloat16)
+    with torch.enable_grad(), Allocations():
+        out = tower(images)
+    gc.collect()
+    state = {StorageWeakRef(t.untyped_storage()).cdata for t in [*tower.parameters(), *tower.buffers(), images, out]}
+    return sum(n for key, (ref, n) in created.items() if not ref.expired() and key not in state) / batch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(TINY_TIMM))
+def test_the_trace_counts_what_a_real_forward_keeps_with_and_without_checkpointing(tmp_path, family):
+    """The meta trace (memory/traced.py) against a real CPU forward's live storages: without checkpointing all
+    that autograd saves, with it (timm's own checkpoint per block) only the outside and the blocks' inputs."""
+    from bigclip.memory.traced import trace_activations
+    from bigclip.model import create_model
+
+    model = tiny_timm_model(tmp_path / family, family)
+    meta = create_model(model, device="meta").visual
+    traced = trace_activations(meta, meta.image_size, meta.blocks)
+    for checkpointing in (False, True):
+        kept = _kept_by_a_real_forward(create_model(model).visual, checkpointing)
+        assert kept == pytest.approx(traced.kept_bytes(checkpointing, 2), rel=0.02), (family, checkpointing)
+    assert traced.kept_bytes(True, 2) < traced.kept_bytes(False, 2) / 4
