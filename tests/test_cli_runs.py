@@ -52,6 +52,7 @@ def test_corrupt_shards_read_by_loader_workers_stop_the_run_in_one_line(tmp_path
     assert "Traceback" not in out.stderr and "Caught UserError" not in out.stderr
 
 
+@pytest.mark.slow
 def test_csv_run_skips_and_counts_a_missing_image(tmp_path):
     rows = ["filepath\ttitle"]
     for i in range(23):  # 23 good rows + 1 missing = 3 full batches: every row is read
@@ -91,6 +92,7 @@ def test_csv_run_skips_and_counts_a_missing_image(tmp_path):
     assert "bad sample(s) skipped" in out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_report_to_tensorboard_and_wandb_offline(tmp_path):
     from helpers import TINY_SYNTHETIC
 
@@ -121,6 +123,7 @@ def test_report_to_tensorboard_and_wandb_offline(tmp_path):
         assert b"PLANTED-ARGV-KEY" not in data and b"PLANTED-BEARER" not in data, path
 
 
+@pytest.mark.slow
 def test_webdataset_run_whose_shards_hold_no_usable_sample_stops_with_one_line(tmp_path):
     """Undecodable images, a truncated tar and a file that is no tar at all, read by a loader worker: one warning
     per bad shard or sample, then one error line; no worker traceback."""
@@ -236,6 +239,7 @@ def test_an_unanswering_store_stops_every_rank_within_storage_timeout(tmp_path):
     # The lines name --storage-timeout: the bound stopped them (botocore alone retries 5 x 60 s, past the guards).
 
 
+@pytest.mark.slow
 def test_openclip_mains_logging_and_schedule_flags(tmp_path):
     """--log-metric-every-n-steps: a scalars record every N steps between the log lines; --skip-scheduler: --lr
     from the first step (no warmup); --train-loss-ema-samples: the log line's parenthesised loss is the
