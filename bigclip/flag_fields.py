@@ -9,6 +9,14 @@
 Every flag has exactly one owner; the flat TrainConfig users type (config/flags.py) is the union of the owned
 fields. The parser (cli_args.py), the YAML reader and the validator read these; a choice's names and their
 help live in the registry that owns them, and --help shows them from there.
+
+A flag that acts only beside other flags says so with `applies` (Applies: when, and where in words):
+
+        unlocked_groups: int = flag(0, "...", MODEL, applies=Applies(lambda c: c.lock_image, "with --lock-image"))
+
+set where it would do nothing, it is refused in one line naming it and where it applies (config/resolve.py),
+never silently ignored. Rules that need more than the flags (the data source a path names, the model's towers,
+the engine's layout) are their owner's checks.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import ast
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 from bigclip.errors import UserError
@@ -74,6 +82,16 @@ def optional(check: Check) -> Check:
     return lambda v: None if v is None else check(v)
 
 
+@dataclass(frozen=True)
+class Applies:
+    """Where a flag acts: `when(flags)` is true of the run's flags (the flat config: every flag by its field name);
+    `where` says it in words for the refusal ("with --lock-image"). A flag may need several (all must hold)."""
+
+    when: Callable[[Any], bool]
+    where: str
+    fix: str = "add that or drop the flag"
+
+
 def flag(
     default: Any,
     help: str,
@@ -82,11 +100,13 @@ def flag(
     choices: Registry | tuple | None = None,
     shows: Registry | None = None,
     check: Check | None = None,
+    applies: Applies | tuple[Applies, ...] = (),
     **argparse_kwargs: Any,
 ) -> Any:
     """A flag its slice owns: its help text, --help group, choices (a registry, whose names and help --help shows,
     or a tuple), a registry --help shows that the owner checks itself (`shows`: a comma list, or a value with
-    more names than the registry's), value check and any extra argparse settings."""
+    more names than the registry's), value check, where it acts when not everywhere (`applies`) and any extra
+    argparse settings."""
     shows = shows if shows is not None else (choices if isinstance(choices, Registry) else None)
     meta = {
         "help": help,
@@ -95,6 +115,7 @@ def flag(
         "choices": choices,
         "shows": shows,
         "check": check,
+        "applies": (applies,) if isinstance(applies, Applies) else tuple(applies),
     }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)

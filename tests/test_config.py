@@ -62,7 +62,7 @@ def test_precedence_defaults_yaml_flags(tmp_path):
         (["--batch-size", "-4"], "--batch-size -4: must be a positive integer"),
         (["--precision", "fp8"], "--precision 'fp8': choose one of amp"),
         (
-            ["--model", "test-tiny", "--dataset-type", "synthetic", "--train-data-upsampling-factors", "1::2"],
+            ["--model", "test-tiny", "--train-data", "s3://b/{a,b}-0.tar", "--train-data-upsampling-factors", "1::2"],
             "--train-data-upsampling-factors: only applies when sampling with replacement; add --dataset-resampled",
         ),
         (

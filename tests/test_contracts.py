@@ -383,6 +383,7 @@ DECIDED = {
     ("engine", "resolved"): "what the chosen engine's check_config returned",
     ("engine", "given_engine_flags"): "each engine's own flags, sliced from the flags by their Flags dataclass",
     ("loss", "captioning"): "whether the model captions (CoCa), which the model's config says",
+    ("loss", "device_type"): "the kind of device the run trains on (what --loss-impl auto picks there)",
 }
 
 

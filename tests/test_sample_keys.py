@@ -104,7 +104,7 @@ def test_json_text_key_probs_draw_by_weight_and_resume_exactly(tmp_path):
 )
 def test_bad_key_flags_are_one_line(values, message):
     with pytest.raises(UserError, match=message):
-        resolve({"dataset_type": "synthetic", "model": "test-tiny", **values})
+        resolve({"train_data": "s3://bucket/shard-0000.tar", "model": "test-tiny", **values})  # WebDataset's flags
 
 
 def test_max_image_pixels_skips_by_the_header_before_decoding(tmp_path):

@@ -136,7 +136,6 @@ DEMO_PRESET: dict[str, Any] = {
     "warmup": 100,
     "wd": 0.1,
     "precision": "fp32",
-    "workers": 0,
     "log_every_n_steps": 20,
     "zeroshot_frequency": 6,
     "val_frequency": 6,

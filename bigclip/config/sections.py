@@ -76,7 +76,7 @@ def build_sections(flags: Any) -> Sections:
     engine = check_engine_config(
         slice_of(flags, EngineConfig, optimizer=optimizer, resolved=None, given_engine_flags=given_engine_flags)
     )
-    loss = slice_of(flags, LossConfig, captioning=_captioning(model_flags))
+    loss = slice_of(flags, LossConfig, captioning=_captioning(model_flags), device_type=model_flags.device_type)
     check_loss(loss)
     check_data(data)
     checkpoint = slice_of(flags, CheckpointConfig)
@@ -98,10 +98,13 @@ def build_sections(flags: Any) -> Sections:
     )
 
 
-def _captioning(model: ModelConfig) -> bool:
+def _captioning(model: ModelConfig) -> bool | None:
     """Whether --model captions (CoCa), so the loss adds a caption term: from its config where it is at hand
-    without fetching; an hf-hub: config the hub cache lacks decides it where the model is built (recheck_model)."""
-    return config_at_hand(model.model, model.cache_dir) and captions(model, local_files_only=True)
+    without fetching; None where it is not (an hf-hub: config the hub cache lacks decides it where the model is
+    built, recheck_model)."""
+    if not config_at_hand(model.model, model.cache_dir):
+        return None
+    return captions(model, local_files_only=True)
 
 
 def recheck_model(sections: Sections) -> Sections:

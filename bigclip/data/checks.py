@@ -7,6 +7,7 @@ import os
 from bigclip.data.aug_cfg import validate_aug_cfg
 from bigclip.data.config import DataConfig, sources
 from bigclip.data.imagenet import class_folders
+from bigclip.data.sources import check_source_flags
 from bigclip.data.transforms import check_image_decode
 from bigclip.data.wds_plan import parse_upsampling_factors
 from bigclip.errors import UserError
@@ -20,7 +21,8 @@ def check_data(cfg: DataConfig) -> None:
     """The data flags' rules, before any work: local paths exist, augmentation settings and upsampling factors
     are well formed, ImageNet folders hold 1000 classes. The source kind's own rules (data/sources.py) come
     with --dataset-type; the choices of --image-interpolation / --image-resize-mode are declared with the
-    flags (data/transforms.py owns them)."""
+    flags (data/transforms.py owns them). A flag of a kind of data this run does not read is refused."""
+    check_source_flags(cfg)
     for name in ("image_mean", "image_std"):
         value = getattr(cfg, name)
         if value is not None and len(value) not in (1, 3):

@@ -287,6 +287,12 @@ class TorchOptimizerEngine(Engine):
         return tensor_bytes(self.model, self.optimizer)
 
 
+def has_batchnorm(model: nn.Module) -> bool:
+    """Whether `model` holds BatchNorm layers (ResNet towers, some timm trunks): what --use-bn-sync and
+    --lock-image-freeze-bn-stats act on; without any they would do nothing, so they are refused."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
 def clip_and_measure(params: list[torch.Tensor], max_norm: float | None) -> float:
     """Global grad norm of `params` (plain or sharded gradients), clipping in place when max_norm is set."""
     grads = [p.grad for p in params if p.grad is not None]
