@@ -9,8 +9,9 @@ fp32           everything in float32
 Each name is registered in PRECISIONS with the function that says what it means on a device.
 
 CPUs without bfloat16 units (AVX2-only x86, which torch reports as capability "AVX2") emulate bf16 matmuls:
-95x slower than float32 was measured on one. `slow_bf16_warning` measures the factor at a run's start and
-says so once, with the flag to use instead.
+40-130x slower than float32 was measured on such machines; most CPUs (all but those with AVX512-FP16 or AMX-FP16)
+emulate fp16 alike. `slow_precision_warning` measures the factor at a run's start and says so once, with the flag
+to use instead.
 """
 
 from __future__ import annotations
@@ -73,38 +74,69 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
     return PRECISIONS.get(name)(name, device)
 
 
-SLOW_BF16_FACTOR = 4.0  # a bf16 matmul this many times slower than fp32: the CPU has no bf16 units
+# A 16-bit matmul this many times slower than a float32 one: the CPU has no units for that dtype and torch
+# emulates it. CPUs with bf16 units measure at most about 1x (0.4-0.5x on an AVX512-BF16 EPYC: bf16 is the faster
+# one); emulated bf16 measured 40-130x (AVX2-only EPYCs; torch's AVX2 paths on the AVX512 one), emulated fp16
+# 80-120x. 4x sits far from both, so neither a busy moment nor a CPU between the two crosses it by accident, and
+# from 4x on float32 is the faster choice for any run whose memory it fits.
+SLOW_FACTOR = 4.0
+_MEASURE_BUDGET_S = 0.1  # once the timed rounds took this long the factor is plain (an emulated dtype's case)
 
 
-def cpu_bf16_slowdown(size: int = 256, repeats: int = 5) -> float:
-    """How many times longer a size x size x size matmul takes in bfloat16 than in float32 on this CPU: the best
-    of `repeats` timings of each, the two dtypes interleaved (a busy moment slows both alike), after one untimed
-    call of each."""
-    operands = {dtype: (torch.ones(size, size, dtype=dtype), torch.ones(size, size, dtype=dtype))
-                for dtype in (torch.float32, torch.bfloat16)}  # fmt: skip
+def cpu_matmul_slowdown(dtype: torch.dtype = torch.bfloat16, size: int = 256, rounds: int = 5) -> float:
+    """How many times longer a size x size x size matmul takes in `dtype` than in float32 on one core of this CPU:
+    the best of up to `rounds` timings of each, the two dtypes interleaved (a busy moment slows both alike),
+    after one untimed call of each. Fewer rounds once they took _MEASURE_BUDGET_S: where `dtype` is emulated one
+    256^3 matmul takes 30-50 ms, so the whole measurement stays within 0.1-0.35 s (measured on a busy 2-core
+    machine, about 0.1 s where `dtype` is native, most of it the first calls).
+
+    One thread: the factor is a property of the cores' arithmetic, and a sub-millisecond matmul split over
+    threads on a busy machine measures OpenMP waiting for a descheduled thread instead (256^3 in float32:
+    0.45 ms on one thread, 40-70 ms on two beside other work)."""
+    operands = {
+        dt: (torch.ones(size, size, dtype=dt), torch.ones(size, size, dtype=dt)) for dt in (torch.float32, dtype)
+    }
     best = dict.fromkeys(operands, float("inf"))
-    for a, b in operands.values():
-        torch.mm(a, b)
-    for _ in range(repeats):
-        for dtype, (a, b) in operands.items():
-            start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for a, b in operands.values():
             torch.mm(a, b)
-            best[dtype] = min(best[dtype], time.perf_counter() - start)
-    return best[torch.bfloat16] / max(best[torch.float32], 1e-9)
+        began = time.perf_counter()
+        for _ in range(rounds):
+            for dt, (a, b) in operands.items():
+                start = time.perf_counter()
+                torch.mm(a, b)
+                best[dt] = min(best[dt], time.perf_counter() - start)
+            if time.perf_counter() - began > _MEASURE_BUDGET_S:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    return best[dtype] / max(best[torch.float32], 1e-9)
 
 
-def slow_bf16_warning(
-    precision: Precision, device: torch.device, slowdown: Callable[[], float] = cpu_bf16_slowdown
+def compute_dtype(precision: Precision) -> torch.dtype | None:
+    """The 16-bit dtype `precision`'s matmuls run in (autocast's, else the weights'), None for float32."""
+    for dtype in (precision.autocast_dtype, precision.param_dtype):
+        if dtype in (torch.bfloat16, torch.float16):
+            return dtype
+    return None
+
+
+def slow_precision_warning(
+    precision: Precision, device: torch.device, slowdown: Callable[[torch.dtype], float] = cpu_matmul_slowdown
 ) -> str | None:
-    """One line for the run's start where `precision` computes in bfloat16 on a CPU that emulates it (the
-    factor measured by `slowdown`), else None."""
-    if device.type != "cpu" or torch.bfloat16 not in (precision.autocast_dtype, precision.param_dtype):
+    """One line for the run's start where `precision` computes in a 16-bit dtype that this CPU emulates (the factor
+    measured by `slowdown`), else None: said, not refused, since a run may want the memory it saves anyway."""
+    dtype = compute_dtype(precision)
+    if device.type != "cpu" or dtype is None:
         return None
-    factor = slowdown()
-    if factor < SLOW_BF16_FACTOR:
+    factor = slowdown(dtype)
+    if factor < SLOW_FACTOR:
         return None
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     capability = torch.backends.cpu.get_cpu_capability()
     return (
-        f"--precision {precision.name}: this CPU (torch capability {capability}) computes bfloat16 {factor:.0f}x "
-        f"slower than float32 (no native bf16 units); --precision fp32 will run faster here"
+        f"--precision {precision.name}: this CPU (torch capability {capability}) computes {name} {factor:.0f}x "
+        f"slower than float32 (no {name} units: torch emulates it); use --precision fp32 to run faster here"
     )

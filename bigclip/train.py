@@ -39,7 +39,7 @@ from bigclip.metrics.progress import EpochProgress
 from bigclip.metrics.sinks import MetricSinks
 from bigclip.model.convert import bigclip_to_openclip
 from bigclip.optim import hyperparameters
-from bigclip.precision import resolve_precision, slow_bf16_warning
+from bigclip.precision import resolve_precision, slow_precision_warning
 from bigclip.preemption import NOTICE
 from bigclip.report import RunReports
 from bigclip.run.code_version import code_version
@@ -108,7 +108,7 @@ def _run(cfg: TrainConfig, run: Sections, world: World) -> int:
     _announce_config(config_dict, paths, world, copy_codebase=cfg.copy_codebase)
     for line in describe_world(world):  # collective: every rank reports its host and device
         logger.info(line)
-    if world.is_main and (slow := slow_bf16_warning(resolve_precision(cfg.precision, world.device), world.device)):
+    if world.is_main and (slow := slow_precision_warning(resolve_precision(cfg.precision, world.device), world.device)):
         logger.warning(slow)
 
     seed_everything(cfg.seed)  # same initial weights on every rank

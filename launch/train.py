@@ -17,11 +17,14 @@ try:
 except ImportError:  # running from a source checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Before the heavy imports: a preemption notice during startup is kept, not fatal (bigclip/preemption.py).
+# Before the heavy imports: a preemption notice during startup is kept, not fatal (bigclip/preemption.py), and
+# `kill -USR2 <pid>` prints where a stuck process is (bigclip/run/stack_dumps.py).
 from bigclip.preemption import NOTICE  # noqa: E402
+from bigclip.run.stack_dumps import dump_stacks_on_request  # noqa: E402
 
 if __name__ == "__main__":
     NOTICE.install()
+    dump_stacks_on_request()
 
 from bigclip.cli import exit_process, main  # noqa: E402
 

@@ -11,7 +11,8 @@ change in the first step, over the lr set: with AdamW's first step, wd 0 and a t
 "ema_check": bool (the moving average of --ema-decay against a float64 one of the whole weights after each step),
 "teacher": bool (--distill-model/--distill-pretrained in config: the run's frozen teacher, placed by the engine,
 feeds the loss; records whether its weights stayed as loaded, its mode, and how many of its elements this rank
-holds)}.
+holds), "mean_loss": bool (record the mean of the ranks' losses, not this rank's: where each rank's loss is its share
+of the global one, as SigLIP's)}.
 Every run sees the same synthetic batches (seeded by step and rank) and goes through bigclip's own pieces:
 engine.build_model, build_engine, the loop's forward_backward (OpenCLIP accumulation), engine.step, and an eval
 forward through engine.module. One launch for many engines keeps the cost of process start-up and DeepSpeed
@@ -143,6 +144,8 @@ def run_one(spec: dict, world) -> dict:
             live_grads.measure()  # what is still alive when the backward has returned
             live_grads.count_storages()
         out["norms"].append(optimizer_step(engine))
+        if spec.get("mean_loss") and world.world_size > 1:  # each rank's loss is its share (SigLIP's): their mean
+            loss = _mean_over_ranks(loss)
         out["losses"].append(loss)
         if ema_reference is not None:
             ema_reference.update()
@@ -190,6 +193,14 @@ def run_one(spec: dict, world) -> dict:
         out["grad_bytes"] = live_grads.all_grads
         out["grad_storages"], out["params_with_grad"] = live_grads.storages, live_grads.with_grad
     return out
+
+
+def _mean_over_ranks(value: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
 
 
 def _local_weights(module) -> dict[str, torch.Tensor]:

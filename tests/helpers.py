@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -119,16 +120,44 @@ def torchrun_cmd(nproc: int, script: str, *args: str) -> list[str]:
             f"--master_port={free_port()}", script, *args]  # fmt: skip
 
 
+class RunTimedOut(AssertionError):
+    """A training launch still going at its time limit; the message ends with its processes' Python stacks."""
+
+
+def run_training(cmd: list[str], timeout: float, **popen) -> subprocess.CompletedProcess:
+    """subprocess.run for training launches, but one still going at `timeout` is not just killed: each of its
+    training processes first prints every thread's stack (launch/train.py's SIGUSR2), which the failure shows,
+    and then its whole process group goes (a launcher killed alone would leave its ranks running)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **popen)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        import psutil  # DeepSpeed's dependency
+
+        for child in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                if any(arg.endswith(os.path.join("launch", "train.py")) for arg in child.cmdline()[:4]):
+                    child.send_signal(signal.SIGUSR2)
+                    with contextlib.suppress(subprocess.TimeoutExpired):  # one at a time: ranks share stderr
+                        proc.communicate(timeout=2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        stacks = err[-15000:]
+        raise RunTimedOut(f"{' '.join(cmd)[:400]} timed out after {timeout} s; its stderr ends:\n{stacks}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def torchrun(nproc: int, args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
     # "--" keeps torchrun's own parser off bigclip's flags: it would reject --logs as an ambiguous
     # abbreviation of its --logs-specs.
     cmd = torchrun_cmd(nproc, TRAIN_SCRIPT, "--", *args)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(**env))
+    return run_training(cmd, timeout, env=subprocess_env(**env))
 
 
 def python_train(args: list[str], timeout: int = 300, cwd: str | None = None, **env: str):
     cmd = [sys.executable, TRAIN_SCRIPT, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=subprocess_env(**env))
+    return run_training(cmd, timeout, cwd=cwd, env=subprocess_env(**env))
 
 
 def tiny_hf_clip(directory, kind: str = "roberta", embed_dim: int = 16, coca: bool = False) -> str:

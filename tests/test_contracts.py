@@ -318,7 +318,7 @@ LAZY_IMPORTS = {
     "wandb": "seconds to import; only --report-to wandb",
     "torch.utils.tensorboard": "seconds to import; only --report-to tensorboard",
     "sklearn": "seconds to import; only the embedded demo's digits",
-    "open_clip": "seconds to import; only BPE tokenization, pretrained tags and ImageNet class names",
+    "open_clip": "seconds to import; only its tokenizers, pretrained tags and ImageNet class names",
     "huggingface_hub": "only hub downloads (pretrained tags, hf-hub: models, timm trunk weights)",
     "torch.distributed.checkpoint": "DCP's private helpers, guarded by try/except: they may move between releases",
     "transformers": "optional extra, seconds to import; only Hugging Face text towers (hf_model_name)",

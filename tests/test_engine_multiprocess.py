@@ -398,10 +398,11 @@ def test_pretrained_streams_into_shards_under_fsdp_and_zero3(tmp_path):
 def test_mission_deepspeed_launch_line(tmp_path):
     """`deepspeed launch/train.py --ds_config ds_configs/zero2.json [flags]` as written, 2 CPU processes."""
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    port = free_port()
     cmd = [
         launcher,
         "--master_port",
-        str(free_port()),
+        str(port),
         "launch/train.py",
         "--ds_config",
         "ds_configs/zero2.json",
@@ -451,6 +452,9 @@ def test_mission_deepspeed_launch_line(tmp_path):
     assert evals and evals[-1]["eval/num_samples"] == 32
     assert "engine deepspeed" in proc.stdout + proc.stderr
     assert os.path.isfile(os.path.join(run_dir, "checkpoints", "epoch_1", "manifest.json"))
+    # DeepSpeed's CPU all-reduce buffers (one per rank, named by the port) are not left in /dev/shm
+    assert "deepspeed_shm_comm_op built successfully" in proc.stdout
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer") and f"_{port}_" in n]
 
 
 def test_torchrun_fsdp_run_with_eval_and_checkpoint(tmp_path):

@@ -2,6 +2,11 @@
 first; `--resume latest` / a path / a URL verified against its manifest and restored into the engine's layout
 and every participant, by name (ckpt/participants.py).
 
+"Newest" is a checkpoint's training position, (step, then epoch), read from its manifest, never the order in
+which checkpoints were committed: an upload that was retried (or a request the network delivered late) can
+commit after a newer checkpoint, and must still rank below it. `newest_first` is that one order; `--resume
+latest`, `--keep-last-k` (ckpt/publish.py) and the listing all take it from here.
+
 Nothing without a manifest is ever loaded, and a checkpoint whose files do not match it is reported and
 skipped (`--resume latest`) or refused (an explicit path). The CheckpointManager (ckpt/manager.py) saves;
 this catalog finds and loads, and retention asks it which checkpoints exist.
@@ -46,6 +51,22 @@ class Candidate:
     location: str
     manifest: Manifest
 
+    @property
+    def tag(self) -> str:
+        return basename(self.location)
+
+
+def rank_key(c: Candidate) -> tuple:
+    """Larger is newer: the training position (step, then epoch: an epoch's checkpoint taken at the same step as a
+    step save is the later state); at the same position a numbered checkpoint before an alias (epoch_latest is a
+    copy of one), a local copy before a remote one (no download), then the name, so that every ranking of the same
+    checkpoints is the same. Never the commit time."""
+    return (c.manifest.step, c.manifest.epoch, c.numbered, c.local, c.tag)
+
+
+def newest_first(candidates: list[Candidate]) -> list[Candidate]:
+    return sorted(candidates, key=rank_key, reverse=True)
+
 
 class CheckpointCatalog:
     def __init__(
@@ -76,6 +97,7 @@ class CheckpointCatalog:
         self.storage_timeout = storage_timeout
 
     def candidates(self, local: bool = True, remote: bool = True, check: bool = True) -> list[Candidate]:
+        """Every committed checkpoint, newest first (newest_first)."""
         out: list[Candidate] = []
         if local and os.path.isdir(self.directory):
             for name in sorted(os.listdir(self.directory)):
@@ -112,11 +134,10 @@ class CheckpointCatalog:
                     logger.warning(f"checkpoint {self.remote.url(tag)}: {problem}; skipped")
                     continue
                 out.append(Candidate(manifest.step, is_numbered(tag), False, self.remote.url(tag), manifest))
-        return out
+        return newest_first(out)
 
     def latest(self) -> str | None:
-        """The committed checkpoint with the highest step, local or remote (ties: numbered, then local).
-        Collective."""
+        """The newest committed checkpoint by training position (rank_key), local or remote. Collective."""
         ranked = self._ranked()
         return ranked[0] if ranked else None
 
@@ -125,8 +146,7 @@ class CheckpointCatalog:
         reached stops every rank with its line, not rank 0 alone)."""
 
         def rank_candidates() -> list[str]:
-            key = lambda c: (c.step, c.numbered, c.local)  # noqa: E731
-            return [c.location for c in sorted(self.candidates(), reverse=True, key=key)]
+            return [c.location for c in self.candidates()]
 
         return broadcast_object(raise_together(self.world, rank_candidates) or [], self.world)
 

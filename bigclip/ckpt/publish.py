@@ -10,7 +10,7 @@ import os
 import shutil
 import time
 
-from bigclip.ckpt.catalog import CheckpointCatalog, basename, is_numbered
+from bigclip.ckpt.catalog import CheckpointCatalog, is_numbered
 from bigclip.ckpt.manifest import MANIFEST, Manifest
 from bigclip.ckpt.storage import Storage, fsync_dir, write_durably
 
@@ -89,26 +89,35 @@ class Publisher:
 
     def retention(self, just_saved: str) -> None:
         """--keep-last-k: keep the k newest numbered checkpoints in the remote store (locally when there is
-        no remote). epoch_latest-style aliases are never counted or deleted."""
+        no remote), newest by training position (the catalog's one order), whatever order they were committed
+        in. epoch_latest-style aliases are never counted or deleted.
+
+        The checkpoint just committed is never deleted by its own commit, and so neither is anything newer
+        than it: one that commits late, behind k newer ones (a retried upload, a straggling writer), stays
+        until a later commit's retention, and the checkpoints between them are not pruned for it."""
         if self.keep_last_k <= 0:
             return
         local = self.remote is None
-        numbered = sorted(
-            (c for c in self.catalog.candidates(local=local, remote=not local, check=False) if c.numbered),
-            key=lambda c: c.step,
-            reverse=True,
-        )
-        for old in numbered[self.keep_last_k :]:
-            tag = old.manifest.tag
-            if tag == just_saved:
-                continue
+        ranked = self.catalog.candidates(local=local, remote=not local, check=False)  # newest first
+        numbered = [c for c in ranked if c.numbered]
+        keep = self.keep_last_k
+        late = next((i for i, c in enumerate(numbered) if c.tag == just_saved and i >= keep), None)
+        if late is not None:
+            keep = late + 1
+            newer = ", ".join(c.tag for c in numbered[:late])
+            logger.warning(
+                f"checkpoint {just_saved} committed after {late} newer ones ({newer}); "
+                f"--keep-last-k {self.keep_last_k} keeps it until the next checkpoint commits and deletes only "
+                f"older ones now"
+            )
+        for old in numbered[keep:]:
             logger.info(f"--keep-last-k {self.keep_last_k}: deleting checkpoint {old.location}")
             if local:
                 os.remove(os.path.join(old.location, MANIFEST))  # uncommit first, then remove
                 shutil.rmtree(old.location, ignore_errors=True)
             else:
-                self.remote.rm(f"{basename(old.location)}/{MANIFEST}")
-                self.remote.rm(basename(old.location), recursive=True)
+                self.remote.rm(f"{old.tag}/{MANIFEST}")
+                self.remote.rm(old.tag, recursive=True)
 
 
 def _replace_dir(src: str, dst: str) -> None:

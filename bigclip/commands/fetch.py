@@ -5,9 +5,11 @@ For a cluster whose jobs reach no network: run it where the hub is reachable (a 
 the job will use, then start the job with HF_HUB_OFFLINE=1. It fetches what the run would fetch, with the run's own
 code (build.py): an hf-hub:ORG/NAME --model's open_clip_config.json, then the weights the run loads (a --pretrained
 tag's file, else the hf-hub: repository's own weights) and, for --pretrained-image, timm's trunk weights where no
-whole-model weights replace them. Every large file's SHA-256 is checked. With HF_HUB_OFFLINE=1 it fetches nothing
-and checks that the cache holds all of it. A Hugging Face text tower's files (text_cfg hf_model_name) are not
-fetched: transformers keeps them in its own cache (`huggingface-cli download NAME`).
+whole-model weights replace them, and the Hugging Face tokenizer the architecture's text_cfg names
+(hf_tokenizer_name: SigLIP's, CLIPA's, the worldwide models'). Every large file's SHA-256 is checked. With
+HF_HUB_OFFLINE=1 it fetches nothing and checks that the cache holds all of it. A Hugging Face text tower's model
+files (text_cfg hf_model_name) are not fetched: transformers keeps them in its own cache
+(`huggingface-cli download NAME`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from bigclip.commands import COMMANDS, Command
 from bigclip.dist import World
 from bigclip.errors import OneLineErrorParser, UserError
 from bigclip.model.config import ModelConfig, check_model
+from bigclip.model.factory import get_tokenizer
 from bigclip.model.pretrained import is_local_weights
-from bigclip.model.registry import CONFIG_NAME, HF_HUB_PREFIX, config_file, hub_cache_dir
+from bigclip.model.registry import CONFIG_NAME, HF_HUB_PREFIX, config_file, get_model_config, hub_cache_dir
+from bigclip.model.tokenizer import hub_tokenizer
 
 
 def _parser() -> OneLineErrorParser:
@@ -34,15 +38,21 @@ def fetch(cfg: ModelConfig) -> list[str]:
     """Fetch what a run with these model flags reads from the hub into its cache; one line per file (its path)."""
     hub_model = cfg.model.startswith(HF_HUB_PREFIX)
     tag = cfg.pretrained is not None and not is_local_weights(cfg.pretrained)
-    if not (hub_model or tag or cfg.pretrained_image):
+    # (a built-in architecture's config is at hand: whether its tokenizer comes from the hub is known now)
+    tokenizer = None if hub_model else hub_tokenizer(cfg.model, get_model_config(cfg.model, cfg.cache_dir))
+    if not (hub_model or tag or cfg.pretrained_image or tokenizer):
         raise UserError(
             f"bigclip fetch: --model {cfg.model} reads nothing from the Hugging Face hub; name an hf-hub:ORG/NAME "
-            f"--model, a --pretrained tag of it, or --pretrained-image"
+            f"--model, a --pretrained tag of it, --pretrained-image, or an architecture whose tokenizer the hub holds"
         )
     world = World()  # one process: what a run's local rank 0 fetches for its node
     check_model(cfg)  # the flags as a run validates them (an hf-hub: name's form; a tag --model has)
     fetch_model_configs(cfg, world)  # an hf-hub: config, then every check on it
     lines = [f"--model {cfg.model}: {CONFIG_NAME} {config_file(cfg.model, cfg.cache_dir, True)}"] if hub_model else []
+    tokenizer = hub_tokenizer(cfg.model, get_model_config(cfg.model, cfg.cache_dir, local_files_only=True))
+    if tokenizer is not None:
+        get_tokenizer(cfg.model, cache_dir=cfg.cache_dir)  # what the run's data pipeline loads, the same way
+        lines.append(f"--model {cfg.model}: tokenizer {tokenizer} (text_cfg hf_tokenizer_name)")
     weights = pretrained_weights(cfg, world)
     if weights is not None and weights != cfg.pretrained:
         lines.append(f"--{'pretrained' if cfg.pretrained else 'model'} weights {weights}")

@@ -14,7 +14,7 @@ from bigclip.errors import UserError
 
 
 def _is_url(path: str) -> bool:
-    return "://" in path
+    return "://" in path or path.startswith("pipe:")  # pipe: a command whose output is the shard
 
 
 def check_data(cfg: DataConfig) -> None:

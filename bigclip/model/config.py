@@ -8,10 +8,13 @@ from typing import Any
 
 from bigclip.errors import UserError
 from bigclip.flag_fields import MISC, MODEL, TRAIN, flag, optional, positive_int, unit_interval
+from bigclip.model import zoo
+from bigclip.model.factory import get_tokenizer
 from bigclip.model.fp8_linear import FP8_RECIPES, check_fp8_device
 from bigclip.model.pretrained import check_pretrained, check_pretrained_image
-from bigclip.model.registry import config_at_hand, get_model_config, is_schema_name, list_models
+from bigclip.model.registry import config_at_hand, get_model_config, hub_offline, is_schema_name, list_models
 from bigclip.model.switchback import SWITCHBACK_VARIANTS
+from bigclip.model.tokenizer import hub_tokenizer
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ def check_model(cfg: ModelConfig) -> None:
 
     Reads configs without side effects: an hf-hub: config only from the hub cache, never fetched. Where the cache
     does not hold it yet, only the name's form is checked here, and the checks that need the config run again
-    where the model is built, once it is fetched (build.py)."""
+    where the model is built, once it is fetched (build.py). With downloads off (HF_HUB_OFFLINE), the Hugging Face
+    tokenizer a text_cfg names is read from the hub cache here too, so a run without it stops before any work."""
     _check_architecture("--model", cfg.model, cfg.cache_dir)
     if cfg.use_bnb_linear is not None:
         SWITCHBACK_VARIANTS.entry(cfg.use_bnb_linear)
@@ -134,6 +138,10 @@ def check_model(cfg: ModelConfig) -> None:
     size = cfg.force_image_size
     if size is not None and (len(size) not in (1, 2) or min(size) < 1):
         raise UserError(f"--force-image-size {size!r}: give one or two positive integers")
+    if hub_offline() and config_at_hand(cfg.model, cfg.cache_dir):
+        # downloads are off: a tokenizer the hub cache lacks stops the run now, not after the model is built
+        if hub_tokenizer(cfg.model, get_model_config(cfg.model, cfg.cache_dir, local_files_only=True)):
+            get_tokenizer(cfg.model, cache_dir=cfg.cache_dir)  # reads the cache only; one line where it lacks it
     if cfg.pretrained:
         check_pretrained(cfg.model, cfg.pretrained)
     if cfg.pretrained_image and config_at_hand(cfg.model, cfg.cache_dir):
@@ -157,3 +165,7 @@ def _check_architecture(flag: str, name: str, cache_dir: str | None) -> None:
         models = [*models, name]
     if name not in models:
         raise UserError(f"{flag} {name!r}: unknown architecture; choose one of {', '.join(models)}")
+    if config_at_hand(name, cache_dir):
+        refused = zoo.refusal(name, get_model_config(name, cache_dir, local_files_only=True), flag)
+        if refused is not None:  # a family bigclip has no towers for: said now, not when the model is built
+            raise UserError(refused)

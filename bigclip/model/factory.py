@@ -16,7 +16,7 @@ import torch
 
 from bigclip.errors import UserError
 from bigclip.model import fp8_linear as fp8_linear_module
-from bigclip.model import switchback
+from bigclip.model import switchback, zoo
 from bigclip.model.clip import CLIP, DEFAULT_INIT_LOGIT_SCALE
 from bigclip.model.coca import CoCa
 from bigclip.model.pretrained import model_weights, resolve_pretrained_image, timm_model_name
@@ -31,13 +31,21 @@ from bigclip.model.registry import (
     openclip_separate_text,
     preprocess_cfg,
 )
-from bigclip.model.tokenizer import ByteTokenizer
+from bigclip.model.tokenizer import (
+    DEFAULT_CONTEXT_LENGTH,
+    OPENCLIP_VOCAB_SIZE,
+    ByteTokenizer,
+    known_vocab_size,
+    openclip_tokenizer,
+    tokenizer_at_hand,
+)
 from bigclip.model.towers import image_tower_kind
 from bigclip.model.weights import load_pretrained
 
 # Re-exported: callers that knew them here keep working (the registry lives in model/registry.py).
 __all__ = [
     "CONFIG_DIR",
+    "OPENCLIP_VOCAB_SIZE",
     "QUICKGELU_SUFFIX",
     "_load_configs",
     "create_model",
@@ -51,35 +59,34 @@ __all__ = [
 _PREPROCESS_KEYS = PREPROCESS_KEYS
 
 
-# OpenCLIP's BPE vocabulary: 49,152 merges + 256 bytes + start/end of text.
-OPENCLIP_VOCAB_SIZE = 49408
-
-
 def uses_byte_tokenizer(model_name: str, cache_dir: str | None = None) -> bool:
     """Whether the architecture asks for bigclip's byte tokenizer ("tokenizer": "byte" in its config: test-tiny
-    and the offline demo) instead of OpenCLIP's BPE tokenizer."""
+    and the offline demo) instead of OpenCLIP's tokenizers."""
     return get_model_config(model_name, cache_dir).get("tokenizer") == "byte"
 
 
 def get_tokenizer(model_name: str, context_length: int | None = None, cache_dir: str | None = None):
     """A callable (str | list[str]) -> LongTensor (N, context_length) for `model_name`.
 
-    OpenCLIP architectures get OpenCLIP's own tokenizer (open_clip.get_tokenizer: its BPE vocabulary, text
-    cleaning, lower-casing, start/end tokens and truncation), so token ids are the ones OpenCLIP weights
-    were trained on; local-dir: and hf-hub: names get what open_clip.get_tokenizer makes of the same name
-    (cache_dir: the hub cache). context_length (--force-context-length) overrides the architecture's."""
+    Architectures get what open_clip.get_tokenizer gives for them (model/tokenizer.py: OpenCLIP's BPE vocabulary
+    with its cleaning, start/end tokens and truncation; the Hugging Face tokenizer a text_cfg names, SigLIP's
+    included), so token ids are the ones OpenCLIP weights were trained on; local-dir: and hf-hub: names get what
+    open_clip.get_tokenizer makes of the same name. cache_dir: the hub cache. context_length
+    (--force-context-length) overrides the architecture's. A tokenizer that cannot be had is one line naming what
+    to fetch."""
     cfg = get_model_config(model_name, cache_dir)
-    length = context_length or cfg["text_cfg"].get("context_length", 77)  # OpenCLIP's default
     if cfg.get("tokenizer") == "byte":
-        return ByteTokenizer(length)
-    # open_clip takes seconds to import; only runs that tokenize with its vocabulary need it.
+        return ByteTokenizer(context_length or cfg["text_cfg"].get("context_length", DEFAULT_CONTEXT_LENGTH))
+    if not is_schema_name(model_name):
+        return openclip_tokenizer(model_name, cfg, context_length, cache_dir)
+    # open_clip takes seconds to import; only runs that tokenize with its tokenizers need it.
     import open_clip
 
-    if is_schema_name(model_name):
+    length = context_length or cfg["text_cfg"].get("context_length", DEFAULT_CONTEXT_LENGTH)
+    what = f"its tokenizer {cfg['text_cfg'].get('hf_tokenizer_name') or 'OpenCLIP BPE'}"
+    remedy = f"fetch it where the hub is reachable (`bigclip fetch --model {model_name}`, same --cache-dir)"
+    with tokenizer_at_hand(model_name, what, remedy):
         return open_clip.get_tokenizer(model_name, context_length=length, cache_dir=cache_dir)
-    if model_name in open_clip.list_models():
-        return open_clip.get_tokenizer(model_name, context_length=length)
-    return open_clip.SimpleTokenizer(context_length=length)  # a bigclip-only architecture: OpenCLIP's default
 
 
 def use_int8_linears(model: CLIP, variant: str, name: str) -> None:
@@ -135,7 +142,8 @@ def create_model(
     as in OpenCLIP.
 
     `init_logit_scale` / `init_logit_bias` (OpenCLIP's names; the loss family's model_init): where the learned
-    temperature starts (None: CLIP's 1/0.07) and, when given, a learned logit bias starting there (SigLIP).
+    temperature starts and, when given, a learned logit bias starting there (SigLIP). None: the config's, as
+    OpenCLIP's (SigLIP's configs have a bias; else CLIP's 1/0.07 and no bias).
 
     `layer_scale_init` (--layer-scale-init) gives every transformer block of both towers LayerScale on both
     residual branches starting at that value (0: zero-init layer scale), replacing the config's ls_init_value;
@@ -152,6 +160,9 @@ def create_model(
     refused on a device without fp8 tensor cores.
     """
     cfg = get_model_config(name, cache_dir)
+    refused = zoo.refusal(name, cfg)  # a family bigclip has no towers for (OpenCLIP main's audio, NaFlex, ...)
+    if refused is not None:
+        raise UserError(refused)
     tower = image_tower_kind(cfg["vision_cfg"])
     if pretrained_image and not tower.pretrained_trunk:
         raise UserError(
@@ -184,8 +195,9 @@ def create_model(
         if context_length < 2:
             raise UserError(f"--force-context-length {context_length}: must be at least 2 (sot + eot)")
         text_cfg["context_length"] = context_length
-    tokenizer_vocab = ByteTokenizer.vocab_size if cfg.get("tokenizer") == "byte" else OPENCLIP_VOCAB_SIZE
-    if "hf_model_name" not in text_cfg and text_cfg["vocab_size"] < tokenizer_vocab:
+    # (a Hugging Face tokenizer's vocabulary is its config's business: it is not read from the hub here)
+    tokenizer_vocab = known_vocab_size(name, cfg, is_schema_name(name))
+    if "hf_model_name" not in text_cfg and tokenizer_vocab and text_cfg["vocab_size"] < tokenizer_vocab:
         raise UserError(
             f"--model {name}: text vocab_size {text_cfg['vocab_size']} is smaller than the "
             f"tokenizer's {tokenizer_vocab}; raise vocab_size in its config"
@@ -198,8 +210,10 @@ def create_model(
                 cfg["embed_dim"],
                 *towers,
                 quick_gelu=quick_gelu or cfg.get("quick_gelu", False),
-                init_logit_scale=DEFAULT_INIT_LOGIT_SCALE if init_logit_scale is None else init_logit_scale,
-                init_logit_bias=init_logit_bias,
+                init_logit_scale=cfg.get("init_logit_scale", DEFAULT_INIT_LOGIT_SCALE)
+                if init_logit_scale is None
+                else init_logit_scale,
+                init_logit_bias=cfg.get("init_logit_bias") if init_logit_bias is None else init_logit_bias,
                 image_size=image_size,
             )
         except (TypeError, ValueError) as err:  # a config key or value bigclip's towers do not take

@@ -1,11 +1,13 @@
 """Hugging Face text towers: OpenCLIP's HFTextEncoder (text_cfg with `hf_model_name`: RoBERTa, XLM-RoBERTa, mT5, NLLB,
-BERT) built through `transformers` (the optional `hf` extra).
+BERT, and ModernBERT as OpenCLIP's main branch builds it) built through `transformers` (the optional `hf` extra).
 
 The tower is OpenCLIP's, with its names: `transformer` (the Hugging Face model; an encoder-decoder's encoder only),
 OpenCLIP's pooler over the tokens that are not padding (`hf_pooler_type`: mean_pooler, max_pooler, cls_pooler,
 cls_last_hidden_state_pooler; open_clip.hf_model's own classes), and `proj` (`hf_proj_type`: mlp, linear, or none
 when the widths agree). The architecture comes from `AutoConfig.from_pretrained(hf_model_name)` (a hub name,
-through the hub cache, or a local directory); the model is built on the meta device like every bigclip tower and
+through the hub cache, or a local directory), with OpenCLIP main's `hf_model_config` overrides applied and a dtype
+the repository pins in it (gte-modernbert: float16) cleared, as OpenCLIP main does (the tower is float32; --precision
+decides the rest); the model is built on the meta device like every bigclip tower and
 materialised by `init_weights()`: the Hugging Face weights (`hf_model_pretrained`, OpenCLIP's default) or the
 model's own random init, read from a CPU copy into each rank's shards. Engines shard and checkpoint the encoder's
 layers (`blocks`); activation checkpointing is Hugging Face's own (its layers re-enter their module call, so the
@@ -24,8 +26,32 @@ from bigclip.model.layer_groups import LayerGroups
 from bigclip.model.layers import is_checkpointed
 from bigclip.model.weights import copy_into
 
-# OpenCLIP's text_cfg keys of its own text transformer, which a Hugging Face tower does not read
-_IGNORED = ("context_length", "vocab_size", "width", "heads", "layers", "mlp_ratio", "ls_init_value", "quick_gelu")
+# OpenCLIP's text_cfg keys of its own text transformer, which a Hugging Face tower does not read; and OpenCLIP main's
+# variable_text, which lets its data pipeline pad each batch only to its longest caption: the tower masks padding
+# either way (attention mask and pooler from the pad id), so padding to the context length gives the same features
+_IGNORED = (
+    "context_length", "vocab_size", "width", "heads", "layers", "mlp_ratio", "ls_init_value", "quick_gelu",
+    "variable_text",
+)  # fmt: skip
+# OpenCLIP main's arch_dict entries for model types open_clip_torch 3.3's lacks (open_clip/hf_configs.py at commit
+# 89fb801, the commit configs/openclip_main/ is copied from)
+_MAIN_ARCHS = {
+    "modernbert": {
+        "config_names": {
+            "context_length": "max_position_embeddings",
+            "vocab_size": "vocab_size",
+            "width": "hidden_size",
+            "heads": "num_attention_heads",
+            "layers": "num_hidden_layers",
+            "layer_attr": "layers",
+            "token_embeddings_attr": "embeddings",
+        },
+        "pooler": "mean_pooler",
+    },
+}
+# The model types whose Hugging Face model takes add_pooling_layer (OpenCLIP main's
+# _MODEL_TYPES_WITH_POOLING_LAYER_KWARG; 3.3 passes it to every encoder-only model, which were only these)
+_POOLING_LAYER_KWARG = ("bert", "roberta", "xlm-roberta")
 
 
 def _transformers():
@@ -37,7 +63,7 @@ def _transformers():
 
 
 @contextmanager
-def _fetch_or_explain(hf_model_name: str, what: str):
+def fetch_or_explain(hf_model_name: str, what: str):
     """A hub file that is not cached and cannot be fetched (offline, unreachable, unknown repository) is one
     line naming the repository and how to get it, not transformers' traceback."""
     try:
@@ -86,6 +112,8 @@ class HFTextTower(nn.Module):
         hf_model_pretrained: bool = True,
         hf_pooler_type: str = "mean_pooler",
         hf_proj_type: str | None = "mlp",
+        hf_model_config: dict | None = None,
+        pad_id: int | None = None,
         output_tokens: bool = False,
         **ignored,
     ):
@@ -100,15 +128,23 @@ class HFTextTower(nn.Module):
         self.hf_model_name = hf_model_name
         self.hf_model_pretrained = hf_model_pretrained
         self.output_tokens = output_tokens
-        with _fetch_or_explain(hf_model_name, "its config"):
+        with fetch_or_explain(hf_model_name, "its config"):
             self.config = transformers.AutoConfig.from_pretrained(hf_model_name)
-        self.arch = arch_dict.get(self.config.model_type)
+        for key, value in (hf_model_config or {}).items():  # OpenCLIP main's overrides, before the model is made
+            setattr(self.config, key, value)
+        # a repository's pinned dtype, which from_config would build in: cleared, as OpenCLIP main does
+        setattr(self.config, "dtype" if hasattr(self.config, "dtype") else "torch_dtype", None)  # transformers 5: dtype
+        if pad_id is not None and pad_id != self.config.pad_token_id:  # OpenCLIP main checks it against the tokenizer
+            raise ValueError(
+                f"text_cfg pad_id {pad_id} is not {hf_model_name}'s pad_token_id {self.config.pad_token_id}"
+            )
+        self.arch = arch_dict.get(self.config.model_type) or _MAIN_ARCHS.get(self.config.model_type)
         if self.arch is not None:
             names = {**_LAYOUT_FALLBACKS.get(self.config.model_type, {}), **self.arch["config_names"]}
             self.arch = {**self.arch, "config_names": names}
         if self.arch is None:
             raise ValueError(f"hf_model_name {hf_model_name}: model type {self.config.model_type!r} is not one of "
-                             f"OpenCLIP's ({', '.join(arch_dict)})")  # fmt: skip
+                             f"OpenCLIP's ({', '.join([*arch_dict, *_MAIN_ARCHS])})")  # fmt: skip
         with torch.device("cpu"), _parameters_on_meta():
             self.transformer = self._build(transformers, hf_pooler_type)
         # the buffers' values as the model made them (position ids): kept aside, since moving the model off the
@@ -134,6 +170,8 @@ class HFTextTower(nn.Module):
     def _build(self, transformers, pooler_type: str) -> nn.Module:
         if getattr(self.config, "is_encoder_decoder", False):
             return transformers.AutoModel.from_config(self.config).encoder  # OpenCLIP keeps the encoder (mT5)
+        if self.config.model_type not in _POOLING_LAYER_KWARG:  # ModernBERT: no pooling layer to add
+            return transformers.AutoModel.from_config(self.config)
         return transformers.AutoModel.from_config(self.config, add_pooling_layer=pooler_type == "cls_pooler")
 
     @property
@@ -185,8 +223,9 @@ class HFTextTower(nn.Module):
         into every parameter and buffer (each rank's block of a sharded one); the projection's default init."""
         transformers = _transformers()
         if self.hf_model_pretrained:
-            with _fetch_or_explain(self.hf_model_name, "its weights"):
-                reference = transformers.AutoModel.from_pretrained(self.hf_model_name)
+            with fetch_or_explain(self.hf_model_name, "its weights"):
+                # the config as overridden (OpenCLIP main passes it too); the weights read into a float32 model
+                reference = transformers.AutoModel.from_pretrained(self.hf_model_name, config=self.config)
         else:
             reference = transformers.AutoModel.from_config(self.config)
         if getattr(self.config, "is_encoder_decoder", False):

@@ -1,5 +1,6 @@
 """Where architectures come from: bigclip's JSON files in `configs/`, OpenCLIP's own config files (every
-architecture open_clip_torch lists that bigclip has no file of, read from the installed package), and
+architecture open_clip_torch lists that bigclip has no file of, read from the installed package; then the ones only
+OpenCLIP's main branch has, kept verbatim in `configs/openclip_main/`, whose README names their commit), and
 OpenCLIP's two schemas.
 
     ViT-B-32                a built-in config (`configs/ViT-B-32.json`, else open_clip's
@@ -28,6 +29,8 @@ from pathlib import Path
 from bigclip.errors import UserError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+# OpenCLIP main's configs that open_clip_torch 3.3 lacks (copied from the repository; not on PyPI)
+MAIN_CONFIG_DIR = CONFIG_DIR / "openclip_main"
 QUICKGELU_SUFFIX = "-quickgelu"
 LOCAL_DIR_PREFIX, HF_HUB_PREFIX = "local-dir:", "hf-hub:"
 CONFIG_NAME = "open_clip_config.json"  # OpenCLIP's name for it, in a directory and in a hub repository
@@ -42,11 +45,23 @@ _PREPROCESS_DEFAULTS = {"mean": OPENAI_MEAN, "std": OPENAI_STD, "interpolation":
 @cache
 def _load_configs() -> dict[str, dict]:
     """bigclip's own configs, then every OpenCLIP architecture bigclip has no file of: OpenCLIP's own config
-    files, read from the installed open_clip_torch (found without importing it, which takes seconds)."""
+    files, read from the installed open_clip_torch (found without importing it, which takes seconds), then those only
+    OpenCLIP's main branch has (configs/openclip_main/)."""
     configs = {path.stem: json.loads(path.read_text()) for path in sorted(CONFIG_DIR.glob("*.json"))}
-    for path in sorted(openclip_config_dir().glob("*.json")) if openclip_config_dir() else ():
-        configs.setdefault(path.stem, json.loads(path.read_text()))
+    for folder in (openclip_config_dir(), MAIN_CONFIG_DIR):
+        for path in sorted(folder.glob("*.json")) if folder else ():
+            configs.setdefault(path.stem, json.loads(path.read_text()))
     return configs
+
+
+def config_source(name: str) -> str:
+    """Where built-in architecture `name`'s file comes from: "bigclip" (configs/), "open_clip_torch" (the installed
+    package) or "OpenCLIP main" (configs/openclip_main/)."""
+    base = name.removesuffix(QUICKGELU_SUFFIX)
+    if (CONFIG_DIR / f"{base}.json").exists():
+        return "bigclip"
+    installed = openclip_config_dir()
+    return "open_clip_torch" if installed and (installed / f"{base}.json").exists() else "OpenCLIP main"
 
 
 @cache

@@ -29,6 +29,7 @@ from bigclip.model.hf_text import HFTextTower
 from bigclip.model.resnet import ResNetTower
 from bigclip.model.text import TextTransformer
 from bigclip.model.timm_tower import TimmVisionTower
+from bigclip.model.tokenizer import TOKENIZER_KEYS
 from bigclip.model.vision import VisionTower
 from bigclip.registry import Registry
 
@@ -127,14 +128,17 @@ TEXT_TOWERS.register(
     ),
     help="a Hugging Face model through transformers (OpenCLIP's HFTextEncoder: hf_model_name)",
 )
+
+
+def _build_text_transformer(embed_dim: int, text_cfg: dict, quick_gelu: bool) -> nn.Module:
+    tower_cfg = {k: v for k, v in text_cfg.items() if k not in TOKENIZER_KEYS}  # the tokenizer's (tokenizer.py)
+    return TextTransformer(embed_dim=embed_dim, quick_gelu=quick_gelu, **tower_cfg)
+
+
 TEXT_TOWERS.register(
     "transformer",
-    TextTowerKind(
-        lambda t: True,
-        lambda embed_dim, text_cfg, quick_gelu: TextTransformer(embed_dim=embed_dim, quick_gelu=quick_gelu, **text_cfg),
-        default=True,
-    ),
-    help="CLIP's causal text transformer (OpenCLIP's TextTransformer)",
+    TextTowerKind(lambda t: True, _build_text_transformer, default=True),
+    help="OpenCLIP's TextTransformer: CLIP's causal one, or bidirectional (SigLIP, CLIPA, MobileCLIP), its pooling",
 )
 
 

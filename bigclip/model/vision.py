@@ -6,6 +6,10 @@ norm on the pooled class token (OpenCLIP's `ln_post`), and no classifier head. W
 (OpenCLIP's vision_cfg key, or --layer-scale-init) every block scales both residual branches by a learned
 LayerScale (timm's `ls1`/`ls2`, OpenCLIP's `ls_1`/`ls_2`, parameter `gamma`) starting at that value.
 
+CLIPA's towers (OpenCLIP's vision_cfg keys): `no_ln_pre` drops the norm before the blocks; `pool_type` avg pools the
+mean of the patch tokens (class token left out) instead of the class token; `final_ln_after_pool` applies `ln_post`
+(timm's `norm`, the same name) to the pooled vector instead of every token (`_NormAfterPool`).
+
 CoCa's image tower (`attentional_pool`, OpenCLIP's key) pools differently: no norm after the blocks; an attentional
 pooler (`attn_pool`: learned queries attending over every token) maps the tokens to `attn_pooler_queries` vectors of
 embed_dim, `ln_post` normalises them, the first is the image feature (times `proj`) and the others are the image
@@ -49,8 +53,17 @@ class VisionTower(nn.Module):
         attn_pooler_heads: int = 8,
         attn_pooler_queries: int = 256,
         output_tokens: bool = False,
+        no_ln_pre: bool = False,
+        pool_type: str = "tok",
+        final_ln_after_pool: bool = False,
     ):
         super().__init__()
+        if pool_type not in POOL_TYPES:
+            raise ValueError(f"vision_cfg pool_type {pool_type!r}: bigclip builds {', '.join(POOL_TYPES)}")
+        # OpenCLIP ignores final_ln_after_pool under an attentional pooler, and so does bigclip
+        final_ln_after_pool = final_ln_after_pool and not attentional_pool
+        if final_ln_after_pool and output_tokens:
+            raise ValueError("vision_cfg final_ln_after_pool with output_tokens (CoCa) is not built yet")
         if attentional_pool not in (False, True):
             # OpenCLIP's "parallel" / "cascade" poolers (two poolers) are marked work in progress there.
             raise ValueError(f"attentional_pool {attentional_pool!r}: bigclip builds OpenCLIP's CoCa pooler (true)")
@@ -62,7 +75,9 @@ class VisionTower(nn.Module):
         self.mlp_ratio = mlp_ratio
         self.ls_init_value = ls_init_value
         self.output_tokens = output_tokens
-        self.trunk = VisionTransformer(
+        self.pool_type = pool_type
+        trunk_pool = "token" if pool_type == "tok" else "avg"  # timm's avg leaves the class token out, as OpenCLIP's
+        self.trunk = (_NormAfterPool if final_ln_after_pool else VisionTransformer)(
             img_size=self.image_size,
             patch_size=patch_size,
             embed_dim=width,
@@ -73,8 +88,9 @@ class VisionTower(nn.Module):
             pre_norm=True,
             # CoCa's pooler reads every token, and normalises after it instead; CoCa without a pooler (OpenCLIP's
             # coca_base) reads the normalised tokens beside the class token
-            global_pool="" if attentional_pool or output_tokens else "token",
+            global_pool="" if attentional_pool or output_tokens else trunk_pool,
             final_norm=not attentional_pool,
+            fc_norm=False,  # ln_post is timm's `norm` (timm would move it after an avg pool as `fc_norm`)
             num_classes=0,
             patch_drop_rate=patch_dropout,
             norm_layer=nn.LayerNorm,  # eps 1e-5 as in CLIP (timm's default is 1e-6)
@@ -86,6 +102,8 @@ class VisionTower(nn.Module):
             for block in self.trunk.blocks:
                 block.ls1 = LayerScale(width, init_values=ls_init_value)
                 block.ls2 = LayerScale(width, init_values=ls_init_value)
+        if no_ln_pre:  # (built with pre_norm all the same: it is what leaves the patch embedding without a bias)
+            self.trunk.norm_pre = nn.Identity()
         # Same names (blocks.{i}), plus per-block checkpointing that timm's flag cannot space out.
         self.trunk.blocks = BlockSequence(*self.trunk.blocks)
         if attentional_pool:
@@ -158,14 +176,28 @@ class VisionTower(nn.Module):
             pooled = self.trunk(images)
             tokens = None
         elif self.attn_pool is None:
-            x = self.trunk(images)  # every token after ln_post (global_pool="", no head): OpenCLIP's 'tok' pool
-            pooled, tokens = x[:, 0], x[:, 1:]
+            x = self.trunk(images)  # every token after ln_post (global_pool="", no head): OpenCLIP's _global_pool
+            pooled, tokens = (x[:, 0] if self.pool_type == "tok" else x[:, 1:].mean(dim=1)), x[:, 1:]
         else:
             # (the trunk's own forward, not forward_features: engines gather its parameters in its forward hooks)
             x = self.ln_post(self.attn_pool(self.trunk(images)))  # every token (global_pool="", no norm)
             pooled, tokens = x[:, 0], x[:, 1:]
         features = pooled @ self.proj
         return (features, tokens) if self.output_tokens else features
+
+
+# OpenCLIP's vision pool_type values bigclip builds (its "none", every token as the feature, is not one).
+POOL_TYPES = ("tok", "avg")
+
+
+class _NormAfterPool(VisionTransformer):
+    """timm's VisionTransformer with OpenCLIP's final_ln_after_pool: the tokens are pooled (timm's global_pool)
+    first, then normalised by `norm` (OpenCLIP's ln_post). The trunk's own forward, so engines' forward hooks on
+    the trunk (its class token and positional embedding) run as for the plain trunk."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
+        return self.norm(self.pool(self.blocks(x)))
 
 
 class AttentionalPooler(nn.Module):

@@ -6,4 +6,5 @@ and which code ran.
                      preflight)
     console.py       OpenCLIP-style console lines and out.log, every line with URLs redacted
     code_version.py  the git commit of the bigclip checkout that ran (params.yaml)
+    stack_dumps.py   `kill -USR2 <pid>` prints a stuck process's Python stacks (installed by launch/train.py)
 """
