@@ -110,6 +110,8 @@ def _run(cfg: TrainConfig, run: Sections, world: World) -> int:
         logger.info(line)
     if world.is_main and (slow := slow_precision_warning(resolve_precision(cfg.precision, world.device), world.device)):
         logger.warning(slow)
+    for line in run.idle_notes if world.is_main else ():  # OpenCLIP's flags set where they do nothing (idle)
+        logger.warning(line)
 
     seed_everything(cfg.seed)  # same initial weights on every rank
     model = build_model(run.model, run.engine, world)

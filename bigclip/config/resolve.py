@@ -35,11 +35,10 @@ def resolve(cli_values: dict[str, Any]) -> TrainConfig:
         values.update(DEMO_PRESET)
     values.update(explicit)
     _apply_selectors(values, explicit)
-    cfg = TrainConfig(**values, demo=demo)
+    cfg = TrainConfig(**values, demo=demo, given=tuple(sorted(explicit)))
     reject_unsupported(explicit)
     check_values(cfg)
-    refuse_where_inapplicable(cfg, explicit)
-    cfg.sections  # noqa: B018  (builds every component's slice: each checks its own rules)
+    cfg.sections  # noqa: B018  (builds every component's slice: each checks its own rules, idle flags included)
     return cfg
 
 
@@ -96,18 +95,6 @@ def check_values(cfg: TrainConfig) -> None:
         problem = check(value) if check is not None else None
         if problem:
             raise UserError(f"{flag_name(f.name)} {value!r}: {problem}")
-
-
-def refuse_where_inapplicable(cfg: TrainConfig, explicit: dict[str, Any]) -> None:
-    """A flag the user set (YAML or command line) to anything but its default, where its declared `applies` does
-    not hold, would do nothing: one line naming it and where it applies. Defaults and the demo preset's values
-    are not the user's, so they never trip this."""
-    for f in config_fields():
-        if f.name not in explicit or getattr(cfg, f.name) == default_of(f):
-            continue
-        for rule in f.metadata.get("applies", ()):
-            if not rule.when(cfg):
-                raise UserError(f"{_shown(f.name)}: only applies {rule.where}; {rule.fix}")
 
 
 def load_yaml(path: str) -> dict[str, Any]:

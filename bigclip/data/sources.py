@@ -27,6 +27,7 @@ from bigclip.data.sampler import ShardedBatchSampler
 from bigclip.data.skips import SkipCounter
 from bigclip.data.workers import worker_loader
 from bigclip.errors import UserError
+from bigclip.flag_fields import idle
 
 AUTO = "auto"  # --dataset-type auto: the kind the data value's extension names
 
@@ -170,16 +171,14 @@ def _reads(kind: str | None, name: str) -> bool:
 
 
 def check_source_flags(cfg: DataConfig) -> None:
-    """A data flag that some kind reads, set where no data of this run is read with it, is refused in one line
-    naming it and the data it applies to (it would do nothing); so are --train-data / --val-data where the data
-    is generated, and --val-data where the demo runs."""
+    """A data flag that some kind reads, set where no data of this run is read with it, is idle (flag_fields.idle:
+    OpenCLIP's warn, bigclip's are refused, in one line naming it and the data it applies to); so are
+    --train-data / --val-data where the data is generated. --val-data where the demo runs is refused: without
+    --train-data bigclip trains its embedded demo, where OpenCLIP would evaluate --val-data alone."""
     generated = reads_without_path(cfg.dataset_type)
     for name, value in (("train_data", cfg.train_data), ("val_data", cfg.val_data)):
         if value and generated:
-            raise UserError(
-                f"--{name.replace('_', '-')}: --dataset-type {cfg.dataset_type} makes its own data and reads no "
-                f"files; drop one of them"
-            )
+            idle(name, f"--dataset-type {cfg.dataset_type} makes its own data and reads no files", "drop one of them")
     if cfg.demo and cfg.val_data:
         raise UserError("--val-data: needs --train-data (without it the embedded demo runs, with its own validation)")
     in_use = data_in_use(cfg)
@@ -199,7 +198,7 @@ def check_source_flags(cfg: DataConfig) -> None:
         readers = [f"{_either(kinds_reading)}{role} data"] if kinds_reading else []
         readers += [who for who, reads in ((DEMO, DEMO_FLAGS), (ZEROSHOT, ZEROSHOT_FLAGS)) if name in reads]
         here = f"this run's{role} data is {' and '.join(kinds)}" if kinds else f"this run has no{role} data"
-        raise UserError(f"--{name.replace('_', '-')}: only applies to {_either(readers)}; {here}; drop the flag")
+        idle(name, f"only applies to {_either(readers)}; {here}")
 
 
 # -- helpers the kinds share

@@ -30,6 +30,7 @@ from bigclip.engine.ddp import DDPEngine
 from bigclip.engine.deepspeed import DeepSpeedEngine
 from bigclip.engine.fsdp import FSDPEngine
 from bigclip.errors import UserError
+from bigclip.flag_fields import idle
 from bigclip.memory import add_setup_source
 from bigclip.optim import optimizer_kind
 from bigclip.precision import resolve_precision
@@ -137,9 +138,9 @@ def memory_notes() -> list[str]:
 
 def apply_locks(model: nn.Module, cfg: EngineConfig) -> None:
     if cfg.lock_image_freeze_bn_stats and not has_batchnorm(model):
-        raise UserError(
-            "--lock-image-freeze-bn-stats: this model's image tower has no BatchNorm statistics to freeze (a ViT); "
-            "drop the flag"
+        idle(
+            "lock_image_freeze_bn_stats",
+            "only applies to an image tower with BatchNorm statistics (a ResNet), and this model's has none (a ViT)",
         )
     if cfg.lock_image:
         model.lock_image_tower(cfg.lock_image_unlocked_groups, cfg.lock_image_freeze_bn_stats)

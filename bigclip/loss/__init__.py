@@ -18,6 +18,7 @@ import dataclasses
 import torch.nn as nn
 
 from bigclip.errors import UserError
+from bigclip.flag_fields import idle
 from bigclip.loss.caption import CaptionLoss
 from bigclip.loss.clip import CLIP, CLIP_DIST_IMPLS, ClipLoss
 from bigclip.loss.distill import DistillClipLoss, TeacherOutputs
@@ -73,16 +74,14 @@ def check_loss(cfg: LossConfig) -> None:
     for name, other in LOSSES.items():
         for flag_name in other.flags if other is not family else ():
             if getattr(cfg, flag_name) and flag_name not in family.flags:
-                raise UserError(
-                    f"--{flag_name.replace('_', '-')}: only applies to {other.described_as} (--loss {name}); this "
-                    f"run trains with {family.described_as}; drop the flag"
+                idle(
+                    flag_name,
+                    f"only applies to {other.described_as} (--loss {name}); this run trains with {family.described_as}",
                 )
     if cfg.captioning is False:  # known not to caption (None: an hf-hub: config not fetched yet)
         for f in dataclasses.fields(cfg):
             if f.name.startswith("coca_") and getattr(cfg, f.name) != f.default:
-                raise UserError(
-                    f"--{f.name.replace('_', '-')}: only applies to a captioning model (CoCa); drop the flag"
-                )
+                idle(f.name, "only applies to a captioning model (CoCa)")
     if cfg.distill_model is not None and family is not CLIP:
         # OpenCLIP would silently train this model with the CLIP loss instead of its own.
         raise UserError(

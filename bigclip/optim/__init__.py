@@ -27,7 +27,16 @@ from timm.optim import create_optimizer_v2, get_optimizer_info
 from torch import nn
 
 from bigclip.errors import UserError
-from bigclip.flag_fields import TRAIN, Applies, flag, non_negative_number, optional, parse_key_values, unit_interval
+from bigclip.flag_fields import (
+    TRAIN,
+    Applies,
+    flag,
+    idle,
+    non_negative_number,
+    optional,
+    parse_key_values,
+    unit_interval,
+)
 from bigclip.optim.stableadamw import StableAdamW
 from bigclip.registry import Registry
 
@@ -170,9 +179,10 @@ def _lr_scales(model: nn.Module, cfg: OptimizerConfig) -> dict[int, float]:
         if depth_of is None:
             raise UserError(f"--{tower}-layer-decay: this model's {tower} tower has no layer groups")
         if tower == "text" and cfg.text_pooler_own_group and depth_of == layer_depths(True).get(tower):
-            raise UserError(
-                "--text-pooler-own-group: this model's text tower has no pooler layer (a Hugging Face tower's, as "
-                "BERT's under cls_pooler); drop the flag"
+            idle(
+                "text_pooler_own_group",
+                "only applies to a text tower with a pooler layer (a Hugging Face tower's, as BERT's under "
+                "cls_pooler), and this model's has none",
             )
         scales.update({param_id: decay**depth for param_id, depth in depth_of.items()})
     return scales
@@ -275,7 +285,7 @@ def check_optimizer(cfg: OptimizerConfig) -> None:
     taken = kind.takes(cfg)
     for name in ("beta1", "beta2", "eps", "momentum"):
         if getattr(cfg, name) is not None and name not in taken:
-            raise UserError(f"--{name}: --opt {cfg.opt} takes no {name}; drop the flag")
+            idle(name, f"--opt {cfg.opt} takes no {name}")
     if fallback_patterns(cfg) and not cfg.opt.startswith("timm/"):
         raise UserError(
             f"--opt-fallback-list: only Muon-family timm optimizers (e.g. --opt timm/muon) have a fallback; "
