@@ -1,10 +1,14 @@
-"""No silent no-ops: every flag of `bigclip --help`, under every engine, either acts or is refused in one line.
+"""No silent no-ops: every flag of `bigclip --help`, under every engine, either acts, or is refused in one line, or
+(OpenCLIP's flags only, which open_clip_train accepts there) is warned about in one line.
 
 The walk: for each registered engine and each flag the parser offers, a command line of the tiny model on
 synthetic data with that flag set to a value other than its default is resolved. Either
 
 - it is refused: a one-line UserError that names the flag (or a spelling of it); where the flag acts only beside
   others (CONTEXT), it must then act with them, unless it belongs to another engine; or
+- it is warned about: the run goes on and says one line naming the flag and "the flag does nothing in this run"
+  (flag_fields.idle), and the flag is one of OpenCLIP's (flag_fields.OPENCLIP_FLAGS, checked against
+  open_clip_train's own parser); where it acts only beside others, it must then act with them; or
 - it acts: against the same command line without the flag, the flag's value reaches a field of the typed slices
   (config/sections.py) the run hands its components, and that field is read by the code that runs under this
   engine (an attribute load outside validation: `check*` and `describe*` functions do not count; for the
@@ -13,12 +17,16 @@ synthetic data with that flag set to a value other than its default is resolved.
 
 Behaviour under each engine is the engines' tests' business (tests/test_engine_multiprocess.py trains every engine
 with the shared flags against DDP); this walk proves no flag is parsed and then read by nothing, or read only by
-some engines while the others stay silent. A second walk crosses the data flags with the kinds of data.
+some engines while the others stay silent. A second walk crosses the data flags with the kinds of data; a third
+resolves every command line of OpenCLIP's documentation (../shared/seeds) and asserts none is refused by these rules.
 """
 
 import ast
 import dataclasses
+import logging
 import os
+import shlex
+import tarfile
 
 import pytest
 from helpers import REPO
@@ -30,7 +38,7 @@ from bigclip.config.sections import Sections
 from bigclip.data import DATA_SOURCES
 from bigclip.engine import ENGINES, Engine
 from bigclip.errors import UserError
-from bigclip.flag_fields import default_of
+from bigclip.flag_fields import IDLE, OPENCLIP_FLAGS, default_of, is_openclip_flag
 from bigclip.loss import LOSSES
 
 PACKAGE = os.path.join(REPO, "bigclip")
@@ -273,9 +281,10 @@ def _differences(on: Sections, off: Sections) -> set[str]:
 
 
 def outcome(name: str, value, engine: str, extra: dict, reads: set[str]) -> tuple[str, str]:
-    """('refused', the line) or ('acts', the field that carries it) for `name`=`value` under `engine` beside
-    `extra`; fails the test where the flag is accepted and reaches nothing the run reads, or is refused in more
-    than one line or without being named."""
+    """('refused', the line), ('warned', the line) or ('acts', the field that carries it) for `name`=`value` under
+    `engine` beside `extra`; fails the test where the flag is accepted and reaches nothing the run reads without a
+    warning, is refused or warned about in more than one line or without being named, or warned about though it is
+    not one of OpenCLIP's."""
     spellings = parser_flags()[name]
     selector = _selectors().get(name)
     select = SELECT[engine]
@@ -288,6 +297,11 @@ def outcome(name: str, value, engine: str, extra: dict, reads: set[str]) -> tupl
         assert "\n" not in refused, (name, engine, refused)
         assert any(s in refused for s in spellings), f"{name} under {engine} refused without naming it: {refused}"
         return "refused", refused
+    warned = [line for line in cfg.sections.idle_notes if any(line.startswith(sp + ":") for sp in spellings)]
+    if warned:
+        assert len(warned) == 1 and "\n" not in warned[0] and warned[0].endswith(IDLE), (name, engine, warned)
+        assert is_openclip_flag(name), f"{name} under {engine}: warned, but only OpenCLIP's flags may be: {warned}"
+        return "warned", warned[0]
     if name == "engine":
         off_flags["engine"] = next(n for n, _ in ENGINES.items() if n != value)
     off, refused = _resolve(off_flags)
@@ -332,9 +346,10 @@ def test_every_flag_acts_or_is_refused_under_every_engine(matrix):
     flags = parser_flags()
     for engine, _ in ENGINES.items():
         alone = [matrix[engine, name][0][0] for name in flags]
-        acted, refused = alone.count("acts"), alone.count("refused")
-        print(f"{engine}: {len(flags)} flags, alone {acted} act and {refused} are refused")
-        assert acted + refused == len(flags) and acted > len(flags) // 2
+        acted, refused, warned = alone.count("acts"), alone.count("refused"), alone.count("warned")
+        print(f"{engine}: {len(flags)} flags, alone {acted} act, {refused} are refused and {warned} warned about")
+        assert acted + refused + warned == len(flags) and acted > len(flags) // 2
+        assert all(is_openclip_flag(name) for name in flags if matrix[engine, name][0][0] == "warned")
 
 
 def test_every_flag_acts_somewhere(matrix):
@@ -404,11 +419,15 @@ def test_data_flags_act_only_on_the_data_that_reads_them(files):
             extra |= {"dataset_resampled": True} if name == "train_data_upsampling_factors" else {}
             extra = extra if name in reads else {}  # (where the flag is refused, so would be what it needs)
             cfg, refused = _resolve({**flags, **extra, name: value})
+            shown = f"--{name.replace('_', '-')}"
             if name in reads:
                 assert refused is None, (kind, name, refused)
-                assert getattr(cfg.sections.data, name) == value
+                assert getattr(cfg.sections.data, name) == value and not cfg.sections.idle_notes
+            elif is_openclip_flag(name):  # OpenCLIP's: the run goes on, saying once that it does nothing
+                assert refused is None, (kind, name, refused)
+                assert [n.startswith(shown + ":") and n.endswith(IDLE) for n in cfg.sections.idle_notes] == [True]
             else:
-                assert refused is not None and refused.startswith(f"--{name.replace('_', '-')}"), (kind, name, refused)
+                assert refused is not None and refused.startswith(shown), (kind, name, refused)
                 assert "\n" not in refused
     for kind, source in DATA_SOURCES.items():
         module = os.path.join(PACKAGE, *source.build.__module__.split(".")[1:]) + ".py"
@@ -420,10 +439,13 @@ def test_data_flags_act_only_on_the_data_that_reads_them(files):
     assert set(TRAIN_ONLY) | set(VAL_ONLY) <= claimed
 
 
+CSV = os.path.join(REPO, "tests", "no-such.csv")  # (a path the data checks read only where the run starts)
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
-        # a flag that another one overrides or bypasses, under the engine that has both
+        # a flag that another one overrides or bypasses, under the engine that has both: bigclip's own are refused
         (
             {"engine": "fsdp", "fsdp_hybrid": True, "fsdp_replicate_degree": 2},
             "--fsdp-replicate-degree 2: --fsdp-hybrid",
@@ -445,15 +467,45 @@ def test_data_flags_act_only_on_the_data_that_reads_them(files):
             {"precision": "pure_bf16", "opt": "nadamw", "bf16_round_to_nearest": True},
             "--bf16-round-to-nearest: --opt nadamw always",
         ),
+        ({"loss_impl": "naive", "loss_dist_impl": "ring"}, "--loss-dist-impl ring: --loss-impl naive (OpenCLIP's"),
+        ({"storage_timeout": 5.0}, "--storage-timeout: only applies with a remote store"),
+        ({"dataset_type": None, "val_data": "x.csv"}, "--val-data: needs --train-data"),
+        ({"dataset_type": None, "train_data": "s3://b/s-0.tar", "shard_prefetch_mb": 8, "train_num_samples": 8}, None),
+        ({"dataset_type": None, "train_data": "/data/s-0.tar", "shard_prefetch_mb": 8}, "--shard-prefetch-mb: only"),
+    ],
+)
+def test_bigclips_flags_that_another_flag_makes_idle_are_refused(flags, message):
+    """Beyond one flag at a time: a flag of bigclip's own that the run's other flags override, bypass or make
+    meaningless is refused in one line naming it (None: the combination is one where it acts)."""
+    cfg, refused = _resolve({**BASE, **flags})
+    if message is None:
+        assert refused is None and not cfg.sections.idle_notes, refused
+        return
+    assert refused is not None and refused.startswith(message), refused
+    assert "\n" not in refused
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # OpenCLIP accepts each of these and does nothing with the flag: bigclip runs them and says so once
         ({"skip_scheduler": True, "warmup": 5}, "--warmup: only applies without --skip-scheduler"),
         ({"skip_scheduler": True, "lr_scheduler": "const"}, "--lr-scheduler: only applies without --skip-scheduler"),
+        ({"zeroshot_frequency": 1}, "--zeroshot-frequency: only applies with --imagenet-val or --imagenet-v2"),
+        ({"val_frequency": 2}, "--val-frequency: only applies with validation data"),
+        (
+            {"dataset_type": "csv", "train_data": "{csv}", "train_num_samples": 100},
+            "--train-num-samples: only applies to synthetic or webdataset training data; this run's training data "
+            "is csv",
+        ),
+        ({"lock_image_unlocked_groups": 2}, "--lock-image-unlocked-groups: only applies with --lock-image"),
         (
             {"torchcompile": True, "torchcompile_backend": "aot_eager", "torchcompile_mode": "max-autotune"},
             "--torchcompile-mode: only applies with torch.compile's inductor backend",
         ),
         ({"siglip": True, "local_loss": True}, "--local-loss: only applies to the CLIP loss (--loss clip)"),
         ({"loss": "siglip", "gather_with_grad": True}, "--gather-with-grad: only applies to the CLIP loss"),
-        ({"loss_impl": "naive", "loss_dist_impl": "ring"}, "--loss-dist-impl ring: --loss-impl naive (OpenCLIP's"),
+        ({"coca_caption_loss_weight": 1.0}, "--coca-caption-loss-weight: only applies to a captioning model"),
         ({"opt": "timm/sgd", "beta1": 0.8}, "--beta1: --opt timm/sgd takes no beta1"),
         ({"opt": "timm/adamw", "momentum": 0.8}, "--momentum: --opt timm/adamw takes no momentum"),
         ({"val_retrieval_precision": "model"}, "--val-retrieval-precision: only applies with validation data"),
@@ -461,25 +513,52 @@ def test_data_flags_act_only_on_the_data_that_reads_them(files):
             {"val_num_samples": 8, "precision": "fp32", "val_retrieval_precision": "model"},
             "--val-retrieval-precision: only applies where the model computes in 16 bits",
         ),
-        ({"dataset_type": None, "val_data": "x.csv"}, "--val-data: needs --train-data"),
-        ({"dataset_type": None, "train_data": "s3://b/s-0.tar", "shard_prefetch_mb": 8, "train_num_samples": 8}, None),
-        ({"dataset_type": None, "train_data": "/data/s-0.tar", "shard_prefetch_mb": 8}, "--shard-prefetch-mb: only"),
+        ({"remote_sync_frequency": 60}, "--remote-sync-frequency: only applies with --remote-sync"),
+        ({"wandb_project_name": "p"}, "--wandb-project-name: only applies with --report-to wandb"),
+        ({"train_data": "{csv}"}, "--train-data: --dataset-type synthetic makes its own data"),
     ],
 )
-def test_flags_that_another_flag_makes_idle_are_refused(flags, message):
-    """Beyond one flag at a time: a flag the run's other flags override, bypass or make meaningless is refused in one
-    line naming it (None: the combination is one where it acts)."""
+def test_openclips_flags_that_another_flag_makes_idle_run_with_one_warning(flags, message, files):
+    """The same for OpenCLIP's flags: open_clip_train accepts these command lines, so bigclip runs them, with one
+    warning line naming the flag and where it applies (said at the run's start), not a refusal and not silence."""
+    flags = {k: files["csv"] if v == "{csv}" else v for k, v in flags.items()}
     cfg, refused = _resolve({**BASE, **flags})
-    if message is None:
-        assert refused is None, refused
-        return
-    assert refused is not None and refused.startswith(message), refused
-    assert "\n" not in refused
+    assert refused is None, refused
+    assert len(cfg.sections.idle_notes) == 1, cfg.sections.idle_notes
+    note = cfg.sections.idle_notes[0]
+    assert note.startswith(message) and note.endswith(IDLE) and "\n" not in note, note
 
 
-def test_flags_the_model_makes_idle_are_refused_where_it_is_built():
+def test_defaults_and_the_demo_preset_never_warn():
+    """What the user did not type never trips a rule: OpenCLIP's defaults (--zeroshot-frequency 2, --val-frequency
+    1, --warmup 10000) without ImageNet, validation data or a schedule, and the demo preset's own values; nor does
+    a flag set to its default value."""
+    assert resolve({**BASE, "skip_scheduler": True}).sections.idle_notes == ()
+    assert resolve({}).sections.idle_notes == ()  # the demo
+    typed = {**BASE, "zeroshot_frequency": 2, "val_frequency": 1, "warmup": 10000, "skip_scheduler": True}
+    assert resolve(typed).sections.idle_notes == ()
+
+
+def test_openclip_flags_are_open_clip_trains():
+    """OPENCLIP_FLAGS (what may warn instead of being refused) holds every flag of the installed open_clip_train's
+    parser and names only flags OpenCLIP has: those of main's params.py (tests/test_config.py's list) or of the
+    installed release; bigclip's own flags (--engine, --loss-impl, --storage-options, ...) are not in it."""
+    import inspect
+    import re
+
+    from open_clip_train import params
+    from test_config import OPENCLIP_MAIN_FLAGS
+
+    installed = set(re.findall(r'"--([a-z0-9-]+)"', inspect.getsource(params.parse_args)))
+    assert installed and installed <= OPENCLIP_FLAGS
+    assert OPENCLIP_FLAGS == set(OPENCLIP_MAIN_FLAGS) | installed
+    assert not {"engine", "loss-impl", "storage-options", "shard-prefetch-mb", "keep-last-k"} & OPENCLIP_FLAGS
+
+
+def test_flags_the_model_makes_idle_are_warned_about_where_it_is_built(caplog):
     """What only the built model can tell: BatchNorm to synchronise or freeze, a text pooler to group on its own
-    (a ViT and a plain text tower have neither)."""
+    (a ViT and a plain text tower have neither). These are OpenCLIP's flags, which it accepts on any model: the run
+    goes on and says one line each where the model is built."""
     from bigclip import optim
     from bigclip.dist import World
     from bigclip.engine import apply_locks
@@ -488,13 +567,83 @@ def test_flags_the_model_makes_idle_are_refused_where_it_is_built():
     from bigclip.model import create_model
 
     assert has_batchnorm(create_model("RN50", device="meta")) and not has_batchnorm(create_model("test-tiny"))
+    caplog.set_level(logging.WARNING, logger="bigclip")
     cfg = resolve({**BASE, "use_bn_sync": True}).sections
-    with pytest.raises(UserError, match="--use-bn-sync: this model has no BatchNorm layers"):
-        DDPEngine(cfg.engine, create_model("test-tiny"), World())
+    DDPEngine(cfg.engine, create_model("test-tiny"), World())
     cfg = resolve({**BASE, "lock_image": True, "lock_image_freeze_bn_stats": True}).sections
-    with pytest.raises(UserError, match="--lock-image-freeze-bn-stats: this model's image tower has no BatchNorm"):
-        apply_locks(create_model("test-tiny"), cfg.engine)
+    apply_locks(create_model("test-tiny"), cfg.engine)
     cfg = resolve({**BASE, "text_layer_decay": 0.8, "text_pooler_own_group": True}).sections
-    with pytest.raises(UserError, match="--text-pooler-own-group: this model's text tower has no pooler layer"):
-        optim.param_groups(create_model("test-tiny"), cfg.optimizer)
+    assert optim.param_groups(create_model("test-tiny"), cfg.optimizer)
     assert optim.param_groups(create_model("test-tiny"), resolve({**BASE, "text_layer_decay": 0.8}).sections.optimizer)
+    said = [r.getMessage() for r in caplog.records]
+    assert [line.split(":")[0] for line in said] == [
+        "--use-bn-sync",
+        "--lock-image-freeze-bn-stats",
+        "--text-pooler-own-group",
+    ], said
+    assert all(line.endswith(IDLE) and "\n" not in line for line in said)
+
+
+def _seed_command_lines() -> list[tuple[str, str]]:
+    """(NNN:line, its flags) of tests/openclip_command_lines.txt: every open_clip_train command line of OpenCLIP's
+    documentation (../shared/seeds), its paths placeholders for the fixtures below."""
+    with open(os.path.join(REPO, "tests", "openclip_command_lines.txt")) as f:
+        rows = [line.rstrip("\n").partition(" ") for line in f if line.strip() and not line.startswith("#")]
+    return [(where, flags) for where, _, flags in rows]
+
+
+SEED_COMMAND_LINES = _seed_command_lines()
+# What bigclip says of them, one warning line each where a flag does nothing here (all else: nothing):
+# 002:225 is --use-bn-sync alone, so the embedded demo's ViT, which has no BatchNorm (said where it is built).
+SEED_WARNINGS = {"002:225": ["--use-bn-sync: only applies to a model with BatchNorm layers"]}
+# and the same lines as they are also run: without the ImageNet folder at hand, and OpenCLIP's own training tests'
+# flag list (its tests/test_training_simple.py), which names none
+SEED_VARIANTS = [
+    ("000:110 without --imagenet-val", dict(SEED_COMMAND_LINES)["000:110"].replace(" --imagenet-val {imagenet}", "")),
+    ("OpenCLIP's test_training_simple", "--save-frequency 1 --zeroshot-frequency 1 --dataset-type synthetic "
+     "--train-num-samples 16 --warmup 1 --batch-size 4 --lr 1e-3 --wd 0.1 --epochs 1 --workers 2 --model RN50"),
+]  # fmt: skip
+SEED_WARNINGS |= {
+    name: ["--zeroshot-frequency: only applies with --imagenet-val or --imagenet-v2"] for name, _ in SEED_VARIANTS
+}
+
+
+@pytest.fixture(scope="module")
+def seed_files(files):
+    """The fixtures the seed lines' paths become: two empty WebDataset shards, besides `files`'."""
+    root = files["dir"]
+    for i in range(2):
+        tarfile.open(os.path.join(root, f"shard-{i:04d}.tar"), "w").close()
+    os.makedirs(os.path.join(root, "ckpt"), exist_ok=True)
+    return {"shards": os.path.join(root, "shard-{0000..0001}.tar"), "csv": files["csv"], "imagenet": files["imagenet"],
+            "logs": os.path.join(root, "logs"), "ckpt": os.path.join(root, "ckpt")}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "where, line", SEED_COMMAND_LINES + SEED_VARIANTS, ids=[w for w, _ in SEED_COMMAND_LINES + SEED_VARIANTS]
+)
+def test_every_seed_command_line_runs_unrefused(where, line, seed_files, caplog):
+    """Each command line of OpenCLIP's documentation resolves through the parser and validation launch/train.py
+    uses (cli_args.parse_train_args): none is refused; a flag that does nothing here is warned about in one line.
+    Where the line trains the embedded demo's tiny model, the model and engine are built too, as the run builds
+    them, for the rules only the built model can tell."""
+    from bigclip.build import build_model
+    from bigclip.cli_args import parse_train_args
+    from bigclip.dist import World
+    from bigclip.engine import build_engine
+
+    argv = shlex.split(line.format(**seed_files))
+    try:
+        cfg, _ = parse_train_args(argv)
+    except UserError as e:
+        pytest.fail(f"{where}: refused: {e}")
+    said = list(cfg.sections.idle_notes)
+    if cfg.demo:
+        caplog.set_level(logging.WARNING, logger="bigclip")
+        world = World()
+        run = cfg.sections
+        build_engine(run.engine, build_model(run.model, run.engine, world), world)
+        said += [r.getMessage() for r in caplog.records if r.getMessage().endswith(IDLE)]
+    expected = SEED_WARNINGS.get(where, [])
+    assert len(said) == len(expected) and all(map(str.startswith, said, expected)), said
+    assert all(line.endswith(IDLE) and "\n" not in line for line in said)
