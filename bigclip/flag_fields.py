@@ -35,6 +35,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
+
 from bigclip.errors import UserError
 from bigclip.registry import Registry
 
@@ -158,8 +160,6 @@ def idle(name: str, where: str, fix: str = "drop the flag", shown: str | None = 
 
 
 def _main_process() -> bool:
-    import torch.distributed as dist  # (lazily: flag declarations need no torch)
-
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
