@@ -16,6 +16,7 @@ from torch import nn
 
 from bigclip.config.sections import Sections, recheck_model
 from bigclip.data import DataConfig, get_data, image_transform
+from bigclip.data.aug_cfg import validate_aug_cfg
 from bigclip.dist import World, raise_together
 from bigclip.engine import EngineConfig, build_engine
 from bigclip.engine import build_model as engine_build_model
@@ -179,16 +180,23 @@ def build_transforms(model: ModelConfig, data: DataConfig, normalize_at: str = "
     """(train transform, eval transform, geometry {'size', 'mean', 'std'}) for the model and the image flags.
     `normalize_at`: where reduced/device training images are normalised (data/pixels.py's NORMALIZE_AT): by the
     transform, into the loader's batch, or where the training loop moves the 8-bit batch (PixelBatch)."""
-    pp = preprocess_cfg(model.model, model.image_size, cache_dir=model.cache_dir)
+    pp = preprocess_cfg(model.model, model.image_size, cache_dir=model.cache_dir, pretrained=model.pretrained)
     mean = tuple(data.image_mean) if data.image_mean else pp["mean"]
     std = tuple(data.image_std) if data.image_std else pp["std"]
     mean, std = (mean * 3 if len(mean) == 1 else mean), (std * 3 if len(std) == 1 else std)
     interpolation = data.image_interpolation or pp["interpolation"]
     resize_mode = data.image_resize_mode or pp["resize_mode"]
+    # OpenCLIP's training crop resamples bicubic whatever the model's interpolation (its image_transform passes
+    # none to RandomResizedCrop; timm's transforms, use_timm, get it); bigclip does the same unless
+    # --image-interpolation asks otherwise.
+    uses_timm = bool(validate_aug_cfg(data.aug_cfg).get("use_timm"))
+    train_interpolation = data.image_interpolation or (interpolation if uses_timm else "bicubic")
     preprocess_train = image_transform(
-        pp["size"], True, mean, std, interpolation, resize_mode, data.aug_cfg, data.image_decode, normalize_at
+        pp["size"], True, mean, std, train_interpolation, resize_mode, data.aug_cfg, data.image_decode, normalize_at
     )
-    preprocess_val = image_transform(pp["size"], False, mean, std, interpolation, resize_mode, None, data.image_decode)
+    preprocess_val = image_transform(
+        pp["size"], False, mean, std, interpolation, resize_mode, None, data.image_decode, fill_color=pp["fill_color"]
+    )
     return preprocess_train, preprocess_val, {"size": pp["size"], "mean": mean, "std": std}
 
 

@@ -138,7 +138,7 @@ def test_local_dir_round_trips_with_open_clip(which, vit_dir, timm_dir):
     assert_same_embeddings(ours, exported, size, name)
     # The file's preprocess_cfg and OpenCLIP's tokenizer for the name.
     pp = preprocess_cfg(name)
-    assert pp == {**PREPROCESS, "size": (size, size)}
+    assert pp == {**PREPROCESS, "size": (size, size), "fill_color": 0}
     theirs_pp = theirs.visual.preprocess_cfg
     assert {k: tuple(v) if isinstance(v, list) else v for k, v in theirs_pp.items() if k in PREPROCESS} == PREPROCESS
     assert torch.equal(get_tokenizer(name)(TEXTS), open_clip.get_tokenizer(name)(TEXTS))
@@ -190,7 +190,7 @@ def test_hf_hub_from_a_hand_built_cache_offline(vit_dir, tmp_path, offline):
     ours = build_model(cfg.sections.model, cfg.sections.engine, World()).eval()
     assert_same_embeddings(ours, theirs, 32, f"local-dir:{directory}")
     assert get_model_config(name, cache_dir=cache) == VIT_CFG
-    assert preprocess_cfg(name, cache_dir=cache) == {**PREPROCESS, "size": (32, 32)}
+    assert preprocess_cfg(name, cache_dir=cache) == {**PREPROCESS, "size": (32, 32), "fill_color": 0}
     tokens = get_tokenizer(name, cache_dir=cache)(TEXTS)
     assert torch.equal(tokens, open_clip.get_tokenizer(name, cache_dir=cache)(TEXTS))
     # An empty cache with downloads off: validation reads only the cache (the name's form here); the build, which

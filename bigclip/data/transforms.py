@@ -3,7 +3,10 @@
 Follows OpenCLIP's `image_transform`: training uses RandomResizedCrop over the --aug-cfg scale range
 (or timm's create_transform with use_timm=true); evaluation resizes by --image-resize-mode and
 centre-crops. Two deliberate extensions: `ratio` and `--image-interpolation` are honoured on the
-plain torchvision training path too (OpenCLIP ignores them there).
+plain torchvision training path too (OpenCLIP ignores them there; build.py hands the training crop bicubic, as
+OpenCLIP's, unless the flag is given). With full decoding an image is resized and cropped in the mode it was opened
+in and converted to RGB last, step for step as OpenCLIP's transforms, which matters for RGBA (resampled with its
+alpha premultiplied) and palette images (PIL resizes those nearest): tests/test_preprocess_parity.py, every family.
 
 Reduced decoding (--image-decode reduced, the default): a transform's first step receives the image undecoded (a
 JPEG as data/decode.py's Jpeg, whose header libjpeg-turbo read; anything else as PIL opened it) and decodes a JPEG
@@ -194,8 +197,10 @@ class ReducedResize:
         width, height = image.size
         side = min(width, height)
         factor = _largest_factor(side, side, self.shortest, self.shortest)
-        decoded, scale = decode_reduced(image, factor)
-        image = _as_pil(decoded)
+        if factor == 1 or image.format != "JPEG":  # nothing to reduce: OpenCLIP's resize, in the image's own mode
+            return T.functional.resize(decoded(image), self.shortest, interpolation=self.interpolation)
+        pixels, scale = decode_reduced(image, factor)
+        image = _as_pil(pixels)
         if scale == 1.0:
             return T.functional.resize(image, self.shortest, interpolation=self.interpolation)
         long = int(self.shortest * max(width, height) / side)  # torchvision's rule for Resize(int)
@@ -214,7 +219,9 @@ def _pair_size(image_size: int | Sequence[int]) -> tuple[int, int]:
 
 
 class ResizeKeepRatio:
-    """Scale so the image covers the target (`longest=False`) or fits inside it (`longest=True`)."""
+    """Scale so the image covers the target (`longest=False`) or fits inside it (`longest=True`): OpenCLIP's
+    ResizeKeepRatio, its arithmetic too (divide by the ratio of source to target, then round), so that a side
+    landing on .5 rounds as OpenCLIP's does."""
 
     def __init__(self, size: tuple[int, int], longest: bool, interpolation: InterpolationMode):
         self.size = size
@@ -223,13 +230,45 @@ class ResizeKeepRatio:
 
     def __call__(self, image: Image.Image) -> Image.Image:
         width, height = image.size
-        ratios = (self.size[0] / height, self.size[1] / width)
-        scale = min(ratios) if self.longest else max(ratios)
-        new_size = [max(1, round(height * scale)), max(1, round(width * scale))]
+        ratios = (height / self.size[0], width / self.size[1])
+        ratio = max(ratios) if self.longest else min(ratios)
+        new_size = [round(height / ratio), round(width / ratio)]
         return T.functional.resize(image, new_size, interpolation=self.interpolation)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(size={self.size}, longest={self.longest})"
+
+
+class CenterCropOrPad:
+    """torchvision's CenterCrop (the same padding split and crop offsets), padding with `fill` (OpenCLIP's
+    fill_color, in every band) where the image is smaller: 'longest' letterboxing."""
+
+    def __init__(self, size: tuple[int, int], fill: int = 0):
+        self.size, self.fill = size, fill
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        width, height = image.size
+        crop_height, crop_width = self.size
+        if crop_width > width or crop_height > height:
+            padding = [
+                max(crop_width - width, 0) // 2,
+                max(crop_height - height, 0) // 2,
+                (max(crop_width - width, 0) + 1) // 2,
+                (max(crop_height - height, 0) + 1) // 2,
+            ]
+            image = T.functional.pad(image, padding, fill=self.fill)
+        return T.functional.center_crop(image, list(self.size))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(size={self.size}, fill={self.fill})"
+
+
+def decoded(image: Image.Image | Jpeg) -> Image.Image:
+    """A PIL image: a Jpeg decoded (RGB), anything else as it is, in its own mode. OpenCLIP resizes and crops an
+    image in the mode it was opened in and converts to RGB last (an RGBA image is resampled with its alpha
+    premultiplied, so the colour of transparent pixels does not bleed in); the full-decoding transforms do the same,
+    step for step, and end with `to_rgb`."""
+    return to_rgb(image) if isinstance(image, Jpeg) else image
 
 
 def _random_resized_crop(size, scale, ratio, interpolation: str, reduced: bool) -> Any:
@@ -300,13 +339,15 @@ def image_transform(
     aug_cfg: dict | list | None = None,
     decode: str = "full",
     normalize_at: str = "image",
+    fill_color: int = 0,
 ):
     """A callable PIL.Image -> FloatTensor[3, H, W]. `aug_cfg` is a dict or key=value strings. decode="reduced":
     given an image PIL has opened but not decoded, a JPEG is decoded at reduced scale where the output allows;
     "device": a DeviceDecodeTransform, which ships JPEGs to be decoded on the training device.
     `normalize_at` (training, reduced/device; data/pixels.py's NORMALIZE_AT): "image", the transform's output is the
     float image; "batch" or "device" (what a run's loader uses, on a CPU or a GPU), 8-bit Pixels, which the loader
-    normalises into its batch or batches as a PixelBatch, normalised by its `.to(device, dtype)`."""
+    normalises into its batch or batches as a PixelBatch, normalised by its `.to(device, dtype)`.
+    `fill_color`: what evaluation's 'longest' resize pads with (OpenCLIP's PreprocessCfg.fill_color)."""
     if decode not in DECODE_MODES:
         raise UserError(f"--image-decode {decode}: choose one of {', '.join(DECODE_MODES)}")
     reduced = decode in ("reduced", "device")
@@ -329,7 +370,7 @@ def image_transform(
         if unused:
             logger.warning(f"--aug-cfg {', '.join(unused)} need use_timm=true; ignored")
         crop = _random_resized_crop(size, aug.get("scale") or (0.9, 1.0), aug.get("ratio"), interpolation, reduced)
-        steps = [crop] if reduced else [to_rgb, crop]
+        steps = [crop] if reduced else [decoded, crop, to_rgb]
         # (reduced: jitter and grayscale work on the crop's uint8 tensor, as torchvision's tensor versions do)
         if aug.get("color_jitter") is not None:
             steps.append(T.RandomApply([_color_jitter(aug["color_jitter"])], p=aug.get("color_jitter_prob") or 1.0))
@@ -351,15 +392,18 @@ def image_transform(
         # zero-shot numbers, would differ from OpenCLIP's by a pixel's shift.
         if reduced:
             resize = [ReducedResize(size[0], mode), T.CenterCrop(size)]
-            cpu = _undecoded_ok(T.Compose([*resize, T.ToTensor(), normalize]))
+            cpu = _undecoded_ok(T.Compose([*resize, to_rgb, T.ToTensor(), normalize]))
             if decode == "device":
                 return DeviceDecodeTransform(cpu, OutputGeometry(size, mean, std, shortest=size[0]), interpolation=mode)
             return cpu
         resize = [T.Resize(size[0], interpolation=mode), T.CenterCrop(size)]
+    elif resize_mode == "shortest":
+        # OpenCLIP's ResizeKeepRatio(image_size) for a non-square target: bicubic whatever the interpolation (its
+        # image_transform passes none there), kept so that the pixels are OpenCLIP's.
+        resize = [ResizeKeepRatio(size, longest=False, interpolation=InterpolationMode.BICUBIC), T.CenterCrop(size)]
     else:
-        # CenterCrop pads with black where the resized image is smaller ('longest' letterboxing).
-        resize = [ResizeKeepRatio(size, longest=resize_mode == "longest", interpolation=mode), T.CenterCrop(size)]
-    return _undecoded_ok(T.Compose([to_rgb, *resize, T.ToTensor(), normalize]))
+        resize = [ResizeKeepRatio(size, longest=True, interpolation=mode), CenterCropOrPad(size, fill_color)]
+    return _undecoded_ok(T.Compose([decoded, *resize, to_rgb, T.ToTensor(), normalize]))
 
 
 def _undecoded_ok(transform: T.Compose) -> T.Compose:

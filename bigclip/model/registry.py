@@ -13,8 +13,9 @@ OpenCLIP's two schemas.
                             the file is fetched into it where the model is built (build.py: once per node) or
                             ahead of a run by `bigclip fetch`
 
-A schema's image preprocessing is OpenCLIP's defaults (OpenAI mean/std, bicubic, shortest-side resize) with the
-file's preprocess_cfg on top, as open_clip.create_model merges them.
+A model's image preprocessing is OpenCLIP's defaults (OpenAI mean/std, bicubic, shortest-side resize) with a
+schema's preprocess_cfg, or a --pretrained tag's entry in OpenCLIP's registry, on top, as open_clip.create_model
+merges them (preprocess_cfg).
 """
 
 from __future__ import annotations
@@ -39,7 +40,13 @@ PREPROCESS_KEYS = ("image_mean", "image_std")
 # OpenCLIP's PreprocessCfg defaults: what a schema's preprocess_cfg is merged onto.
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
-_PREPROCESS_DEFAULTS = {"mean": OPENAI_MEAN, "std": OPENAI_STD, "interpolation": "bicubic", "resize_mode": "shortest"}
+_PREPROCESS_DEFAULTS = {
+    "mean": OPENAI_MEAN,
+    "std": OPENAI_STD,
+    "interpolation": "bicubic",
+    "resize_mode": "shortest",
+    "fill_color": 0,
+}
 
 
 @cache
@@ -268,28 +275,44 @@ def _pair(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
 
 
 def preprocess_cfg(
-    model_name: str, image_size: int | tuple[int, int] | None = None, cache_dir: str | None = None
+    model_name: str,
+    image_size: int | tuple[int, int] | None = None,
+    cache_dir: str | None = None,
+    pretrained: str | None = None,
 ) -> dict:
-    """What the data side needs to build image transforms for `model_name`.
+    """What the data side needs to build image transforms for `model_name`: size, mean, std, interpolation,
+    resize_mode, fill_color, as open_clip.create_model settles them.
 
-    `size` is (height, width); `image_size` overrides the architecture's (--force-image-size). A schema's
-    preprocess_cfg (mean, std, interpolation, resize_mode) is merged onto OpenCLIP's defaults.
+    OpenCLIP's PreprocessCfg defaults (OpenAI mean/std, bicubic, shortest-side resize, black fill), then a schema's
+    preprocess_cfg or a bigclip config's image_mean/image_std, then a pretrained tag's own preprocessing
+    (`pretrained`: OpenCLIP's registry entry for the tag, e.g. SigLIP's squash resize and 0.5 mean/std, CLIPA's and
+    PE's bilinear squash, MobileCLIP's 0/1 normalisation: what the weights were trained with; a weights file or
+    None adds nothing, as in OpenCLIP). `size` is (height, width): the tower's image size (224 where the config
+    names none, OpenCLIP's default); `image_size` overrides it (--force-image-size).
     """
+    out = dict(_PREPROCESS_DEFAULTS)
     if is_schema_name(model_name):
         source = open_clip_config(model_name, cache_dir)
         vision = source["model_cfg"]["vision_cfg"]
-        out = dict(_PREPROCESS_DEFAULTS)
         out.update({k: v for k, v in source["preprocess_cfg"].items() if k in _PREPROCESS_DEFAULTS and v is not None})
-        size = image_size if image_size is not None else vision.get("image_size", 224)  # OpenCLIP's default
-        return {**out, "size": _pair(size), "mean": tuple(out["mean"]), "std": tuple(out["std"])}
-    vision = get_model_config(model_name)["vision_cfg"]
-    return {
-        "size": _pair(image_size if image_size is not None else vision["image_size"]),
-        "mean": tuple(vision["image_mean"]),
-        "std": tuple(vision["image_std"]),
-        "interpolation": "bicubic",
-        "resize_mode": "shortest",
-    }
+    else:
+        vision = get_model_config(model_name)["vision_cfg"]
+        out.update(
+            {key: vision[name] for key, name in (("mean", "image_mean"), ("std", "image_std")) if name in vision}
+        )
+        if pretrained and not os.path.isfile(pretrained):
+            out.update(_pretrained_preprocess(model_name, pretrained))
+    size = image_size if image_size is not None else vision.get("image_size", 224)
+    return {**out, "size": _pair(size), "mean": tuple(out["mean"]), "std": tuple(out["std"])}
+
+
+def _pretrained_preprocess(model_name: str, tag: str) -> dict:
+    """The preprocessing OpenCLIP's registry records for a pretrained tag (open_clip.get_pretrained_cfg); {} for a
+    tag it does not know (flag validation names those)."""
+    import open_clip  # slow to import; only a --pretrained tag needs its registry
+
+    cfg = open_clip.get_pretrained_cfg(model_name, tag) or {}
+    return {k: v for k, v in cfg.items() if k in _PREPROCESS_DEFAULTS and v is not None}
 
 
 # OpenCLIP's preference among the weights files of a local-dir: source (open_clip.factory._find_checkpoint_in_dir).

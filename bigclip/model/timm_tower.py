@@ -27,7 +27,7 @@ import timm
 import torch
 from timm.layers import AttentionPool2d as AbsAttentionPool2d
 from timm.layers import Mlp, RotAttentionPool2d, to_2tuple
-from timm.models import group_modules, group_parameters
+from timm.models import group_modules, group_parameters, reparameterize_model
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -341,3 +341,21 @@ TIMM_NAMES = TowerNames(
     from_openclip=_identity,
     to_openclip=_identity,
 )
+
+
+# What timm's reparameterize_model looks for: a module that folds its training-time branches into one for inference
+# (MobileOne/FastViT blocks, RepMixer, reparameterisable large-kernel convs: MobileCLIP's and MobileCLIP2's trunks).
+_REPARAMETERIZERS = ("fuse", "reparameterize", "switch_to_deploy")
+
+
+def reparameterizable(model: nn.Module) -> bool:
+    """Whether any of `model`'s modules has branches that reparameterize_model would fold."""
+    return any(hasattr(m, name) for m in model.modules() for name in _REPARAMETERIZERS)
+
+
+def reparameterize(model: nn.Module) -> nn.Module:
+    """`model` (whole, not sharded) in its inference form, changed in place: timm's reparameterize_model, what
+    MobileCLIP's and MobileCLIP2's users apply to OpenCLIP's model before inference or export (its branches and their
+    BatchNorms folded into one convolution each: other parameter names, the same function up to rounding).
+    Training keeps the training form; `bigclip export --reparameterize` writes this one."""
+    return reparameterize_model(model.eval(), inplace=True)
