@@ -269,6 +269,8 @@ def _differences(on: Sections, off: Sections) -> set[str]:
     names = set()
     for part in dataclasses.fields(Sections):
         a, b = getattr(on, part.name), getattr(off, part.name)
+        if not dataclasses.is_dataclass(a):  # not a slice: what validation says (idle_notes)
+            continue
         for f in dataclasses.fields(a):
             if f.name in ("resolved", "given_engine_flags", "optimizer"):  # not flags (the optimizer's: its own slice)
                 continue
@@ -340,6 +342,7 @@ def matrix(files):
     return out
 
 
+@pytest.mark.slow  # (the walk, in the module's `matrix` fixture: ~10 s)
 def test_every_flag_acts_or_is_refused_under_every_engine(matrix):
     """The walk itself runs in the fixture (every assertion of `outcome`); here the matrix is complete and its
     counts are what they are: every engine acts on most flags and refuses the others' own flags."""
@@ -352,6 +355,7 @@ def test_every_flag_acts_or_is_refused_under_every_engine(matrix):
         assert all(is_openclip_flag(name) for name in flags if matrix[engine, name][0][0] == "warned")
 
 
+@pytest.mark.slow  # (the walk, in the module's `matrix` fixture: ~10 s)
 def test_every_flag_acts_somewhere(matrix):
     """No flag is parsed only to be refused or ignored everywhere: each acts under some engine, alone or beside what
     it needs, except those refused by design (not supported yet) or on this machine (no fp8 GPU, no CUDA)."""
@@ -362,6 +366,7 @@ def test_every_flag_acts_somewhere(matrix):
         assert acts != (name in here), (name, here.get(name), outcomes)
 
 
+@pytest.mark.slow  # (the walk, in the module's `matrix` fixture: ~10 s)
 def test_engine_flags_act_only_under_their_engine(matrix):
     """Each engine's own flags act under it and are refused under every other engine."""
     for owner, cls in ENGINES.items():
@@ -382,16 +387,19 @@ def test_no_field_of_a_slice_is_read_by_nothing():
     read = run_reads().union(*engine_reads().values())
     exempt = set(_selectors()) | set(VALIDATION_ONLY)
     exempt |= {f.name for f in config_fields() if f.metadata.get("unsupported")}
+    exempt |= {"given"}  # not a flag: resolution's record of the flags typed, read where idle flags are found (config/)
     unread = {
         (owner.__name__, f.name)
         for owner in OWNERS
         for f in dataclasses.fields(owner)
         if f.name not in read and f.name not in exempt
     }
+    sections = resolve(BASE).sections
     unread |= {
         (part.name, f.name)
         for part in dataclasses.fields(Sections)
-        for f in dataclasses.fields(getattr(resolve(BASE).sections, part.name))
+        if dataclasses.is_dataclass(getattr(sections, part.name))  # (idle_notes is not a slice)
+        for f in dataclasses.fields(getattr(sections, part.name))
         if f.name not in read and f.name not in exempt
     }
     assert not unread
@@ -619,9 +627,15 @@ def seed_files(files):
             "logs": os.path.join(root, "logs"), "ckpt": os.path.join(root, "ckpt")}  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "where, line", SEED_COMMAND_LINES + SEED_VARIANTS, ids=[w for w, _ in SEED_COMMAND_LINES + SEED_VARIANTS]
-)
+def _seed_case(where: str, line: str):
+    """A seed line as a test case: slow where it trains the demo (no --train-data, no --dataset-type) with what
+    takes seconds to build on the CPU, a full-size --model (ViT-H-14: ~40 s, GBs) or torch.compile's wrapper."""
+    demo = "--train-data" not in line and "--dataset-type" not in line
+    slow = demo and ("--model " in line or "--torchcompile" in line)
+    return pytest.param(where, line, id=where, marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("where, line", [_seed_case(w, line) for w, line in SEED_COMMAND_LINES + SEED_VARIANTS])
 def test_every_seed_command_line_runs_unrefused(where, line, seed_files, caplog):
     """Each command line of OpenCLIP's documentation resolves through the parser and validation launch/train.py
     uses (cli_args.parse_train_args): none is refused; a flag that does nothing here is warned about in one line.

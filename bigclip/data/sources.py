@@ -170,6 +170,18 @@ def _reads(kind: str | None, name: str) -> bool:
     return name in DATA_SOURCES.get(kind).flags
 
 
+def _kinds_for(name: str, in_use: dict[str, list[str]]) -> list[str]:
+    """The kinds of this run's data that flag `name` could apply to (its splits' kinds)."""
+    splits = ["train"] if name in TRAIN_ONLY else ["val"] if name in VAL_ONLY else ["train", "val", "eval"]
+    return list(dict.fromkeys(kind for split in splits for kind in in_use[split]))
+
+
+def read_here(cfg: DataConfig, name: str) -> bool:
+    """Whether some data of this run reads flag `name` (where none does, check_source_flags has said it is idle,
+    and its value's own rules, which the reader would apply, are moot)."""
+    return any(_reads(kind, name) for kind in _kinds_for(name, data_in_use(cfg)))
+
+
 def check_source_flags(cfg: DataConfig) -> None:
     """A data flag that some kind reads, set where no data of this run is read with it, is idle (flag_fields.idle:
     OpenCLIP's warn, bigclip's are refused, in one line naming it and the data it applies to); so are
@@ -189,8 +201,7 @@ def check_source_flags(cfg: DataConfig) -> None:
         default = field.default_factory() if field.default is dataclasses.MISSING else field.default
         if getattr(cfg, name) == default:
             continue
-        splits = ["train"] if name in TRAIN_ONLY else ["val"] if name in VAL_ONLY else ["train", "val", "eval"]
-        kinds = list(dict.fromkeys(kind for split in splits for kind in in_use[split]))
+        kinds = _kinds_for(name, in_use)
         if any(_reads(kind, name) for kind in kinds):
             continue
         role = " training" if name in TRAIN_ONLY else " validation" if name in VAL_ONLY else ""
