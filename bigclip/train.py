@@ -83,6 +83,8 @@ def run(cfg: TrainConfig, local_rank: int | None = None) -> int:
     try:
         sections = run_sections(cfg.sections, world)  # an hf-hub: model's config fetched and checked, before any work
         if cfg.dry_run:
+            for line in sections.idle_notes if world.is_main else ():  # as the run would say them at its start
+                logger.warning(line)
             lines = dry_run.report(sections.model, sections.engine, world, sections.loss)
             if world.is_main:
                 print("\n".join(lines), flush=True)

@@ -661,3 +661,22 @@ def test_every_seed_command_line_runs_unrefused(where, line, seed_files, caplog)
     expected = SEED_WARNINGS.get(where, [])
     assert len(said) == len(expected) and all(map(str.startswith, said, expected)), said
     assert all(line.endswith(IDLE) and "\n" not in line for line in said)
+
+
+def test_dry_run_says_the_idle_flags_as_the_run_would(caplog, capsys):
+    """--dry-run says the same warnings the run says at its start, those only the model tells (from its meta build:
+    ViT-B-32 has no BatchNorm) included; RN50's BatchNorm makes --use-bn-sync act, so nothing is said of it."""
+    from bigclip import train
+
+    caplog.set_level(logging.WARNING, logger="bigclip")
+    for model, expected in (
+        ("ViT-B-32", ["--zeroshot-frequency", "--use-bn-sync"]),
+        ("RN50", ["--zeroshot-frequency"]),
+    ):
+        caplog.clear()
+        flags = {"dataset_type": "synthetic", "model": model, "use_bn_sync": True, "zeroshot_frequency": 1}
+        assert train.run(resolve({**flags, "dry_run": True, "device": "cpu"})) == 0
+        said = [r.getMessage() for r in caplog.records]
+        assert [line.split(":")[0] for line in said] == expected, said
+        assert all(line.endswith(IDLE) and "\n" not in line for line in said)
+        assert f"model {model}:" in capsys.readouterr().out

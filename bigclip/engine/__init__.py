@@ -24,7 +24,7 @@ from torch import nn
 
 from bigclip.dist import World
 from bigclip.engine import in_backward
-from bigclip.engine.base import Engine, has_batchnorm
+from bigclip.engine.base import NO_BATCHNORM, Engine, has_batchnorm
 from bigclip.engine.config import DEFAULT_ENGINE, ENGINES, SHARDED_INIT_MODES, EngineConfig
 from bigclip.engine.ddp import DDPEngine
 from bigclip.engine.deepspeed import DeepSpeedEngine
@@ -138,14 +138,26 @@ def memory_notes() -> list[str]:
 
 def apply_locks(model: nn.Module, cfg: EngineConfig) -> None:
     if cfg.lock_image_freeze_bn_stats and not has_batchnorm(model):
-        idle(
-            "lock_image_freeze_bn_stats",
-            "only applies to an image tower with BatchNorm statistics (a ResNet), and this model's has none (a ViT)",
-        )
+        idle("lock_image_freeze_bn_stats", NO_BATCHNORM["lock_image_freeze_bn_stats"])
     if cfg.lock_image:
         model.lock_image_tower(cfg.lock_image_unlocked_groups, cfg.lock_image_freeze_bn_stats)
     if cfg.lock_text:
         model.lock_text_tower(cfg.lock_text_unlocked_layers, cfg.lock_text_freeze_layer_norm)
+
+
+def batchnorm_flags_set(cfg: EngineConfig) -> list[str]:
+    """The BatchNorm flags this run sets (field names): idle on a model without BatchNorm."""
+    given = {"use_bn_sync": getattr(cfg.engine_flags, "use_bn_sync", False)}  # (DDP's own flag)
+    given["lock_image_freeze_bn_stats"] = cfg.lock_image_freeze_bn_stats
+    return [name for name, on in given.items() if on]
+
+
+def say_idle_batchnorm_flags(cfg: EngineConfig, model: nn.Module) -> None:
+    """For --dry-run, which builds nothing to train: the BatchNorm flags the built model would make idle, said as
+    where it is built (`model`: the architecture, e.g. on the meta device)."""
+    if not has_batchnorm(model):
+        for name in batchnorm_flags_set(cfg):
+            idle(name, NO_BATCHNORM[name])
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: EngineConfig) -> None:

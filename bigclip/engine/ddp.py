@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bigclip.dist import World
 from bigclip.engine import in_backward
-from bigclip.engine.base import TorchOptimizerEngine, has_batchnorm
+from bigclip.engine.base import NO_BATCHNORM, TorchOptimizerEngine, has_batchnorm
 from bigclip.engine.config import EngineConfig
 from bigclip.errors import UserError
 from bigclip.flag_fields import DIST, flag, idle
@@ -82,7 +82,7 @@ class DDPEngine(TorchOptimizerEngine):
         super().__init__(cfg, model, world)
         self.model = model.to(device=world.device, dtype=self.precision.param_dtype)
         if cfg.engine_flags.use_bn_sync and not has_batchnorm(model):
-            idle("use_bn_sync", "only applies to a model with BatchNorm layers, and this model has none")
+            idle("use_bn_sync", NO_BATCHNORM["use_bn_sync"])
         if cfg.engine_flags.use_bn_sync and world.distributed:
             self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
         self.module = self.model
