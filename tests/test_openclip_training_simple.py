@@ -1,6 +1,8 @@
 """OpenCLIP's own training tests (tests/test_training_simple.py of its main branch): every `main([...])` flag list,
 as written there, through bigclip's command line on CPU (only --logs added, to keep the run in the test's folder,
-and --precision fp32 on a CPU without bf16 units, below).
+and --precision fp32 on a CPU without bf16 units, below). Their `--zeroshot-frequency 1` names no ImageNet folder,
+so it does nothing: OpenCLIP accepts it, and bigclip runs it with one warning line at the start
+(test_a_zeroshot_frequency_without_imagenet_is_warned_about_once).
 
 RN50, CoCa ViT-B-32, ViT-B-32 (locked image tower, 5 groups unlocked, --accum-freq 2) and mT5-base-ViT-B-32
 (locked text tower, 2 layers unlocked) train and commit their epoch-1 checkpoint. The mT5 model is
@@ -88,3 +90,14 @@ def test_openclips_flag_list_trains_and_saves_its_epoch_1_checkpoint(name, tmp_p
     checkpoint = os.path.join(run, "checkpoints", "epoch_1")
     assert os.path.isfile(os.path.join(checkpoint, "manifest.json"))
     verify(checkpoint)
+
+
+def test_a_zeroshot_frequency_without_imagenet_is_warned_about_once():
+    """OpenCLIP's lists say --zeroshot-frequency 1 without --imagenet-val: no zero-shot evaluation runs, so the run
+    says so in one line (flag_fields.idle) rather than refusing the list or ignoring the flag silently."""
+    from bigclip.cli_args import parse_train_args
+
+    cfg, _ = parse_train_args([*COMMON, "--model", "RN50"])
+    assert cfg.sections.idle_notes == (
+        "--zeroshot-frequency: only applies with --imagenet-val or --imagenet-v2; the flag does nothing in this run",
+    )
