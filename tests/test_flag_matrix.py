@@ -627,24 +627,25 @@ def seed_files(files):
             "logs": os.path.join(root, "logs"), "ckpt": os.path.join(root, "ckpt")}  # fmt: skip
 
 
-def _seed_case(where: str, line: str):
-    """A seed line as a test case: slow where it trains the demo (no --train-data, no --dataset-type) with what
-    takes seconds to build on the CPU, a full-size --model (ViT-H-14: ~40 s, GBs) or torch.compile's wrapper."""
-    demo = "--train-data" not in line and "--dataset-type" not in line
-    slow = demo and ("--model " in line or "--torchcompile" in line)
-    return pytest.param(where, line, id=where, marks=[pytest.mark.slow] if slow else [])
+def _builds_slowly(line: str) -> bool:
+    """A full-size --model (ViT-H-14: ~40 s and GBs on the CPU) or torch.compile's wrapper."""
+    return "--model " in line or "--torchcompile" in line
 
 
-@pytest.mark.parametrize("where, line", [_seed_case(w, line) for w, line in SEED_COMMAND_LINES + SEED_VARIANTS])
+@pytest.mark.parametrize(
+    "where, line", SEED_COMMAND_LINES + SEED_VARIANTS, ids=[w for w, _ in SEED_COMMAND_LINES + SEED_VARIANTS]
+)
 def test_every_seed_command_line_runs_unrefused(where, line, seed_files, caplog):
     """Each command line of OpenCLIP's documentation resolves through the parser and validation launch/train.py
     uses (cli_args.parse_train_args): none is refused; a flag that does nothing here is warned about in one line.
-    Where the line trains the embedded demo's tiny model, the model and engine are built too, as the run builds
-    them, for the rules only the built model can tell."""
+    Where the line trains the embedded demo (no data flags), the model is built too, for the rules only the built
+    model can tell: the demo's tiny model and its engine as the run builds them; a full-size --model on the meta
+    device, as --dry-run tells them (the run's path for a built model is test_flags_the_model_makes_idle_…)."""
     from bigclip.build import build_model
     from bigclip.cli_args import parse_train_args
     from bigclip.dist import World
-    from bigclip.engine import build_engine
+    from bigclip.engine import build_engine, say_idle_batchnorm_flags
+    from bigclip.model import create_model
 
     argv = shlex.split(line.format(**seed_files))
     try:
@@ -654,9 +655,13 @@ def test_every_seed_command_line_runs_unrefused(where, line, seed_files, caplog)
     said = list(cfg.sections.idle_notes)
     if cfg.demo:
         caplog.set_level(logging.WARNING, logger="bigclip")
-        world = World()
         run = cfg.sections
-        build_engine(run.engine, build_model(run.model, run.engine, world), world)
+        if _builds_slowly(line):
+            size = run.model.force_image_size[0] if run.model.force_image_size else None
+            say_idle_batchnorm_flags(run.engine, create_model(run.model.model, device="meta", image_size=size))
+        else:
+            world = World()
+            build_engine(run.engine, build_model(run.model, run.engine, world), world)
         said += [r.getMessage() for r in caplog.records if r.getMessage().endswith(IDLE)]
     expected = SEED_WARNINGS.get(where, [])
     assert len(said) == len(expected) and all(map(str.startswith, said, expected)), said
