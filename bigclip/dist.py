@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from bigclip.errors import UserError, first_line
-from bigclip.flag_fields import DIST, flag, positive_seconds
+from bigclip.flag_fields import DIST, Applies, flag, positive_seconds
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,12 @@ class DistConfig:
         DIST,
         check=positive_seconds,
     )
-    no_set_device_rank: bool = flag(False, "Do not pin each process to the GPU of its local rank.", DIST)
+    no_set_device_rank: bool = flag(
+        False,
+        "Do not pin each process to the GPU of its local rank.",
+        DIST,
+        applies=Applies(lambda c: run_device_type(c.device) == "cuda", "on CUDA GPUs (this run is on the CPU)"),
+    )
     device: str = flag("cuda", "cuda or cpu (cuda falls back to cpu when no GPU is present).", DIST)
 
 

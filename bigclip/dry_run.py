@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bigclip import memory
 from bigclip.dist import World, describe_world
-from bigclip.engine import EngineConfig, describe_plan, frozen_bytes
+from bigclip.engine import EngineConfig, batchnorm_flags_set, describe_plan, frozen_bytes, say_idle_batchnorm_flags
 from bigclip.loss import LossConfig
 from bigclip.model.config import ModelConfig
 
@@ -49,6 +49,11 @@ def _memory_lines(
 def report(model: ModelConfig, engine: EngineConfig, world: World, loss: LossConfig | None = None) -> list[str]:
     """The lines to print (on rank 0). Collective: every rank must call it."""
     lines = describe_world(world)
+    if batchnorm_flags_set(engine):  # what only the model tells (idle BatchNorm flags), from its meta build
+        from bigclip.model import create_model
+
+        size = model.force_image_size[0] if model.force_image_size else None
+        say_idle_batchnorm_flags(engine, create_model(model.model, device="meta", image_size=size))
     # Every architecture bigclip builds has facts (towers without an activation formula say so themselves).
     facts = memory.model_facts(model.model, model.force_image_size[0] if model.force_image_size else None)
     setup, layout = describe_plan(engine, world, facts.params)

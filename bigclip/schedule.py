@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bigclip.errors import UserError
-from bigclip.flag_fields import TRAIN, flag, non_negative_int, non_negative_number, optional
+from bigclip.flag_fields import TRAIN, Applies, flag, non_negative_int, non_negative_number, optional
 from bigclip.optim import DEFAULT_LR
 from bigclip.registry import Registry
 
@@ -23,17 +23,32 @@ Schedule = Callable[[int], float]
 SCHEDULES: Registry[Callable[[ScheduleConfig, int], Schedule]] = Registry("--lr-scheduler")
 
 
+# --skip-scheduler trains at --lr throughout: the schedule's own flags would do nothing beside it
+SCHEDULED = Applies(lambda c: not c.skip_scheduler, "without --skip-scheduler (--lr throughout)", "drop one of the two")
+COOLDOWN = Applies(
+    lambda c: c.lr_scheduler == "const-cooldown", "with --lr-scheduler const-cooldown", "add that or drop the flag"
+)
+
+
 @dataclass(frozen=True)
 class ScheduleConfig:
     """The flags a schedule reads (OpenCLIP's names)."""
 
-    epochs_cooldown: int | None = flag(None, "Epochs of cooldown at the end (const-cooldown).", TRAIN)
-    warmup: int = flag(10000, "Linear warmup steps.", TRAIN, check=non_negative_int)
-    lr_scheduler: str = flag("cosine", "The learning-rate schedule.", TRAIN, choices=SCHEDULES)
-    lr_cooldown_end: float = flag(
-        0.0, "Learning rate at the end of the cooldown.", TRAIN, check=optional(non_negative_number)
+    epochs_cooldown: int | None = flag(
+        None, "Epochs of cooldown at the end (const-cooldown).", TRAIN, applies=(COOLDOWN, SCHEDULED)
     )
-    lr_cooldown_power: float = flag(1.0, "Power of the polynomial cooldown (1 = linear).", TRAIN)
+    warmup: int = flag(10000, "Linear warmup steps.", TRAIN, check=non_negative_int, applies=SCHEDULED)
+    lr_scheduler: str = flag("cosine", "The learning-rate schedule.", TRAIN, choices=SCHEDULES, applies=SCHEDULED)
+    lr_cooldown_end: float = flag(
+        0.0,
+        "Learning rate at the end of the cooldown.",
+        TRAIN,
+        check=optional(non_negative_number),
+        applies=(COOLDOWN, SCHEDULED),
+    )
+    lr_cooldown_power: float = flag(
+        1.0, "Power of the polynomial cooldown (1 = linear).", TRAIN, applies=(COOLDOWN, SCHEDULED)
+    )
     skip_scheduler: bool = flag(
         False, "Train at --lr throughout: no warmup, no schedule (OpenCLIP main's flag).", TRAIN
     )

@@ -83,6 +83,8 @@ def run(cfg: TrainConfig, local_rank: int | None = None) -> int:
     try:
         sections = run_sections(cfg.sections, world)  # an hf-hub: model's config fetched and checked, before any work
         if cfg.dry_run:
+            for line in sections.idle_notes if world.is_main else ():  # as the run would say them at its start
+                logger.warning(line)
             lines = dry_run.report(sections.model, sections.engine, world, sections.loss)
             if world.is_main:
                 print("\n".join(lines), flush=True)
@@ -110,6 +112,8 @@ def _run(cfg: TrainConfig, run: Sections, world: World) -> int:
         logger.info(line)
     if world.is_main and (slow := slow_precision_warning(resolve_precision(cfg.precision, world.device), world.device)):
         logger.warning(slow)
+    for line in run.idle_notes if world.is_main else ():  # OpenCLIP's flags set where they do nothing (idle)
+        logger.warning(line)
 
     seed_everything(cfg.seed)  # same initial weights on every rank
     model = build_model(run.model, run.engine, world)

@@ -10,7 +10,7 @@ a smaller CI machine killed a worker). malloc_trim(0) after each test returns th
 In a fresh environment DeepSpeed JIT-builds three ops on first use: its shared-memory collectives
 (deepspeed_shm_comm, ~30 s, the first DeepSpeed run), CPU Adam (cpu_adam, ~45 s, ds_configs/zero3_offload.json)
 and async I/O with its pinned-memory helper (async_io + pin_memory, ~2 min, ds_configs/zero3_nvme.json). When
-the session runs DeepSpeed tests, all three are built from the start in a
+the session runs DeepSpeed tests, the first two (as its test modules use them) are built from the start in a
 process at a lower CPU priority (nice 5), so the compiler mostly uses cores the tests leave idle (single-process
 runs, waits on timeouts and requeues) instead of running inside a test. Not the lowest priority: beside other
 CPU-bound work at normal priority (a contributor's laptop) a nice-19 build got under 1% of a core and never
@@ -31,12 +31,17 @@ import pytest
 os.environ["BIGCLIP_RUN_REPORT"] = "0"  # in-process runs, and every subprocess the tests start (they copy os.environ)
 
 _BUILD_OPS = """
+import sys
 from deepspeed.accelerator import get_accelerator
-for name in ("ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder"):
+for name in sys.argv[1:]:
     builder = get_accelerator().create_op_builder(name)
     if builder.is_compatible():  # async_io needs libaio (.ci/run installs it)
         builder.load()
 """
+# Which op a module's tests need, read from its text: every DeepSpeed run (ds_config) needs the shared-memory
+# collectives, the offload config CPU Adam. Async I/O (~2 min of a core) is left to its one test, in the extended
+# tier (tests/test_zero_infinity.py), which builds it on first use: CI's tier does not pay for it.
+_OPS_BY_TEXT = {"ds_config": "ShareMemCommBuilder", "zero3_offload": "CPUAdamBuilder"}
 _WAIT_S = 900  # an unfinished build would leave torch's lock behind: let it finish
 
 
@@ -49,12 +54,24 @@ def _return_freed_memory():
     _LIBC.malloc_trim(0)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items) -> None:
+    # The extended tier is a part of the slow one: `-m "not slow"` (the fast tier) leaves it out too.
+    for item in items:
+        if item.get_closest_marker("extended"):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_finish(session) -> None:
-    modules = {item.path for item in session.items}
-    if not any("ds_config" in path.read_text() for path in modules):
+    # DeepSpeed runs are whole trainings, all in the slow tier: the fast tier (no slow test) builds nothing, where it
+    # would otherwise wait at its end for builds none of its tests used.
+    modules = {item.path for item in session.items if item.get_closest_marker("slow")}
+    texts = [path.read_text() for path in modules]
+    ops = [op for key, op in _OPS_BY_TEXT.items() if any(key in text for text in texts)]
+    if not ops:
         return
     session.config._deepspeed_op_build = subprocess.Popen(
-        [sys.executable, "-c", _BUILD_OPS],
+        [sys.executable, "-c", _BUILD_OPS, *ops],
         env={**os.environ, "DS_ACCELERATOR": "cpu"},  # the tests' accelerator, so the same builds
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -52,6 +53,18 @@ TINY_SYNTHETIC = [
     "--seed",
     "0",
 ]
+
+
+@functools.cache
+def bf16_emulated() -> bool:
+    """Whether this CPU has no bf16 units (torch emulates bf16 there: 40-130x slower matmuls than float32), measured
+    as a run measures it at its start (bigclip/precision.py). Tests whose point is not the bf16 arithmetic then run
+    in float32, as the run's own warning advises there."""
+    import torch
+
+    from bigclip.precision import SLOW_FACTOR, cpu_matmul_slowdown
+
+    return cpu_matmul_slowdown(torch.bfloat16) >= SLOW_FACTOR
 
 
 def read_metrics(run_dir: str) -> list[dict]:

@@ -107,6 +107,7 @@ def _when_step(run_dir, step, action, stop: threading.Event) -> threading.Thread
     return thread
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_final_checkpoint_and_exits_cleanly(reference, tmp_path, capfd):
     _, full = reference
     run_dir = os.path.join(tmp_path, "sig")
@@ -197,6 +198,7 @@ def test_latest_skips_partial_and_corrupt_checkpoints(reference, tmp_path, bigcl
     manager.close()
 
 
+@pytest.mark.slow
 def test_remote_sync_retention_and_resume_from_s3(reference, s3, s3_bucket, tmp_path):
     _, full = reference
     remote = f"s3://{s3_bucket}/runs"
@@ -273,6 +275,7 @@ def test_remote_sync_retention_and_resume_from_s3(reference, s3, s3_bucket, tmp_
     assert_same_losses(resumed, full, range(13, 25))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["s3", "directory"])
 def test_fsspec_protocol_resume_latest_with_save_most_recent(reference, s3, s3_bucket, tmp_path, where):
     """--remote-sync-protocol fsspec (any fsspec URL, or a plain directory) with --save-most-recent: a run on
@@ -522,6 +525,7 @@ def test_another_world_size_deals_out_every_ranks_state_to_participants_that_tak
                for line in bigclip_log)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_format_2_resumes_exactly(reference, tmp_path):
     """Checkpoints written before participants had names (bigclip-checkpoint-2: the RNG state's keys at the top
     of each rank file beside "data", the train state's fields at the top of train_state.json beside "config")

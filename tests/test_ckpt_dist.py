@@ -71,6 +71,9 @@ def _losses_by_occurrence(run_dir):
 ENGINE_FLAGS = {"zero2": ["--ds_config", os.path.join(REPO, "ds_configs", "zero2.json")]}
 
 
+# Extended tier: 5-10 min of DeepSpeed checkpoints; in CI a SIGKILL resume of the DCP layout (test_data_resume.py) and
+# every engine's checkpoint round trip (test_contracts.py)
+@pytest.mark.extended
 @pytest.mark.parametrize("engine", list(ENGINE_FLAGS))
 def test_sigkill_one_rank_then_resume_latest_gives_the_same_losses(tmp_path, engine):
     """Rank 1 is SIGKILLed mid-run (a checkpoint may be half written). The restarted run resumes from the
@@ -328,6 +331,9 @@ if world.rank == 0:
 '''
 
 
+# Extended tier: 3 min; in CI every engine's round trip (test_contracts.py) and resharding to two ranks
+# (test_optim8bit.py, test_ema.py)
+@pytest.mark.extended
 def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
     ds = os.path.join(REPO, "ds_configs")
     spec = {

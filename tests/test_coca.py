@@ -94,6 +94,7 @@ def test_coca_architectures_match_openclips_on_meta():
         assert {k: v.shape for k, v in converted.items()} == reference, name
 
 
+@pytest.mark.slow
 def test_an_openclip_coca_state_dict_file_loads_with_openclips_outputs(tmp_path):
     name = "coca_ViT-B-32"
     torch.manual_seed(0)
@@ -185,6 +186,7 @@ def _engine(seed: int = 0):
     return engine
 
 
+@pytest.mark.slow
 def test_accumulation_gives_the_big_batch_gradient():
     """OpenCLIP's --accum-freq for CoCa: the caption logits and labels of every micro-batch are cached and
     concatenated like the features, so 4 x 8 gives the gradient of the batch of 32."""

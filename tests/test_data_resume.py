@@ -59,7 +59,8 @@ def keys_by_step(out_dir) -> dict[tuple[int, int], list]:
     return out
 
 
-@pytest.mark.parametrize("where, resampled", [("local", False), ("s3", True)])
+# In CI the S3 case (resampled); the local one, the same resume from another source, in the extended tier.
+@pytest.mark.parametrize("where, resampled", [pytest.param("local", False, marks=pytest.mark.extended), ("s3", True)])
 def test_sigkill_mid_epoch_then_resume_trains_on_the_same_samples(tmp_path, where, resampled, request):
     shards = write_shards(tmp_path)
     if where == "s3":  # the same shards streamed from the S3 server on loopback

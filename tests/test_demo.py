@@ -60,6 +60,8 @@ def test_demo_with_int8_switchback_learns_as_well_as_fp32(fp32_8_epochs, tmp_pat
     assert int8["eval/zeroshot_top1"] >= max(fp32_8_epochs["eval/zeroshot_top1"] - 0.15, 0.25), (int8, fp32_8_epochs)
 
 
+# Extended tier: in CI the lean levers' exactness (test_optim8bit.py, test_bf16_rounding.py) and the demo itself (above)
+@pytest.mark.extended
 @pytest.mark.xdist_group("demo-8-epochs")
 def test_demo_with_bf16_weights_and_8bit_adamw_learns_as_well_as_fp32(fp32_8_epochs, tmp_path):
     """The leanest state bigclip has (bf16 weights rounded stochastically, bf16 gradients, 8-bit Adam moments:

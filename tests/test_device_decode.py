@@ -250,6 +250,7 @@ def test_a_gpu_runs_training_loader_hands_over_8_bit_batches_and_a_cpu_runs_floa
         assert torch.allclose(shipped.to("cpu"), floats, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_run_with_device_decoding_trains_and_evaluates_like_full_decoding(tmp_path):
     """Training and validation shards, two workers: every step's loss and the validation loss within resampling
     noise of --image-decode full."""

@@ -289,6 +289,9 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
             assert seen <= 4.6052 and master <= 4.6052, name
 
 
+# Extended tier: 2-5 min; in CI the Hugging Face towers against OpenCLIP's (test_hf_text.py) and every engine on
+# bigclip's towers (above)
+@pytest.mark.extended
 def test_a_hugging_face_text_tower_trains_alike_under_every_engine(tmp_path):
     """OpenCLIP's HFTextEncoder layout (a tiny RoBERTa made here, its weights loaded as hf_model_pretrained): DDP,
     FSDP2, ZeRO-1/2/3 give the same losses, also with Hugging Face's activation checkpointing; built on meta and
@@ -327,6 +330,8 @@ def test_a_hugging_face_text_tower_trains_alike_under_every_engine(tmp_path):
     assert_same_run(r["zero3_meta"], r["fsdp_meta"], FP32_RTOL)
 
 
+# Extended tier: in CI sharded init by test_layer_scale.py and the pretrained weights streamed into shards (below)
+@pytest.mark.extended
 def test_wide_model_runs_under_fsdp_and_zero3_with_sharded_init(tmp_path):
     """ViT-bigG-14 widths (vision 1664 / MLP 8192, text 1280, vocab 49408), 2 blocks per tower: built on meta,
     initialised shard by shard, one step on 2 ranks under fsdp and zero3. Building never needs the whole

@@ -260,6 +260,7 @@ def test_plan_for_towers_without_an_activation_formula(capsys, tmp_path):
 
 
 # ------------------------------------------------------------------------------------- world size 1
+@pytest.mark.slow
 def test_fsdp_in_a_single_process(tmp_path):
     """--engine fsdp without a launcher: world size 1 (a process group of one), same losses as ddp."""
     common = [*TINY_SYNTHETIC, "--epochs", "1", "--logs", str(tmp_path), "--save-frequency", "0"]

@@ -9,6 +9,8 @@ from helpers import REPO, subprocess_env
 pytestmark = pytest.mark.slow
 
 
+# Extended tier: two arms of training (2 min); in CI SwitchBack's demo (test_demo.py) and kernels (test_switchback.py)
+@pytest.mark.extended
 def test_int8_switchback_experiment_runs_its_arms_and_summarises(tmp_path):
     out = subprocess.run(
         ["bash", "launch/experiments/int8_switchback.sh", str(tmp_path), "--", "--epochs", "1"],

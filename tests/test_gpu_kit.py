@@ -22,6 +22,8 @@ KIT = os.path.join(REPO, "bench", "gpu")
 PARTS = ("env", "losses", "int8", "train", "engines", "ckpt", "giant", "decode")
 
 
+# Extended tier: every part of the GPU kit at CPU sizes (2-5 min); in CI its flags, dependencies and wheels (below)
+@pytest.mark.extended
 @pytest.mark.slow
 def test_smoke_run_reports_every_part_with_its_figures(tmp_path):
     out = tmp_path / "kit"
@@ -121,7 +123,18 @@ def test_every_runtime_dependency_is_carried_to_or_found_on_the_gpu_machine():
 
 @pytest.mark.slow  # it downloads the wheels from the package registry
 def test_prepared_wheels_are_complete_and_install_offline_for_python_3_12(tmp_path):
-    proc = subprocess.run(["bash", os.path.join(KIT, "prepare.sh")], capture_output=True, text=True, timeout=600)
+    # With a stock python3, as on a fresh machine: a new venv's interpreter, without `wheel` or torch.
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "stock")], check=True, timeout=300)
+    stock = str(tmp_path / "stock" / "bin" / "python")
+    lacks = subprocess.run([stock, "-c", "import wheel"], capture_output=True, timeout=60)
+    assert lacks.returncode != 0, "a fresh venv has no wheel package"
+    proc = subprocess.run(
+        ["bash", os.path.join(KIT, "prepare.sh")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHON": stock, "PIP_NO_CACHE_DIR": "1"},  # builds DeepSpeed's wheel afresh
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     wheels = proc.stdout.strip().splitlines()[-1]
     names = sorted(os.listdir(wheels))
@@ -159,6 +172,9 @@ def _python_3_12() -> str | None:
     return path if path and "/shims/" not in path else None
 
 
+# Extended tier: the tuner's interpreted kernels (1 min); in CI the fused loss reads the shipped plans
+# (test_loss_triton.py)
+@pytest.mark.extended
 @pytest.mark.slow
 def test_the_loss_tuner_writes_plans_the_fused_loss_reads(tmp_path):
     """bench/gpu/tune_losses.py end to end on CPU (Triton's interpreter, toy sizes): its file has a plan for every

@@ -125,6 +125,7 @@ def bigclip_child(args: list[str], **env: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_bigclip_fetch_downloads_config_and_weights_for_an_offline_run(vit_dir, tmp_path, offline):  # noqa: F811
     directory, _ = vit_dir
     files = {f: (directory / f).read_bytes() for f in ("open_clip_config.json", "open_clip_model.safetensors")}

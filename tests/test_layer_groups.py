@@ -210,6 +210,7 @@ def test_bad_optimizer_flags_are_one_line():
         optim.check_optimizer(optim.OptimizerConfig(opt_kwargs=["oops"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -104,6 +104,7 @@ def _sharded_init_worker(rank: int, world_size: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_sharded_init_sets_the_value_on_every_shard():
     mp.spawn(_sharded_init_worker, args=(2, free_port()), nprocs=2, join=True)
 

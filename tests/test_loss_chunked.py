@@ -17,6 +17,7 @@ from bigclip.loss import ClipLoss, SigLipLoss
 DIMS = st.one_of(st.integers(1, 40), st.sampled_from([512, 768, 1024, 1280, 1023]))
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(
     n=st.integers(1, 70),

@@ -258,7 +258,7 @@ def test_three_ranks_ring_and_exchanges():
     _run(3, "odd_world")
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [pytest.param(3, marks=pytest.mark.extended), 4])  # in CI: 4 ranks
 def test_exchanges_overlap_the_blocks(world):
     _run(world, "overlap")
 

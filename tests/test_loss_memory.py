@@ -47,6 +47,10 @@ def test_auto_picks_naive_where_it_was_measured_faster_and_fused_beyond():
     assert chosen_impl(cfg, 4096, 16, 2) == "fused"  # 65536 global
     assert chosen_impl(cfg, 4096, 16, 2, device_type="cpu") == "chunked"
     assert chosen_impl(LossConfig(loss_impl="naive"), 4096, 16, 2) == "naive"
+    # never the naive loss where it would drop what the flags ask for: the ring exchange, the fast arithmetic
+    assert chosen_impl(LossConfig(loss_dist_impl="ring"), 2048, 1, 2) == "fused"
+    assert chosen_impl(LossConfig(loss_precision="fast"), 2048, 1, 2) == "fused"
+    assert chosen_impl(LossConfig(loss="siglip", loss_dist_impl="shift"), 2048, 1, 2) == "naive"  # SigLIP's naive
 
 
 def test_the_plan_counts_the_loss_of_the_global_batch():

@@ -45,6 +45,7 @@ def _run_group(group: str, interpret: bool):
     assert f"ok {group}" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", GROUPS)
 def test_triton_interpreted(group):
     _run_group(group, interpret=True)

@@ -264,6 +264,7 @@ def test_pretrained_image_on_a_vit_stops_at_validation(vit_dir):
             resolve({"model": model, "pretrained_image": True, "dataset_type": "synthetic"})
 
 
+@pytest.mark.slow
 def test_a_short_training_run_on_a_local_dir_timm_model(timm_dir, tmp_path):
     directory, _ = timm_dir
     code = cli.main(

@@ -42,6 +42,7 @@ def test_every_openclip_name_is_known_by_name():
     assert set(open_clip.list_models()) <= set(list_models())
 
 
+@pytest.mark.slow
 def test_each_builds_with_openclips_names_and_shapes_or_is_refused_in_one_line(zoo):
     outcomes = {name: outcome for name, (outcome, _) in zoo.items()}
     assert set(outcomes) == set(open_clip.list_models())

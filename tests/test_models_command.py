@@ -54,6 +54,7 @@ def _openclip_params(name: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_every_name_is_listed_once(listing):
     first, _, _ = listing
     names = [name for name, *_ in first]
@@ -62,6 +63,7 @@ def test_every_name_is_listed_once(listing):
     assert set(open_clip.list_models()) | main_only | {"test-tiny", "ViT-B-32"} <= set(names)
 
 
+@pytest.mark.slow
 def test_listed_counts_are_openclips_own_and_families_are_read_from_the_configs(listing):
     rows = {name: (params, family) for name, params, family, _ in listing[0]}
     for name, family in SAMPLE.items():
@@ -75,6 +77,7 @@ def test_listed_counts_are_openclips_own_and_families_are_read_from_the_configs(
     assert rows["roberta-ViT-B-32"][0] == "hub config not cached: huggingface-cli download roberta-base"
 
 
+@pytest.mark.slow
 def test_the_second_listing_reads_the_cache_and_a_changed_code_digest_counts_again(listing, tmp_path, monkeypatch):
     first, second, stored = listing
     assert second == first

@@ -83,6 +83,7 @@ def test_two_torchrun_agents_with_c10d_rendezvous_train_like_one(tmp_path, refer
     assert "world: 2 rank(s) on 2 node(s), backend gloo, launched by torchrun" in log
 
 
+@pytest.mark.extended  # in CI the two-node rendezvous with torchrun (above)
 def test_two_deepspeed_launchers_without_ssh_train_like_one(tmp_path, reference):
     port = free_port()
     hostfile = tmp_path / "hostfile"
@@ -102,6 +103,7 @@ def test_two_deepspeed_launchers_without_ssh_train_like_one(tmp_path, reference)
     assert "world: 2 rank(s) on 2 node(s), backend gloo, launched by deepspeed launcher" in log
 
 
+@pytest.mark.extended  # waits out a rendezvous timeout; in CI the two-node rendezvous (above)
 def test_a_node_that_never_arrives_stops_the_other_with_one_line(tmp_path):
     """DeepSpeed launcher (no rendezvous of its own): bigclip's --dist-timeout bounds the wait. torchrun: the
     agents' rendezvous (join_timeout) does, before any rank starts."""

@@ -118,6 +118,7 @@ def main_walk(tmp_path_factory):
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 def test_each_main_name_builds_on_meta_or_is_refused_in_one_line_naming_what_is_missing(main_walk):
     walk = main_walk["walk"]
     assert sorted(walk) == sorted([*BUILT, *REFUSED])
@@ -130,6 +131,7 @@ def test_each_main_name_builds_on_meta_or_is_refused_in_one_line_naming_what_is_
     assert walk[BUILT[0]][1] == main_walk["params"] == main_walk["meta_params"]
 
 
+@pytest.mark.slow
 def test_gte_modernbert_by_name_gives_modernberts_features_with_main_pooling_and_projection(main_walk):
     assert main_walk["text_features_max_diff"] <= 1e-5 * max(1.0, main_walk["text_features_norm"])
     assert main_walk["text_features_norm"] > 0.1  # not a trivial zero
@@ -141,6 +143,7 @@ def test_gte_modernbert_by_name_gives_modernberts_features_with_main_pooling_and
     assert main_walk["meta_init_equal"]
 
 
+@pytest.mark.slow
 def test_gte_modernbert_tokenizes_as_openclip_mains_hf_tokenizer_does(main_walk):
     """[CLS] words [SEP], right-padded with [PAD] to the config's context length (256)."""
     words = sorted({w for t in TEXTS for w in t.split()})

@@ -37,7 +37,13 @@ def assert_close(ours, theirs):
         assert (a - b).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("name", ["ViT-B-32", "ViT-B-16-quickgelu", "EVA02-B-16", "convnext_base"])
+@pytest.mark.slow
+# In CI a ViT and a timm tower (EVA02); the quickgelu ViT and ConvNeXt (another timm tower) in the extended tier.
+@pytest.mark.parametrize(
+    "name",
+    ["ViT-B-32", pytest.param("ViT-B-16-quickgelu", marks=pytest.mark.extended), "EVA02-B-16",
+     pytest.param("convnext_base", marks=pytest.mark.extended)],
+)  # fmt: skip
 def test_openclip_weights_load_into_bigclip_with_the_same_embeddings(name, tmp_path):
     torch.manual_seed(0)
     reference = open_clip.create_model(name).eval()
@@ -54,8 +60,7 @@ def test_bigclip_export_loads_into_open_clip_with_the_same_embeddings(tmp_path):
     name = "ViT-B-32"
     args = ["--model", name, "--dataset-type", "synthetic", "--train-num-samples", "2", "--batch-size", "2",
             "--epochs", "1", "--precision", "fp32", "--workers", "0", "--lr", "1e-3", "--warmup", "1",
-            "--logs", str(tmp_path), "--name", "run", "--zeroshot-frequency", "9", "--val-frequency", "9",
-            "--fsdp-checkpoint", "full"]  # fmt: skip
+            "--logs", str(tmp_path), "--name", "run", "--fsdp-checkpoint", "full"]  # fmt: skip
     trained = python_train(args)  # its own process: training ViT-B-32 takes GBs this one would keep
     assert trained.returncode == 0, trained.stderr[-3000:]
     ckpt = os.path.join(tmp_path, "run", "checkpoints", "epoch_1")
@@ -70,7 +75,11 @@ def test_bigclip_export_loads_into_open_clip_with_the_same_embeddings(tmp_path):
         assert theirs.logit_scale.item() == pytest.approx(ours.logit_scale.item())
 
 
-@pytest.mark.parametrize("name, force_custom_text", [("ViTamin-S", False), ("ViT-B-32", True)])
+@pytest.mark.slow
+# In CI the forced custom-text ViT; ViTamin (custom text by its config, 2 min here) in the extended tier.
+@pytest.mark.parametrize(
+    "name, force_custom_text", [pytest.param("ViTamin-S", False, marks=pytest.mark.extended), ("ViT-B-32", True)]
+)
 def test_custom_text_architectures_export_in_openclips_custom_text_layout(name, force_custom_text, tmp_path):
     """OpenCLIP builds a config with custom_text (ViTamin) or --force-custom-text as CustomTextCLIP, its text
     tower under `text.`: bigclip's export of it loads there strictly, with bigclip's embeddings; and OpenCLIP's

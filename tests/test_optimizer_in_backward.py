@@ -101,6 +101,7 @@ def test_steps_match_the_ordinary_step_and_at_most_one_block_of_gradients_is_ali
         assert stepped["largest_block_bytes"] < ordinary["grad_bytes"] / 4
 
 
+@pytest.mark.slow
 def test_a_run_resumes_exactly_with_or_without_the_flag_from_a_checkpoint_written_either_way(tmp_path):
     common = [*TINY_SYNTHETIC, "--epochs", "3", "--batch-size", "16", "--logs", str(tmp_path)]
 
@@ -121,6 +122,7 @@ def test_a_run_resumes_exactly_with_or_without_the_flag_from_a_checkpoint_writte
         assert run(name, "--resume", resume, *flags) == later, name
 
 
+@pytest.mark.extended  # the benchmark's every setup (2-4 min); in CI the in-backward step itself (above)
 @pytest.mark.slow
 def test_the_giant_on_small_benchmark_reports_its_rows(tmp_path):
     """bench/giant_on_small.py at toy size (its bigG run takes most of an hour): its JSON rows carry every figure."""

@@ -59,6 +59,7 @@ def test_the_peak_is_the_backward_or_the_step_whichever_is_larger():
     assert peak_parts("zero3", facts, 8, StateRecipe("amp", "adamw8bit"), batch, False) is None
 
 
+@pytest.mark.extended  # 2-5 min of measured steps; in CI the planner's peak rule on its own (above)
 @pytest.mark.slow
 def test_the_predicted_peak_of_the_leanest_setup_is_within_10_percent_of_the_measured(tmp_path):
     """bench/plan_check.py on one setup: 2 FSDP2 ranks, bf16 weights, 8-bit AdamW stepped in the backward, ViT-B-32;

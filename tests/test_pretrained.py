@@ -56,6 +56,7 @@ def openclip_vit_b_32(tmp_path_factory):
     return model, cache, blob
 
 
+@pytest.mark.slow
 def test_tag_loads_from_the_hub_cache_offline_and_matches_open_clip(openclip_vit_b_32, monkeypatch):
     reference, cache, _ = openclip_vit_b_32
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -94,6 +95,7 @@ def test_offline_with_an_empty_cache_fails_with_one_line(tmp_path, monkeypatch):
     assert "HF_HUB_OFFLINE" in message
 
 
+@pytest.mark.slow
 def test_a_corrupt_cache_entry_is_refused(openclip_vit_b_32, monkeypatch, tmp_path):
     _, cache, blob = openclip_vit_b_32
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -143,6 +145,7 @@ def test_tag_is_downloaded_into_the_cache_then_used_offline(tmp_path):
     assert second.stdout.strip().splitlines()[-1] == path
 
 
+@pytest.mark.slow
 def test_a_download_that_does_not_match_its_hash_is_refused(tmp_path):
     data = os.urandom(1 << 16)
     hub = FakeHub(

@@ -188,7 +188,9 @@ def build_solid(cfg, split, ctx):
 
 
 def test_recipe_a_data_source(tmp_path):
-    with registered(DATA_SOURCES, "solid", DataSource(build_solid, needs_path=False)):
+    # it reads --train-num-samples and --workers, which not every kind does
+    solid = DataSource(build_solid, needs_path=False, flags=("train_num_samples", "workers"))
+    with registered(DATA_SOURCES, "solid", solid):
         run_dir = train(tmp_path, "data", "--dataset-type", "solid")
     records = [r for r in read_metrics(run_dir) if "loss" in r]
     assert [r["samples_seen"] for r in records] == [8]

@@ -96,7 +96,6 @@ def test_json_text_key_probs_draw_by_weight_and_resume_exactly(tmp_path):
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"json_text_key_probs": [1.0]}, "--json-text-key-probs: only applies with --json-text-key"),
         ({"json_text_key": "a;b", "json_text_key_probs": [1.0, 2.0, 3.0]}, "at most one non-negative weight"),
         ({"json_text_key": "a", "json_text_key_probs": [-1.0]}, "at most one non-negative weight"),
         ({"image_key": ";"}, "--image-key ';': name at least one member suffix"),
@@ -104,7 +103,17 @@ def test_json_text_key_probs_draw_by_weight_and_resume_exactly(tmp_path):
 )
 def test_bad_key_flags_are_one_line(values, message):
     with pytest.raises(UserError, match=message):
-        resolve({"dataset_type": "synthetic", "model": "test-tiny", **values})
+        resolve({"train_data": "s3://bucket/shard-0000.tar", "model": "test-tiny", **values})  # WebDataset's flags
+
+
+def test_json_text_key_probs_without_json_text_key_runs_with_one_warning():
+    """OpenCLIP reads the weights only beside --json-text-key and accepts them without it: the run goes on and says
+    so in one line naming the flag (flag_fields.idle), and reads the captions from --text-key."""
+    run = resolve({"train_data": "s3://bucket/shard-0000.tar", "model": "test-tiny", "json_text_key_probs": [1.0]})
+    assert run.sections.idle_notes == (
+        "--json-text-key-probs: only applies with --json-text-key; the flag does nothing in this run",
+    )
+    assert run.sections.data.sample_keys().json_weights is None
 
 
 def test_max_image_pixels_skips_by_the_header_before_decoding(tmp_path):

@@ -308,6 +308,8 @@ def test_validation_passes_where_the_cache_holds_the_tokenizer(stand_in_cache, o
     assert cfg.sections.model.model == "ViT-L-14-CLIPA"
 
 
+# Extended tier: 1 min; in CI `bigclip fetch` by test_hub_fetch.py and the offline tokenizer from a cache (above)
+@pytest.mark.extended
 def test_bigclip_fetch_fetches_the_tokenizer_for_an_offline_run(tmp_path):
     hub = FakeHub({"timm/ViT-B-16-SigLIP": stand_in_tokenizer("t5")})
     cache = str(tmp_path / "hub")

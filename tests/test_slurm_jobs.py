@@ -117,6 +117,9 @@ def test_preempted_job_saves_requeues_itself_and_finishes_like_an_uninterrupted_
         assert losses[step] == pytest.approx(loss, rel=1e-6), (step, losses[step], loss)
 
 
+# Extended tier: in CI the torchrun template and a preempted job (above), DeepSpeed's launcher by
+# test_engine_multiprocess.py
+@pytest.mark.extended
 def test_deepspeed_template_trains_and_a_cancelled_job_is_not_requeued(slurm, tmp_path):
     job = _submit(slurm, tmp_path, "deepspeed_per_node.sbatch", ["--cpus-per-task=2", TIME_LIMIT],
                   [*RUN, "--ds_config", "ds_configs/zero2.json", "--logs", str(tmp_path), "--save-every-n-steps", "20"],

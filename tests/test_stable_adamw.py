@@ -131,6 +131,7 @@ def _sharded_worker(rank: int, world_size: int, port: int, params0, grads_per_st
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_sharded_parameters_clip_by_the_whole_tensor():
     """Two ranks, each holding rows of every tensor (the (5,) and (3, 7) tensors split unevenly). Shrinking
     gradients, then a spike in rank 0's rows only: the whole tensors are clipped, while rank 1's rows alone would

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers import TRAIN_SCRIPT, read_metrics, subprocess_env
 from test_wds_stream import write_shards
 
@@ -31,6 +32,7 @@ def wait_for_reader(fifo: str, proc: subprocess.Popen, limit_s: float = 600) -> 
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_sigusr2_prints_the_stacks_of_a_waiting_run_which_then_trains_on(tmp_path):
     shard = write_shards(tmp_path, [8])[0]
     fifo = str(tmp_path / "shard.fifo")

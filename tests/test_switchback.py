@@ -417,6 +417,7 @@ def _run_group(group: str, interpret: bool):
     assert f"ok {group}" in proc.stdout
 
 
+@pytest.mark.slow
 def test_triton_kernels_match_the_torch_path():
     _run_group("triton", interpret=True)
 

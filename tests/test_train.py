@@ -91,7 +91,9 @@ def test_accum_freq_run(tmp_path):
     assert len(records) == 4 and records[-1]["samples_seen"] == 64
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["linear", "switchback"])
+@pytest.mark.slow
+# In CI the linear case; SwitchBack's resume (its int8 state is none: same path) in the extended tier.
+@pytest.mark.parametrize("int8", [False, pytest.param(True, marks=pytest.mark.extended)], ids=["linear", "switchback"])
 def test_resume_continues_exactly(tmp_path, int8):
     """A run resumed from its epoch-1 checkpoint produces the uninterrupted run's losses (fp32, CPU); with int8
     SwitchBack MLPs too (their checkpoints are ordinary nn.Linear weights)."""

@@ -186,6 +186,7 @@ def test_shards_stream_from_s3_like_local_and_prefixes_are_listed(tmp_path, s3, 
     assert [numbers(b) for b in loader(s_s3)] == [numbers(b) for b in loader(s_local)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resampled", [False, True])
 def test_prefetched_s3_shards_give_the_same_batches_and_resume_exactly(tmp_path, s3, s3_bucket, resampled):
     remote = upload(s3, s3_bucket, write_shards(tmp_path, [30, 25, 40, 35, 20, 30]))

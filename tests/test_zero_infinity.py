@@ -56,6 +56,9 @@ def test_a_refused_run_exits_2_with_one_line_and_writes_nothing(tmp_path, capfd)
     assert not logs.exists()
 
 
+# Extended tier: builds DeepSpeed's async I/O op and trains ZeRO-3 twice (5+ min); in CI ZeRO-3 with CPU offload
+# (test_engine_multiprocess.py)
+@pytest.mark.extended
 @pytest.mark.slow
 def test_parameters_swapped_to_nvme_train_and_resume_like_zero3_offload(tmp_path):
     # test-tiny with a 512-wide image tower: its MLP weights' bf16 partitions on 2 ranks are 1 MiB each, the

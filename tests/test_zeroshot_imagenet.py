@@ -100,6 +100,7 @@ def test_a_folder_that_is_not_imagenet_stops_with_one_line(tmp_path, capsys):
     assert f"--imagenet-val {root}: found 3 class folders, expected 1000" in err
 
 
+@pytest.mark.extended  # 2-4 min; in CI the one-process evaluation against open_clip's (above)
 @pytest.mark.slow
 def test_two_ranks_split_the_classes_and_agree_with_one_process(imagenet_val, tmp_path):
     """FSDP on 2 ranks: each rank encodes half of the 1000 classes (every forward a collective), the shares are

@@ -33,8 +33,10 @@ done
 for spec in "${pinned[@]}"; do
     if ! "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         "${platforms[@]}" -d "$out" "$spec" 2>/dev/null; then
-        # Only a source archive on the registry (DeepSpeed): build a pure-Python wheel here, no ops compiled.
-        DS_BUILD_OPS=0 "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$out" "$spec" \
+        # Only a source archive on the registry (DeepSpeed): build a pure-Python wheel here, no ops compiled. In
+        # pip's isolated build environment (its own setuptools and wheel): a stock python3 has neither `wheel` nor
+        # torch, and DeepSpeed's setup builds without torch when no op is compiled.
+        DS_BUILD_OPS=0 "$py" -m pip wheel -q --no-deps -w "$out" "$spec" \
             || { echo "prepare.sh: could not get a wheel for $spec (is the package registry reachable?)" >&2; exit 1; }
     fi
 done

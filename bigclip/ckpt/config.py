@@ -9,7 +9,7 @@ from typing import Any
 
 from bigclip.ckpt.storage import is_url
 from bigclip.errors import UserError
-from bigclip.flag_fields import CKPT, LOG, flag, non_negative_int, positive_seconds
+from bigclip.flag_fields import CKPT, LOG, Applies, flag, non_negative_int, positive_seconds
 from bigclip.storage_options import parse_storage_options
 
 # Where a save's files are written and uploaded from: auto (a thread), thread, process (DCP's daemon), off.
@@ -18,6 +18,15 @@ REMOTE_SYNC_PROTOCOLS = ("s3", "fsspec")
 # OpenCLIP main's --fsdp-checkpoint: bigclip's checkpoints are sharded under every engine; full adds the
 # consolidated weights to each of them.
 CHECKPOINT_KINDS = ("sharded", "full")
+
+
+# Flags about a remote store act only where the run has one (flag_fields.Applies)
+WITH_REMOTE_SYNC = Applies(lambda c: bool(c.remote_sync), "with --remote-sync")
+WITH_REMOTE_RUN = Applies(lambda c: bool(c.remote_sync) or is_url(c.logs), "with --remote-sync (or a URL --logs)")
+WITH_STORE = Applies(
+    lambda c: bool(c.remote_sync) or any(is_url(v) for v in (c.logs, c.resume, c.train_data, c.val_data) if v),
+    "with a remote store (--remote-sync, or a URL --logs, --resume, --train-data or --val-data)",
+)
 
 
 @dataclass(frozen=True)
@@ -62,13 +71,18 @@ class CheckpointConfig:
         CKPT,
     )
     remote_sync_frequency: int = flag(
-        300, "Seconds between copies of logs and metrics (with --remote-sync).", CKPT, check=non_negative_int
+        300,
+        "Seconds between copies of logs and metrics (with --remote-sync).",
+        CKPT,
+        check=non_negative_int,
+        applies=WITH_REMOTE_RUN,
     )
     remote_sync_protocol: str = flag(
         "s3",
         "s3 (needs an s3:// URL) or fsspec (any fsspec URL); both use the same parallel, retried uploads.",
         CKPT,
         choices=REMOTE_SYNC_PROTOCOLS,
+        applies=WITH_REMOTE_SYNC,
     )
     storage_options: str | dict[str, Any] | None = flag(
         None,
@@ -76,6 +90,7 @@ class CheckpointConfig:
         '\'{"client_kwargs": {"endpoint_url": "http://host:9000"}}\'; '
         "credentials may go here or in AWS_* variables (never logged).",
         CKPT,
+        applies=WITH_STORE,
     )
     storage_timeout: float = flag(
         60.0,
@@ -84,6 +99,7 @@ class CheckpointConfig:
         "retry longer, see --checkpoint-upload-timeout (new in bigclip).",
         CKPT,
         check=positive_seconds,
+        applies=WITH_STORE,
     )
     checkpoint_upload_timeout: float = flag(
         600.0,
@@ -92,6 +108,7 @@ class CheckpointConfig:
         "preemption checkpoint are waited for (new in bigclip).",
         CKPT,
         check=positive_seconds,
+        applies=WITH_REMOTE_RUN,
     )
     checkpoint_async: str = flag(
         "auto",

@@ -52,6 +52,8 @@ class RunFlags:
 
     # Set by resolution, not by users.
     demo: bool = internal(False)
+    # the flags the user set (YAML or command line), by field name: only those can be idle (flag_fields.idle)
+    given: tuple[str, ...] = internal(())
 
 
 # OpenCLIP main's flag families for models bigclip does not train, refused by name in one line (argparse alone
@@ -136,7 +138,6 @@ DEMO_PRESET: dict[str, Any] = {
     "warmup": 100,
     "wd": 0.1,
     "precision": "fp32",
-    "workers": 0,
     "log_every_n_steps": 20,
     "zeroshot_frequency": 6,
     "val_frequency": 6,

@@ -32,6 +32,7 @@ def scrub_argv(argv: list[str]) -> list[str]:
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:
     """The config as a plain dict for params.yaml, checkpoints and trackers: secrets redacted."""
     values = dataclasses.asdict(cfg)
+    values.pop("given", None)  # resolution's bookkeeping (which flags were typed), not a setting
     if values.get("storage_options"):
         values["storage_options"] = redact_options(values["storage_options"])
     for name in ("remote_sync", "resume", "logs", "train_data", "val_data"):

@@ -35,10 +35,10 @@ def resolve(cli_values: dict[str, Any]) -> TrainConfig:
         values.update(DEMO_PRESET)
     values.update(explicit)
     _apply_selectors(values, explicit)
-    cfg = TrainConfig(**values, demo=demo)
+    cfg = TrainConfig(**values, demo=demo, given=tuple(sorted(explicit)))
     reject_unsupported(explicit)
     check_values(cfg)
-    cfg.sections  # noqa: B018  (builds every component's slice: each checks its own rules)
+    cfg.sections  # noqa: B018  (builds every component's slice: each checks its own rules, idle flags included)
     return cfg
 
 

@@ -24,6 +24,7 @@ from bigclip.dist import DistConfig, check_dist, run_device_type
 from bigclip.engine import EngineConfig, engine_flag_classes
 from bigclip.engine import check_config as check_engine_config
 from bigclip.evaluation.config import EvalConfig, check_eval
+from bigclip.flag_fields import idle_where_inapplicable, noting_idle_flags
 from bigclip.loop import LoopConfig
 from bigclip.loss import LossConfig, check_loss, loss_family
 from bigclip.metrics.trackers import ReportConfig, report_targets
@@ -48,6 +49,8 @@ class Sections:
     eval: EvalConfig
     loop: LoopConfig
     dist: DistConfig
+    # one line per OpenCLIP flag set where it does nothing (flag_fields.idle): the run says them at its start
+    idle_notes: tuple[str, ...] = ()
 
 
 def slice_of(flags: Any, cls: type[T], **decided: Any) -> T:
@@ -59,7 +62,15 @@ def slice_of(flags: Any, cls: type[T], **decided: Any) -> T:
 
 def build_sections(flags: Any) -> Sections:
     """Every component's slice of `flags` (a TrainConfig), each checked by the component that owns it, in the
-    order a user reads the flags: the model first, the data, the training, then where state goes."""
+    order a user reads the flags: the model first, the data, the training, then where state goes. The flags set
+    where they do nothing are refused or, OpenCLIP's, noted for the run to say (flag_fields.idle)."""
+    with noting_idle_flags() as notes:
+        idle_where_inapplicable(flags, set(flags.given))
+        sections = _build_sections(flags)
+    return dataclasses.replace(sections, idle_notes=tuple(notes))
+
+
+def _build_sections(flags: Any) -> Sections:
     model_flags = slice_of(flags, ModelConfig, init={}, device_type=run_device_type(flags.device))
     check_model(model_flags)
     schedule = slice_of(flags, ScheduleConfig)
@@ -76,7 +87,7 @@ def build_sections(flags: Any) -> Sections:
     engine = check_engine_config(
         slice_of(flags, EngineConfig, optimizer=optimizer, resolved=None, given_engine_flags=given_engine_flags)
     )
-    loss = slice_of(flags, LossConfig, captioning=_captioning(model_flags))
+    loss = slice_of(flags, LossConfig, captioning=_captioning(model_flags), device_type=model_flags.device_type)
     check_loss(loss)
     check_data(data)
     checkpoint = slice_of(flags, CheckpointConfig)
@@ -98,17 +109,21 @@ def build_sections(flags: Any) -> Sections:
     )
 
 
-def _captioning(model: ModelConfig) -> bool:
+def _captioning(model: ModelConfig) -> bool | None:
     """Whether --model captions (CoCa), so the loss adds a caption term: from its config where it is at hand
-    without fetching; an hf-hub: config the hub cache lacks decides it where the model is built (recheck_model)."""
-    return config_at_hand(model.model, model.cache_dir) and captions(model, local_files_only=True)
+    without fetching; None where it is not (an hf-hub: config the hub cache lacks decides it where the model is
+    built, recheck_model)."""
+    if not config_at_hand(model.model, model.cache_dir):
+        return None
+    return captions(model, local_files_only=True)
 
 
 def recheck_model(sections: Sections) -> Sections:
     """`sections` once the hf-hub: configs of --model and --distill-model are in the hub cache (fetched where the
     model is built, build.py): the model flags' checks, and what the model decides for the loss (whether it
     captions), made again on configs validation may not have had, and the loss flags checked with that."""
-    check_model(sections.model)
-    loss = dataclasses.replace(sections.loss, captioning=_captioning(sections.model))
-    check_loss(loss)
-    return dataclasses.replace(sections, loss=loss)
+    with noting_idle_flags() as notes:
+        check_model(sections.model)
+        loss = dataclasses.replace(sections.loss, captioning=_captioning(sections.model))
+        check_loss(loss)
+    return dataclasses.replace(sections, loss=loss, idle_notes=tuple(dict.fromkeys((*sections.idle_notes, *notes))))

@@ -15,7 +15,7 @@ import webdataset as wds
 
 from bigclip.data.sample_keys import DEFAULT_IMAGE_KEY, DEFAULT_TEXT_KEY, SampleKeys
 from bigclip.data.transforms import DECODE_MODES, INTERPOLATIONS, RESIZE_MODES
-from bigclip.flag_fields import DATA, EVAL, flag, non_negative_int, optional, positive_int
+from bigclip.flag_fields import DATA, EVAL, Applies, flag, non_negative_int, optional, positive_int
 from bigclip.registry import Registry
 from bigclip.storage_options import parse_storage_options
 
@@ -110,6 +110,7 @@ class DataConfig:
         "With --json-text-key: weights by which each sample draws the order of the fields tried (missing or 0: "
         "fallbacks); seeded per sample, so a resumed run draws alike (OpenCLIP main's flag).",
         DATA,
+        applies=Applies(lambda c: c.json_text_key is not None, "with --json-text-key"),
         nargs="+",
         type=float,
     )

@@ -14,7 +14,15 @@ from bigclip.data.decode import ImageTooLarge, decode_rgb
 from bigclip.data.info import DataInfo
 from bigclip.data.map_style import ReplacingDataset, SampleSkipped
 from bigclip.data.skips import SkipCounter
-from bigclip.data.sources import DATA_SOURCES, DataSource, LoaderContext, Split, batch_sampler, map_style_loader
+from bigclip.data.sources import (
+    DATA_SOURCES,
+    IMAGE_FLAGS,
+    DataSource,
+    LoaderContext,
+    Split,
+    batch_sampler,
+    map_style_loader,
+)
 from bigclip.errors import UserError
 
 
@@ -131,6 +139,10 @@ def build_csv(cfg: DataConfig, split: Split, ctx: LoaderContext) -> DataInfo:
 
 DATA_SOURCES.register(
     "csv",
-    DataSource(build_csv, extensions=(".csv", ".tsv")),
+    DataSource(
+        build_csv,
+        extensions=(".csv", ".tsv"),
+        flags=("csv_separator", "csv_img_key", "csv_caption_key", "max_image_pixels", "workers", *IMAGE_FLAGS),
+    ),
     help="a CSV/TSV file of image paths and captions (--csv-img-key, --csv-caption-key)",
 )

@@ -46,9 +46,7 @@ class SampleKeys:
         if fields is not None and not fields:
             raise UserError(f"--json-text-key {json_text_key!r}: name at least one field of the .json member")
         weights = None
-        if probs is not None:
-            if fields is None:
-                raise UserError("--json-text-key-probs: only applies with --json-text-key")
+        if probs is not None and fields is not None:  # (without --json-text-key: idle, said where flags are checked)
             if len(probs) > len(fields) or any(not p >= 0 for p in probs):
                 raise UserError(
                     f"--json-text-key-probs {' '.join(map(str, probs))}: give at most one non-negative weight per "

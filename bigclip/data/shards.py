@@ -28,7 +28,7 @@ _BLOCK = 8 << 20  # fsspec read-ahead per open shard
 _PERMANENT = (FileNotFoundError, PermissionError, TypeError, ValueError)
 
 
-def _is_remote(url: str) -> bool:
+def is_remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
 
 
@@ -43,7 +43,7 @@ def expand_shard_urls(spec: str, flag: str, storage_options: dict | None = None)
                 urls.append(url)
             elif url.endswith("/") or any(c in url for c in "*?["):
                 urls.extend(_listing(url, flag, storage_options or {}))
-            elif not _is_remote(url):
+            elif not is_remote(url):
                 path = url.removeprefix("file://")
                 if not os.path.isfile(path):
                     raise UserError(f"{flag} {path}: shard not found; check the path and the brace pattern")
@@ -58,7 +58,7 @@ def expand_shard_urls(spec: str, flag: str, storage_options: dict | None = None)
 
 def _listing(url: str, flag: str, options: dict) -> list[str]:
     try:
-        fs, path = fsspec.core.url_to_fs(url, **(options if _is_remote(url) else {}))
+        fs, path = fsspec.core.url_to_fs(url, **(options if is_remote(url) else {}))
         found = fs.glob(path) if any(c in path for c in "*?[") else fs.find(path)
     except Exception as e:  # credentials, a missing bucket, no network: one line naming the URL
         raise UserError(f"{flag} {url}: cannot list shards ({type(e).__name__}: {e})") from None
@@ -123,7 +123,7 @@ def open_shard(url: str, storage_options: dict | None = None, retry_seconds: flo
     if url.startswith("pipe:"):
         process = subprocess.Popen(url[len("pipe:") :], shell=True, stdout=subprocess.PIPE)
         return process.stdout
-    if not _is_remote(url):
+    if not is_remote(url):
         return open(url.removeprefix("file://"), "rb")
     return io.BufferedReader(_RetryingReader(url, storage_options or {}, retry_seconds), buffer_size=1 << 20)
 
@@ -175,11 +175,11 @@ class ShardReader:
     def __call__(
         self, url: str, start: int = 0, on_error: Callable[[str, str], None] | None = None, then: str | None = None
     ) -> Iterator[dict]:
-        if not (self.prefetch_bytes and _is_remote(url)):
+        if not (self.prefetch_bytes and is_remote(url)):
             return iter_shard_samples(url, self.storage_options, on_error, start)
         if self._prefetcher is None:
             self._prefetcher = ShardPrefetcher(lambda u: open_shard(u, self.storage_options), self.prefetch_bytes)
-        prefetcher, following = self._prefetcher, then if then is not None and _is_remote(then) else None
+        prefetcher, following = self._prefetcher, then if then is not None and is_remote(then) else None
         return iter_shard_samples(url, on_error=on_error, start=start, opener=lambda u: prefetcher.open(u, following))
 
     def close(self) -> None:

@@ -1,13 +1,18 @@
 """Data source kinds (--dataset-type): the registry, and what every kind's loader is built from.
 
 A kind is registered in DATA_SOURCES by its own module (synthetic.py, csv_dataset.py, wds_source.py) with the
-function that builds its loader for one split and the file extensions --dataset-type auto recognises it by;
-data/factory.py imports those modules. To add a kind: a module that registers itself, and its import in
-factory.py.
+function that builds its loader for one split, the file extensions --dataset-type auto recognises it by and the
+data flags it reads that not every kind does (`flags`: --csv-separator is csv's); data/factory.py imports
+those modules. To add a kind: a module that registers itself, and its import in factory.py.
+
+A kind's flag given to a run whose data is of other kinds would do nothing: check_source_flags refuses it in one
+line, as engines refuse each other's flags. The embedded demo and the ImageNet zero-shot sets are data the run
+reads besides the registered kinds, with the flags they read (DEMO_FLAGS, ZEROSHOT_FLAGS).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -22,6 +27,7 @@ from bigclip.data.sampler import ShardedBatchSampler
 from bigclip.data.skips import SkipCounter
 from bigclip.data.workers import worker_loader
 from bigclip.errors import UserError
+from bigclip.flag_fields import idle
 
 AUTO = "auto"  # --dataset-type auto: the kind the data value's extension names
 
@@ -58,6 +64,19 @@ class DataSource:
     extensions: tuple[str, ...] = ()  # what --dataset-type auto recognises it by ('.tar')
     needs_path: bool = True  # reads --train-data / --val-data
     check: Callable[[DataConfig], None] = lambda cfg: None  # its own flags' rules
+    flags: tuple[str, ...] = ()  # the data flags it reads that some other kind does not (see check_source_flags)
+
+
+# The flags of the image transforms (build.py's preprocess): read by the kinds that decode images
+IMAGE_FLAGS = ("image_mean", "image_std", "image_interpolation", "image_resize_mode", "image_decode", "aug_cfg")
+# What the embedded demo (no data flags) and the ImageNet zero-shot sets (--imagenet-val/-v2, evaluation transform:
+# no augmentation) read of the data flags
+DEMO, ZEROSHOT = "the embedded demo (no --train-data)", "the ImageNet zero-shot sets"
+DEMO_FLAGS = ("image_mean", "image_std")
+ZEROSHOT_FLAGS = ("workers", *(f for f in IMAGE_FLAGS if f != "aug_cfg"))
+# Flags read for one split only (the others: for every split of their kind)
+TRAIN_ONLY = ("train_num_samples", "aug_cfg", "dataset_resampled", "train_data_upsampling_factors")
+VAL_ONLY = ("val_num_samples",)
 
 
 def dataset_type_names() -> list[str]:
@@ -113,6 +132,84 @@ def check_source(cfg: DataConfig) -> None:
     if source.needs_path and cfg.train_data is None:
         raise UserError(f"--dataset-type {cfg.dataset_type!r}: needs --train-data")
     source.check(cfg)
+
+
+def _kind_of(path: str | None, dataset_type: str) -> str | None:
+    """The registered kind a split's data value is read as; None where auto cannot tell (the build says why)."""
+    if dataset_type != AUTO:
+        return dataset_type
+    kinds = {_kind_by_extension(names) for names in sources(path)} if path else {None}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def data_in_use(cfg: DataConfig) -> dict[str, list[str]]:
+    """What this run reads, by split: 'train' and 'val' -> the kinds (registered names, or DEMO), 'eval' ->
+    [ZEROSHOT] when ImageNet sets are named. An unknown kind (auto on an extension it cannot tell) is None."""
+    generated = reads_without_path(cfg.dataset_type)
+    if cfg.demo:
+        splits = {"train": [DEMO], "val": [DEMO]}
+    else:
+        train = _kind_of(cfg.train_data, cfg.dataset_type) if cfg.train_data or generated else None
+        has_val = cfg.val_data or (generated and cfg.val_num_samples)
+        splits = {"train": [train], "val": [_kind_of(cfg.val_data, cfg.dataset_type)] if has_val else []}
+    splits["eval"] = [ZEROSHOT] if (cfg.imagenet_val or cfg.imagenet_v2) else []
+    return splits
+
+
+def _either(words: list[str]) -> str:
+    return " or ".join(words) if len(words) < 3 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def _reads(kind: str | None, name: str) -> bool:
+    if kind is None:
+        return True  # an unknown kind stops the run where its loader is built
+    if kind == DEMO:
+        return name in DEMO_FLAGS
+    if kind == ZEROSHOT:
+        return name in ZEROSHOT_FLAGS
+    return name in DATA_SOURCES.get(kind).flags
+
+
+def _kinds_for(name: str, in_use: dict[str, list[str]]) -> list[str]:
+    """The kinds of this run's data that flag `name` could apply to (its splits' kinds)."""
+    splits = ["train"] if name in TRAIN_ONLY else ["val"] if name in VAL_ONLY else ["train", "val", "eval"]
+    return list(dict.fromkeys(kind for split in splits for kind in in_use[split]))
+
+
+def read_here(cfg: DataConfig, name: str) -> bool:
+    """Whether some data of this run reads flag `name` (where none does, check_source_flags has said it is idle,
+    and its value's own rules, which the reader would apply, are moot)."""
+    return any(_reads(kind, name) for kind in _kinds_for(name, data_in_use(cfg)))
+
+
+def check_source_flags(cfg: DataConfig) -> None:
+    """A data flag that some kind reads, set where no data of this run is read with it, is idle (flag_fields.idle:
+    OpenCLIP's warn, bigclip's are refused, in one line naming it and the data it applies to); so are
+    --train-data / --val-data where the data is generated. --val-data where the demo runs is refused: without
+    --train-data bigclip trains its embedded demo, where OpenCLIP would evaluate --val-data alone."""
+    generated = reads_without_path(cfg.dataset_type)
+    for name, value in (("train_data", cfg.train_data), ("val_data", cfg.val_data)):
+        if value and generated:
+            idle(name, f"--dataset-type {cfg.dataset_type} makes its own data and reads no files", "drop one of them")
+    if cfg.demo and cfg.val_data:
+        raise UserError("--val-data: needs --train-data (without it the embedded demo runs, with its own validation)")
+    in_use = data_in_use(cfg)
+    claimed = {name for _, source in DATA_SOURCES.items() for name in source.flags}
+    defaults = {f.name: f for f in dataclasses.fields(DataConfig)}
+    for name in sorted(claimed | set(DEMO_FLAGS) | set(ZEROSHOT_FLAGS)):
+        field = defaults[name]
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        if getattr(cfg, name) == default:
+            continue
+        kinds = _kinds_for(name, in_use)
+        if any(_reads(kind, name) for kind in kinds):
+            continue
+        role = " training" if name in TRAIN_ONLY else " validation" if name in VAL_ONLY else ""
+        kinds_reading = [kind for kind, source in DATA_SOURCES.items() if name in source.flags]
+        readers = [f"{_either(kinds_reading)}{role} data"] if kinds_reading else []
+        readers += [who for who, reads in ((DEMO, DEMO_FLAGS), (ZEROSHOT, ZEROSHOT_FLAGS)) if name in reads]
+        here = f"this run's{role} data is {' and '.join(kinds)}" if kinds else f"this run has no{role} data"
+        idle(name, f"only applies to {_either(readers)}; {here}")
 
 
 # -- helpers the kinds share

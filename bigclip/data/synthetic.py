@@ -73,6 +73,6 @@ def build_synthetic(cfg: DataConfig, split: Split, ctx: LoaderContext) -> DataIn
 
 DATA_SOURCES.register(
     "synthetic",
-    DataSource(build_synthetic, needs_path=False),
+    DataSource(build_synthetic, needs_path=False, flags=("train_num_samples", "val_num_samples", "workers")),
     help="random images and tokens of the model's shapes (--train-num-samples, default 1000)",
 )

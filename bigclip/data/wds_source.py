@@ -3,11 +3,11 @@ in the order data/wds_plan.py gives each (rank, worker), resumable mid-epoch for
 
 from __future__ import annotations
 
-from bigclip.data.config import DataConfig
+from bigclip.data.config import DataConfig, sources
 from bigclip.data.info import DataInfo
-from bigclip.data.shards import ShardReader, expand_shard_urls
+from bigclip.data.shards import ShardReader, expand_shard_urls, is_remote
 from bigclip.data.skips import SkipCounter
-from bigclip.data.sources import DATA_SOURCES, DataSource, LoaderContext, Split
+from bigclip.data.sources import DATA_SOURCES, IMAGE_FLAGS, DataSource, LoaderContext, Split
 from bigclip.data.wds_plan import ShardPlan, batches_per_worker, parse_upsampling_factors
 from bigclip.data.wds_stream import ShardStream
 from bigclip.data.workers import worker_loader
@@ -64,8 +64,38 @@ def build_webdataset(cfg: DataConfig, split: Split, ctx: LoaderContext) -> DataI
     )
 
 
+def _check_prefetch(cfg: DataConfig) -> None:
+    """--shard-prefetch-mb reads shards ahead from object storage; local shards are read as decoding asks."""
+    if cfg.shard_prefetch_mb == DataConfig.shard_prefetch_mb:
+        return
+    values = [v for v in (cfg.train_data, cfg.val_data) if v]
+    if not any(is_remote(url) for value in values for names in sources(value) for url in names):
+        raise UserError(
+            "--shard-prefetch-mb: only applies to shards on object storage (an fsspec URL such as s3://); these are "
+            "local files; drop the flag"
+        )
+
+
 DATA_SOURCES.register(
     "webdataset",
-    DataSource(build_webdataset, extensions=(".tar",)),
+    DataSource(
+        build_webdataset,
+        extensions=(".tar",),
+        check=_check_prefetch,
+        flags=(
+            "train_num_samples",
+            "val_num_samples",
+            "dataset_resampled",
+            "shard_prefetch_mb",
+            "image_key",
+            "text_key",
+            "json_text_key",
+            "json_text_key_probs",
+            "train_data_upsampling_factors",
+            "max_image_pixels",
+            "workers",
+            *IMAGE_FLAGS,
+        ),  # fmt: skip
+    ),
     help="WebDataset .tar shards, '::' between sources (--train-num-samples per epoch)",
 )

@@ -24,13 +24,16 @@ from torch import nn
 
 from bigclip.dist import World
 from bigclip.engine import in_backward
-from bigclip.engine.base import Engine
+from bigclip.engine.base import NO_BATCHNORM, Engine, has_batchnorm
 from bigclip.engine.config import DEFAULT_ENGINE, ENGINES, SHARDED_INIT_MODES, EngineConfig
 from bigclip.engine.ddp import DDPEngine
 from bigclip.engine.deepspeed import DeepSpeedEngine
 from bigclip.engine.fsdp import FSDPEngine
 from bigclip.errors import UserError
+from bigclip.flag_fields import idle
 from bigclip.memory import add_setup_source
+from bigclip.optim import optimizer_kind
+from bigclip.precision import resolve_precision
 
 # --engine NAME -> the Engine class. To add an engine: a subclass in its own file (its flags, rules, memory
 # setups), and one line here.
@@ -80,11 +83,7 @@ def check_config(cfg: EngineConfig) -> EngineConfig:
     refuse_other_engines_flags(cfg)
     resolved = chosen.check_config(cfg)
     in_backward.check_config(cfg)
-    if cfg.ema_warmup and cfg.ema_decay is None:
-        raise UserError("--ema-warmup: only applies with --ema-decay; add it or drop the flag")
-    if not cfg.torchcompile and (cfg.torchcompile_backend or cfg.torchcompile_mode):
-        shown = "--torchcompile-backend" if cfg.torchcompile_backend else "--torchcompile-mode"
-        raise UserError(f"{shown}: only applies with --torchcompile; add it or drop the flag")
+    _check_bf16_rounding(cfg)
     if cfg.torchcompile_backend and cfg.torchcompile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise UserError(
             f"--torchcompile-backend {cfg.torchcompile_backend}: torch.compile has no such backend; choose one of "
@@ -96,6 +95,24 @@ def check_config(cfg: EngineConfig) -> EngineConfig:
         except RuntimeError as e:
             raise UserError(f"--torchcompile-mode {cfg.torchcompile_mode}: {e}") from None
     return dataclasses.replace(cfg, resolved=resolved)
+
+
+def _check_bf16_rounding(cfg: EngineConfig) -> None:
+    """--bf16-round-to-nearest acts where the optimizer itself rounds its updates into bf16 weights (the engine
+    stores the weights in --precision's dtype; an engine keeping float32 masters refuses the flag itself)."""
+    if not cfg.optimizer.bf16_round_to_nearest:
+        return
+    if not optimizer_kind(cfg.optimizer).rounds_bf16_stochastically:
+        raise UserError(
+            f"--bf16-round-to-nearest: --opt {cfg.optimizer.opt} always rounds to nearest; drop the flag (adamw, "
+            f"stableadamw and adamw8bit round stochastically without it)"
+        )
+    weights = resolve_precision(cfg.precision, torch.device(cfg.device_type())).param_dtype
+    if weights != torch.bfloat16:
+        raise UserError(
+            f"--bf16-round-to-nearest: only applies with bf16 weights (--precision pure_bf16), and --precision "
+            f"{cfg.precision} keeps {str(weights).removeprefix('torch.')} weights; drop the flag"
+        )
 
 
 def build_model(cfg: EngineConfig, world: World, factory) -> nn.Module:
@@ -120,10 +137,27 @@ def memory_notes() -> list[str]:
 
 
 def apply_locks(model: nn.Module, cfg: EngineConfig) -> None:
+    if cfg.lock_image_freeze_bn_stats and not has_batchnorm(model):
+        idle("lock_image_freeze_bn_stats", NO_BATCHNORM["lock_image_freeze_bn_stats"])
     if cfg.lock_image:
         model.lock_image_tower(cfg.lock_image_unlocked_groups, cfg.lock_image_freeze_bn_stats)
     if cfg.lock_text:
         model.lock_text_tower(cfg.lock_text_unlocked_layers, cfg.lock_text_freeze_layer_norm)
+
+
+def batchnorm_flags_set(cfg: EngineConfig) -> list[str]:
+    """The BatchNorm flags this run sets (field names): idle on a model without BatchNorm."""
+    given = {"use_bn_sync": getattr(cfg.engine_flags, "use_bn_sync", False)}  # (DDP's own flag)
+    given["lock_image_freeze_bn_stats"] = cfg.lock_image_freeze_bn_stats
+    return [name for name, on in given.items() if on]
+
+
+def say_idle_batchnorm_flags(cfg: EngineConfig, model: nn.Module) -> None:
+    """For --dry-run, which builds nothing to train: the BatchNorm flags the built model would make idle, said as
+    where it is built (`model`: the architecture, e.g. on the meta device)."""
+    if not has_batchnorm(model):
+        for name in batchnorm_flags_set(cfg):
+            idle(name, NO_BATCHNORM[name])
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: EngineConfig) -> None:

@@ -287,6 +287,20 @@ class TorchOptimizerEngine(Engine):
         return tensor_bytes(self.model, self.optimizer)
 
 
+def has_batchnorm(model: nn.Module) -> bool:
+    """Whether `model` holds BatchNorm layers (ResNet towers, some timm trunks): what --use-bn-sync and
+    --lock-image-freeze-bn-stats act on; without any they would do nothing (OpenCLIP's flags: warned about)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+# Where each BatchNorm flag applies, as said where the model is built (DDPEngine, apply_locks) and by --dry-run.
+NO_BATCHNORM = {
+    "use_bn_sync": "only applies to a model with BatchNorm layers, and this model has none",
+    "lock_image_freeze_bn_stats": "only applies to an image tower with BatchNorm statistics (a ResNet), and this "
+    "model's has none (a ViT)",
+}
+
+
 def clip_and_measure(params: list[torch.Tensor], max_norm: float | None) -> float:
     """Global grad norm of `params` (plain or sharded gradients), clipping in place when max_norm is set."""
     grads = [p.grad for p in params if p.grad is not None]

@@ -21,6 +21,7 @@ from bigclip.flag_fields import (
     MODEL,
     PREC,
     TRAIN,
+    Applies,
     flag,
     non_negative_int,
     non_negative_number,
@@ -38,6 +39,17 @@ def open_unit_interval(v) -> str | None:
     return None if ok else "must be between 0 and 1 (e.g. 0.9998)"
 
 
+# Flags that refine another flag act only beside it (flag_fields.Applies): refused alone, not ignored.
+WITH_LOCK_IMAGE = Applies(lambda c: c.lock_image, "with --lock-image")
+WITH_LOCK_TEXT = Applies(lambda c: c.lock_text, "with --lock-text")
+WITH_COMPILE = Applies(lambda c: c.torchcompile, "with --torchcompile")
+# torch.compile hands a mode to inductor only; another backend gets it as an argument it ignores
+WITH_INDUCTOR = Applies(
+    lambda c: c.torchcompile_backend in (None, "inductor"),
+    "with torch.compile's inductor backend (the default; other backends ignore the mode)",
+    "drop --torchcompile-backend or this flag",
+)
+
 DEFAULT_ENGINE = "ddp"  # OpenCLIP's own parallelism
 SHARDED_INIT_MODES = ("auto", "always", "never")
 # --engine NAME -> the Engine class (engine/base.py). Created here, with the flag that names it; the engines are
@@ -49,12 +61,21 @@ ENGINES: Registry = Registry("--engine")
 class EngineConfig:
     lock_image: bool = flag(False, "Freeze the image tower.", MODEL)
     lock_image_unlocked_groups: int = flag(
-        0, "Leave the last N image layer groups trainable.", MODEL, check=non_negative_int
+        0, "Leave the last N image layer groups trainable.", MODEL, check=non_negative_int, applies=WITH_LOCK_IMAGE
     )
-    lock_image_freeze_bn_stats: bool = flag(False, "Freeze BatchNorm statistics of locked layers.", MODEL)
+    lock_image_freeze_bn_stats: bool = flag(
+        False,
+        "Freeze BatchNorm statistics of locked layers (image towers with BatchNorm: ResNets, some timm trunks).",
+        MODEL,
+        applies=WITH_LOCK_IMAGE,
+    )
     lock_text: bool = flag(False, "Freeze the text tower.", MODEL)
-    lock_text_unlocked_layers: int = flag(0, "Leave the last N text layers trainable.", MODEL, check=non_negative_int)
-    lock_text_freeze_layer_norm: bool = flag(False, "Freeze LayerNorm of locked text layers.", MODEL)
+    lock_text_unlocked_layers: int = flag(
+        0, "Leave the last N text layers trainable.", MODEL, check=non_negative_int, applies=WITH_LOCK_TEXT
+    )
+    lock_text_freeze_layer_norm: bool = flag(
+        False, "Freeze LayerNorm of locked text layers.", MODEL, applies=WITH_LOCK_TEXT
+    )
     grad_clip_norm: float | None = flag(
         None, "Clip the global gradient norm to this value.", TRAIN, check=optional(non_negative_number)
     )
@@ -67,12 +88,17 @@ class EngineConfig:
     )
     torchcompile: bool = flag(False, "torch.compile each transformer block.", TRAIN)
     torchcompile_backend: str | None = flag(
-        None, "With --torchcompile: torch.compile's backend (e.g. inductor, aot_eager; default inductor).", TRAIN
+        None,
+        "With --torchcompile: torch.compile's backend (e.g. inductor, aot_eager; default inductor).",
+        TRAIN,
+        applies=WITH_COMPILE,
     )
     torchcompile_mode: str | None = flag(
         None,
-        "With --torchcompile: torch.compile's mode (default, reduce-overhead, max-autotune, ...).",
+        "With --torchcompile and the inductor backend: torch.compile's mode (default, reduce-overhead, "
+        "max-autotune, ...).",
         TRAIN,
+        applies=(WITH_COMPILE, WITH_INDUCTOR),
     )
     torchcompile_strategy: str | None = unsupported(
         None,
@@ -83,7 +109,11 @@ class EngineConfig:
     precision: str = flag("amp", "Numeric precision.", PREC, choices=PRECISIONS)
     grad_checkpointing: bool = flag(False, "Recompute every transformer block in backward.", PREC)
     grad_checkpointing_every: int = flag(
-        1, "With --grad-checkpointing, recompute every k-th block only.", PREC, check=positive_int
+        1,
+        "With --grad-checkpointing, recompute every k-th block only.",
+        PREC,
+        check=positive_int,
+        applies=Applies(lambda c: c.grad_checkpointing, "with --grad-checkpointing"),
     )
     engine: str = flag(
         DEFAULT_ENGINE,
@@ -108,13 +138,17 @@ class EngineConfig:
         check=optional(open_unit_interval),
     )
     ema_warmup: bool = flag(
-        False, "With --ema-decay: timm ModelEmaV3's warm-up, decay_t = min(decay, 1 - (1 + t)^(-2/3)).", TRAIN
+        False,
+        "With --ema-decay: timm ModelEmaV3's warm-up, decay_t = min(decay, 1 - (1 + t)^(-2/3)).",
+        TRAIN,
+        applies=Applies(lambda c: c.ema_decay is not None, "with --ema-decay"),
     )
     # read here, owned by another slice (its flag is declared there)
     device: str = "cuda"
     batch_size: int = 64
     accum_freq: int = 1
     seed: int = 0
+    checkpoint_async: str = "auto"  # where checkpoints are written: an engine may write its own way only
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     resolved: Any = None  # the chosen engine's check_config result (DeepSpeed: the resolved JSON)
     # Every engine's own flags as given (engine name -> its Engine.Flags instance): the chosen engine reads its own

@@ -16,10 +16,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bigclip.dist import World
 from bigclip.engine import in_backward
-from bigclip.engine.base import TorchOptimizerEngine
+from bigclip.engine.base import NO_BATCHNORM, TorchOptimizerEngine, has_batchnorm
 from bigclip.engine.config import EngineConfig
 from bigclip.errors import UserError
-from bigclip.flag_fields import DIST, flag
+from bigclip.flag_fields import DIST, flag, idle
 from bigclip.memory import MemorySetup, ModelSize, StateRecipe, WorkingBytes
 
 
@@ -36,10 +36,16 @@ class DDPEngine(TorchOptimizerEngine):
 
     @classmethod
     def check_config(cls, cfg: EngineConfig) -> None:
-        if cfg.sharded_init == "always":
+        if cfg.sharded_init != "auto":  # DDP builds the whole model on every rank, whatever the flag says
             raise UserError(
-                "--sharded-init always: needs an engine that shards parameters (--engine fsdp, or "
-                "deepspeed with ZeRO stage 3)"
+                f"--sharded-init {cfg.sharded_init}: needs an engine that shards parameters (--engine fsdp, or "
+                "deepspeed with ZeRO stage 3); drop the flag"
+            )
+        if cfg.optimizer_in_backward and cfg.engine_flags.ddp_static_graph:
+            # stepped in the backward, the model is not wrapped in DistributedDataParallel at all
+            raise UserError(
+                "--ddp-static-graph: only applies to DistributedDataParallel's reducer, which "
+                "--optimizer-in-backward replaces with its own hooks; drop one of the two"
             )
 
     @classmethod
@@ -75,6 +81,8 @@ class DDPEngine(TorchOptimizerEngine):
     def __init__(self, cfg: EngineConfig, model: nn.Module, world: World):
         super().__init__(cfg, model, world)
         self.model = model.to(device=world.device, dtype=self.precision.param_dtype)
+        if cfg.engine_flags.use_bn_sync and not has_batchnorm(model):
+            idle("use_bn_sync", NO_BATCHNORM["use_bn_sync"])
         if cfg.engine_flags.use_bn_sync and world.distributed:
             self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
         self.module = self.model

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 from typing import Any
 
@@ -63,8 +62,6 @@ from bigclip.errors import UserError
 from bigclip.flag_fields import DIST, flag
 from bigclip.memory import MemorySetup
 from bigclip.optim import optimizer_kind
-
-logger = logging.getLogger("bigclip")
 
 
 def _prepare_environment(world: World) -> None:
@@ -198,10 +195,27 @@ class DeepSpeedEngine(Engine):
         ds = dsc.resolve_flags(cfg, cfg.device_type())
         dsc.for_run(ds, cfg, None, None)  # nothing but world- and model-sized "auto" left
         stage = dsc.stage(ds)
-        if cfg.sharded_init == "always" and stage != 3:
+        source = cfg.engine_flags.ds_config or "the default config"
+        if cfg.sharded_init != "auto" and stage != 3:  # below stage 3 every rank builds the whole model
             raise UserError(
-                f"--sharded-init always: DeepSpeed partitions parameters only at ZeRO stage 3, "
-                f"and {cfg.engine_flags.ds_config or 'the default config'} has stage {stage}"
+                f"--sharded-init {cfg.sharded_init}: DeepSpeed partitions parameters only at ZeRO stage 3, "
+                f"and {source} has stage {stage}; drop the flag or use a stage 3 config"
+            )
+        if cfg.engine_flags.zero_nvme_path and not dsc.offloads_to_nvme(ds):
+            raise UserError(
+                f'--zero-nvme-path: only applies when the DeepSpeed config swaps to NVMe (offload_param.device "nvme", '
+                f"as ds_configs/zero3_nvme.json), and {source} does not; drop the flag or use such a config"
+            )
+        if cfg.checkpoint_async == "process":
+            raise UserError(
+                "--checkpoint-async process: DeepSpeed writes its checkpoints itself, from a thread (DCP's writer "
+                "process is DDP's and FSDP's); use thread or auto"
+            )
+        if cfg.optimizer.bf16_round_to_nearest:
+            # the optimizer steps DeepSpeed's float32 master partitions; DeepSpeed copies them into its bf16 weights
+            raise UserError(
+                "--bf16-round-to-nearest: DeepSpeed keeps float32 master weights and rounds them into its bf16 copy "
+                "itself; drop the flag"
             )
         mixed = [name for name in ("bf16", "fp16") if ds.get(name, {}).get("enabled")]
         if optimizer_kind(cfg.optimizer).per_tensor and (stage or mixed):
@@ -413,8 +427,7 @@ class DeepSpeedEngine(Engine):
 
     # -- checkpoints and memory
     def checkpoint_layout(self, group, mode: str, participants=None) -> CheckpointLayout:
-        if mode == "process" and self.world.is_main:
-            logger.info("--checkpoint-async process: the DeepSpeed engine writes its checkpoints from a thread")
+        # DeepSpeed writes from a thread whatever `mode` says; --checkpoint-async process is refused (check_config)
         return DeepSpeedLayout(self.ds, self.world, group, participants)
 
     def state_bytes(self) -> dict[str, int]:

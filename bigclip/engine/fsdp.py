@@ -129,6 +129,11 @@ class FSDPEngine(TorchOptimizerEngine):
         degree = cfg.engine_flags.fsdp_replicate_degree
         if not isinstance(degree, int) or degree < 1:
             raise UserError(f"--fsdp-replicate-degree {degree!r}: must be a positive integer")
+        if cfg.engine_flags.fsdp_hybrid and degree != 1:
+            # --fsdp-hybrid sets the degree itself (one replica per node)
+            raise UserError(
+                f"--fsdp-replicate-degree {degree}: --fsdp-hybrid already replicates once per node; drop one of the two"
+            )
 
     @classmethod
     def build_model(cls, cfg: EngineConfig, world: World, factory) -> nn.Module:

@@ -13,9 +13,12 @@ bidir | shift | reduce | gather for SigLIP).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.nn as nn
 
 from bigclip.errors import UserError
+from bigclip.flag_fields import idle
 from bigclip.loss.caption import CaptionLoss
 from bigclip.loss.clip import CLIP, CLIP_DIST_IMPLS, ClipLoss
 from bigclip.loss.distill import DistillClipLoss, TeacherOutputs
@@ -56,7 +59,29 @@ def check_loss(cfg: LossConfig) -> None:
             f"--loss-precision {cfg.loss_precision}: only the fused loss has another arithmetic; use --loss-impl "
             f"fused (or auto) or drop --loss-precision (--loss-impl {cfg.loss_impl} is always exact)"
         )
-    check_dist_impl(cfg.loss_dist_impl, family)
+    if check_precision(cfg.loss_precision) != "exact" and cfg.loss_impl == "auto" and cfg.device_type != "cuda":
+        raise UserError(
+            f"--loss-precision {cfg.loss_precision}: on the CPU --loss-impl auto is the chunked loss, which is always "
+            f"exact; drop the flag"
+        )
+    dist_impl = check_dist_impl(cfg.loss_dist_impl, family)
+    if cfg.loss_impl == "naive" and family.naive_dist_impls is not None and dist_impl not in family.naive_dist_impls:
+        raise UserError(
+            f"--loss-dist-impl {dist_impl}: --loss-impl naive (OpenCLIP's {family.described_as.removeprefix('the ')}) "
+            f"exchanges by {' or '.join(family.naive_dist_impls)} only; use --loss-impl chunked (or fused) or drop "
+            f"the flag"
+        )
+    for name, other in LOSSES.items():
+        for flag_name in other.flags if other is not family else ():
+            if getattr(cfg, flag_name) and flag_name not in family.flags:
+                idle(
+                    flag_name,
+                    f"only applies to {other.described_as} (--loss {name}); this run trains with {family.described_as}",
+                )
+    if cfg.captioning is False:  # known not to caption (None: an hf-hub: config not fetched yet)
+        for f in dataclasses.fields(cfg):
+            if f.name.startswith("coca_") and getattr(cfg, f.name) != f.default:
+                idle(f.name, "only applies to a captioning model (CoCa)")
     if cfg.distill_model is not None and family is not CLIP:
         # OpenCLIP would silently train this model with the CLIP loss instead of its own.
         raise UserError(

@@ -153,7 +153,14 @@ class ClipLoss(nn.Module):
 
     def forward(self, image_features, text_features, logit_scale, logit_bias=None):
         check_features(image_features, text_features)
-        impl = select.resolve_impl(self.impl, image_features, "clip", self.naive_logits(image_features.shape[0]))
+        impl = select.resolve_impl(
+            self.impl,
+            image_features,
+            "clip",
+            self.naive_logits(image_features.shape[0]),
+            self.precision,
+            naive_ok=self.dist_impl in CLIP.naive_dist_impls,
+        )
         if impl == "naive":
             loss = clip_loss_naive(
                 image_features,
@@ -205,6 +212,8 @@ CLIP = LOSSES.register(
         _build_clip_loss,
         CLIP_DIST_IMPLS,
         "the CLIP loss",
+        flags=("local_loss", "gather_with_grad"),
+        naive_dist_impls=("gather",),  # OpenCLIP's loss all-gathers the features
         model_init={"init_logit_scale": math.log(1 / 0.07), "init_logit_bias": None},  # OpenAI CLIP's temperature
     ),
     help="CLIP's softmax contrastive loss (OpenCLIP's default)",

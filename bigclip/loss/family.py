@@ -63,8 +63,10 @@ class LossConfig:
     # read here, owned by another slice (its flag is declared there)
     distill_model: str | None = None  # a teacher: the CLIP loss plus OpenCLIP's distillation term
     # decided for the loss by the model (config/sections.py): the model captions (CoCa), so the loss adds
-    # OpenCLIP's caption term
-    captioning: bool = False
+    # OpenCLIP's caption term; None: not known yet (an hf-hub: config the hub cache lacks, decided once fetched)
+    captioning: bool | None = False
+    # decided by the run: the device type the loss runs on (what --loss-impl auto picks there)
+    device_type: str = "cuda"
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,10 @@ class LossFamily:
     described_as: str  # how error lines name it: "the CLIP loss"
     model_init: dict[str, Any] = field(default_factory=dict)  # create_model kwargs: init_logit_scale/bias
     selected_by: tuple[str, ...] = ()  # flags (config field names) that select it without --loss (--siglip)
+    # flags only this family reads (CLIP: --local-loss, --gather-with-grad): refused under the others
+    flags: tuple[str, ...] = ()
+    # the exchanges its naive loss (--loss-impl naive, OpenCLIP's reference) makes; None: every one it offers
+    naive_dist_impls: tuple[str, ...] | None = None
 
 
 def check_dist_impl(dist_impl: str | None, family: LossFamily) -> str:

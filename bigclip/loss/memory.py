@@ -33,6 +33,10 @@ def chosen_impl(cfg: LossConfig, batch: int, world: int, feature_bytes: int, dev
         return cfg.loss_impl
     if device_type != "cuda":
         return "chunked"
+    family = LOSSES.get(_family(cfg))
+    exchange = check_dist_impl(cfg.loss_dist_impl, family)
+    if cfg.loss_precision != "exact" or exchange not in (family.naive_dist_impls or (exchange,)):
+        return "fused"  # what only the fused path does (loss/select.py's resolve_impl)
     dtype = torch.bfloat16 if feature_bytes == 2 else torch.float32
     return "naive" if naive_logits(cfg, batch, world) <= naive_max_logits(_family(cfg), dtype) else "fused"
 

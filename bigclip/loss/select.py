@@ -50,15 +50,33 @@ def naive_fits(logits: int, features: torch.Tensor) -> bool:
     return NAIVE_LIVE_MATRICES * logits * features.element_size() <= free // 2
 
 
-def resolve_impl(impl: str, features: torch.Tensor, family: str = "clip", logits: int | None = None) -> str:
+def resolve_impl(
+    impl: str,
+    features: torch.Tensor,
+    family: str = "clip",
+    logits: int | None = None,
+    precision: str = "exact",
+    naive_ok: bool = True,
+) -> str:
     """The concrete implementation for features on their device: naive, chunked, fused or triton.
 
-    `logits` is how many logits the naive loss would build for this call (auto's choice on a GPU)."""
+    `logits` is how many logits the naive loss would build for this call (auto's choice on a GPU). auto never
+    picks a path that would ignore what the flags asked for: --loss-precision other than exact is the fused
+    path's alone, and `naive_ok` is False where the naive loss would not make the exchange asked for
+    (--loss-dist-impl)."""
     if impl == "auto":
+        if precision != "exact":
+            if not (features.is_cuda and triton_importable()):
+                raise UserError(
+                    f"--loss-precision {precision}: only the fused loss has it, which needs a CUDA GPU and triton; "
+                    f"drop the flag"
+                )
+            return "fused"
         if not (features.is_cuda and triton_importable()):
             return "chunked"
         n = logits if logits is not None else features.shape[0] ** 2
-        return "naive" if n <= naive_max_logits(family, features.dtype) and naive_fits(n, features) else "fused"
+        fits = n <= naive_max_logits(family, features.dtype) and naive_fits(n, features)
+        return "naive" if naive_ok and fits else "fused"
     if impl in ("triton", "fused"):
         if not triton_importable():
             raise UserError(f"--loss-impl {impl} needs the 'triton' package; install it or use --loss-impl chunked.")

@@ -114,7 +114,7 @@ class SigLipLoss(nn.Module):
     def forward(self, image_features, text_features, logit_scale, logit_bias=None):
         check_features(image_features, text_features)
         # every exchange computes one B x B block at a time
-        impl = select.resolve_impl(self.impl, image_features, "siglip", image_features.shape[0] ** 2)
+        impl = select.resolve_impl(self.impl, image_features, "siglip", image_features.shape[0] ** 2, self.precision)
         if impl == "naive":
             block = siglip_block_naive
         else:

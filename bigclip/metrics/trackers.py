@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from bigclip.errors import UserError
-from bigclip.flag_fields import LOG, flag
+from bigclip.flag_fields import LOG, Applies, flag
 from bigclip.registry import Registry
 from bigclip.run.folder import RunPaths
 
@@ -27,6 +27,9 @@ REPORT_TARGETS: Registry[Callable[[ReportConfig, RunPaths, dict, list[str] | Non
 )
 
 
+WITH_WANDB = Applies(lambda c: "wandb" in c.report_to.split(","), "with --report-to wandb")
+
+
 @dataclass(frozen=True)
 class ReportConfig:
     """Where metrics go besides metrics.jsonl (--report-to) and what the trackers are told."""
@@ -34,8 +37,8 @@ class ReportConfig:
     report_to: str = flag(
         "", "Trackers besides metrics.jsonl, comma-separated (tensorboard,wandb).", LOG, shows=REPORT_TARGETS
     )
-    wandb_project_name: str = flag("open-clip", "wandb project.", LOG)
-    wandb_notes: str = flag("", "wandb notes.", LOG)
+    wandb_project_name: str = flag("open-clip", "wandb project.", LOG, applies=WITH_WANDB)
+    wandb_notes: str = flag("", "wandb notes.", LOG, applies=WITH_WANDB)
     no_run_report: bool = flag(
         False,
         "Do not draw logs/<name>/report.html and .png (the run's plots, see `bigclip report`) at each epoch's end "

@@ -165,7 +165,8 @@ class VisionTower(nn.Module):
 
     def lock(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False) -> None:
         """Freeze the tower except its top `unlocked_groups` layer groups. A ViT holds no BatchNorm, so
-        `freeze_bn_stats` has nothing to freeze; it is accepted for OpenCLIP flag compatibility."""
+        `freeze_bn_stats` has nothing to freeze (--lock-image-freeze-bn-stats is refused for it before the towers
+        are locked)."""
         lock_bottom(self.layer_groups(), unlocked_groups)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -23,15 +23,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from timm.optim import create_optimizer_v2
+from timm.optim import create_optimizer_v2, get_optimizer_info
 from torch import nn
 
 from bigclip.errors import UserError
-from bigclip.flag_fields import TRAIN, flag, non_negative_number, optional, parse_key_values, unit_interval
+from bigclip.flag_fields import (
+    TRAIN,
+    Applies,
+    flag,
+    idle,
+    non_negative_number,
+    optional,
+    parse_key_values,
+    unit_interval,
+)
 from bigclip.optim.stableadamw import StableAdamW
 from bigclip.registry import Registry
 
 ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.98, "eps": 1e-6}
+ADAM_HYPERPARAMETERS = frozenset(ADAM_DEFAULTS)
 DEFAULT_LR = 5e-4  # OpenCLIP's --lr default
 
 
@@ -113,6 +123,7 @@ class OptimizerConfig:
         "With --text-layer-decay: a Hugging Face text tower's pooler layer (BERT-like models under cls_pooler) as a "
         "layer group of its own below the projection, instead of in the projection's group (OpenCLIP main's flag).",
         TRAIN,
+        applies=Applies(lambda c: c.text_layer_decay not in (None, 1), "with --text-layer-decay (other than 1)"),
     )
     bf16_round_to_nearest: bool = flag(
         False,
@@ -138,6 +149,12 @@ class OptimizerKind:
     # as soon as its gradient is final (--optimizer-in-backward); timm's optimizers are not known to (LAMB reads
     # the global gradient norm).
     steps_per_parameter: bool = False
+    # True when it rounds updates into bf16 weights stochastically (rounds_stochastically), to nearest with
+    # --bf16-round-to-nearest; an optimizer that always rounds to nearest refuses that flag
+    rounds_bf16_stochastically: bool = False
+    # which of --beta1, --beta2, --eps and --momentum it takes (Adam's: the betas and eps); one it does not take is
+    # refused rather than dropped
+    takes: Callable[[OptimizerConfig], frozenset[str]] = lambda cfg: ADAM_HYPERPARAMETERS
     check: Callable[[OptimizerConfig], None] = lambda cfg: None
     # Bytes of optimizer state per parameter, given the weights' bytes (the memory model, bigclip/memory/): two
     # moments in the weights' dtype (Adam's) unless the optimizer says otherwise.
@@ -161,6 +178,12 @@ def _lr_scales(model: nn.Module, cfg: OptimizerConfig) -> dict[int, float]:
         depth_of = layer_depths(not cfg.text_pooler_own_group).get(tower) if layer_depths else None
         if depth_of is None:
             raise UserError(f"--{tower}-layer-decay: this model's {tower} tower has no layer groups")
+        if tower == "text" and cfg.text_pooler_own_group and depth_of == layer_depths(True).get(tower):
+            idle(
+                "text_pooler_own_group",
+                "only applies to a text tower with a pooler layer (a Hugging Face tower's, as BERT's under "
+                "cls_pooler), and this model's has none",
+            )
         scales.update({param_id: decay**depth for param_id, depth in depth_of.items()})
     return scales
 
@@ -257,7 +280,12 @@ def optimizer_kind(cfg: OptimizerConfig) -> OptimizerKind:
 def check_optimizer(cfg: OptimizerConfig) -> None:
     """The optimizer flags' rules, before any work: a registered --opt, that optimizer's own rules, and
     --opt-kwargs its constructor takes (tried on one small tensor)."""
-    optimizer_kind(cfg).check(cfg)
+    kind = optimizer_kind(cfg)
+    kind.check(cfg)
+    taken = kind.takes(cfg)
+    for name in ("beta1", "beta2", "eps", "momentum"):
+        if getattr(cfg, name) is not None and name not in taken:
+            idle(name, f"--opt {cfg.opt} takes no {name}")
     if fallback_patterns(cfg) and not cfg.opt.startswith("timm/"):
         raise UserError(
             f"--opt-fallback-list: only Muon-family timm optimizers (e.g. --opt timm/muon) have a fallback; "
@@ -355,7 +383,9 @@ def _timm(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
 ADAMW8BIT_BYTES = 2 * (1 + 4 / 256)
 
 OPTIMIZERS.register(
-    "adamw", OptimizerKind(_adamw, steps_per_parameter=True, float32_step_temporaries=True), help="torch's AdamW"
+    "adamw",
+    OptimizerKind(_adamw, steps_per_parameter=True, float32_step_temporaries=True, rounds_bf16_stochastically=True),
+    help="torch's AdamW",
 )
 OPTIMIZERS.register(
     "nadamw",
@@ -370,16 +400,41 @@ OPTIMIZERS.register(
         steps_per_parameter=True,
         check=_check_stableadamw,
         float32_step_temporaries=True,
+        rounds_bf16_stochastically=True,
     ),
     help="AdamW with per-tensor update clipping, Wortsman et al. 2023; new in bigclip",
 )
 OPTIMIZERS.register(
     "adamw8bit",
     OptimizerKind(
-        _adamw8bit, quantized_state=True, steps_per_parameter=True, state_bytes=lambda weight_bytes: ADAMW8BIT_BYTES
+        _adamw8bit,
+        quantized_state=True,
+        steps_per_parameter=True,
+        state_bytes=lambda weight_bytes: ADAMW8BIT_BYTES,
+        rounds_bf16_stochastically=True,
     ),
     help="AdamW with 8-bit blockwise-quantized moments (torchao; 2 bytes per parameter instead of 8); new in bigclip",
 )
+
+
+def _timm_takes(cfg: OptimizerConfig) -> frozenset[str]:
+    """The hyperparameter flags timm's optimizer takes: timm drops betas and eps for one without them and sets
+    momentum only for one with it (timm.optim's OptimizerInfo)."""
+    name = cfg.opt.split("/", 1)[1].lower().split("_")[-1]  # timm's own parsing: lookahead_adamw -> adamw
+    try:
+        info = get_optimizer_info(name)
+    except (ValueError, KeyError):
+        return frozenset({"beta1", "beta2", "eps", "momentum"})  # an unknown name stops where it is built
+    return frozenset(
+        (["beta1", "beta2"] if info.has_betas else []) + (["eps"] if info.has_eps else [])
+        + (["momentum"] if info.has_momentum else [])
+    )  # fmt: skip
+
+
 OPTIMIZERS.register(
-    "timm/", OptimizerKind(_timm), prefix=True, shown_as="timm/<optimizer name>", help="any timm optimizer"
+    "timm/",
+    OptimizerKind(_timm, takes=_timm_takes),
+    prefix=True,
+    shown_as="timm/<optimizer name>",
+    help="any timm optimizer",
 )
