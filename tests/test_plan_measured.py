@@ -125,14 +125,14 @@ def tiny_timm_model(folder, family: str) -> str:
     return f"local-dir:{folder}"
 
 
-# Two of the four (family, checkpointing) pairs: each costs 4-9 minutes of the slow tier on 2 busy cores, and what
-# the trace counts is checked for all four by the real-forward test below; docs/benchmarks.md has the four rows.
+# 4-9 min each of measured steps on 2 busy cores; in CI the trace against a real forward's live storages (below)
+@pytest.mark.extended
 @pytest.mark.slow
-@pytest.mark.parametrize("family, checkpointing", [("eva", True), ("convnext", False)], ids=["eva-ckpt", "convnext"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "grad-checkpointing"])
+@pytest.mark.parametrize("family", sorted(TINY_TIMM))
 def test_traced_activations_of_tiny_timm_towers_against_the_measured_peak(tmp_path, family, checkpointing):
-    """bench/plan_check.py on a tiny EVA (checkpointed, the giant's setup) and a tiny ConvNeXt, batch 16
-    (activations most of the peak): the predicted peak, its image tower's activations traced on meta, within 10%
-    of the rank's measured memory."""
+    """bench/plan_check.py on a tiny EVA and a tiny ConvNeXt, batch 16 (activations most of the peak): the
+    predicted peak, its image tower's activations traced on meta, within 10% of the rank's measured memory."""
     model = tiny_timm_model(tmp_path / family, family)
     rows_file = tmp_path / "rows.json"
     out = subprocess.run(
