@@ -62,7 +62,7 @@ def drift_after_small_updates(opt: str, **flags) -> tuple[float, float]:
     """bf16 weights at 1.0 under a constant gradient of 1 (an Adam step is then lr), lr far below the bf16 step
     at 1.0 (2^-8 below it): (mean change, standard deviation bound of that mean) after STEPS steps."""
     weight = torch.nn.Parameter(torch.ones(N, dtype=torch.bfloat16))
-    cfg = resolve({"opt": opt, "lr": LR, "wd": 0.0, **flags}).sections.optimizer
+    cfg = resolve({"opt": opt, "lr": LR, "wd": 0.0, "precision": "pure_bf16", **flags}).sections.optimizer
     optimizer = create_optimizer(cfg, [{"params": [weight], "weight_decay": 0.0}])
     for _ in range(STEPS):
         weight.grad = torch.ones_like(weight)
