@@ -132,6 +132,7 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_cleanly(reference, tmp_path,
     assert_same_losses(resumed, full, range(stopped + 1, 25))
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_whole_job_with_loader_workers(tmp_path):
     """SLURM's --signal and a spot reclaim signal every process of the job, data-loader workers included:
     the workers must outlive the signal until the main process has written its final checkpoint."""

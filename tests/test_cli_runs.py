@@ -14,6 +14,7 @@ from PIL import Image
 from tcp_proxy import TcpProxy
 
 
+@pytest.mark.slow
 def test_python_m_bigclip_help_is_grouped():
     out = subprocess.run(
         [sys.executable, "-m", "bigclip", "--help"],
@@ -28,6 +29,7 @@ def test_python_m_bigclip_help_is_grouped():
         assert group in out.stdout
 
 
+@pytest.mark.slow
 def test_bad_flag_is_one_line_and_nonzero(tmp_path):
     out = python_train(["--batch-size", "-1", "--logs", str(tmp_path)])
     assert out.returncode == 2
@@ -35,6 +37,7 @@ def test_bad_flag_is_one_line_and_nonzero(tmp_path):
     assert not os.listdir(tmp_path)  # stopped before any work
 
 
+@pytest.mark.slow
 def test_corrupt_shards_read_by_loader_workers_stop_the_run_in_one_line(tmp_path):
     """The error is raised in a DataLoader worker, which the loader re-raises with the worker's traceback as
     text ("Caught UserError in DataLoader worker process 0. Original Traceback ..."): the user gets the line."""

@@ -294,6 +294,7 @@ def openclip_greedy(theirs, images, sot, eos, seq_len, min_seq_len):
     return captions
 
 
+@pytest.mark.slow
 def test_greedy_captions_equal_greedy_decoding_over_openclips_coca():
     theirs = openclip_tiny_coca()
     ours = create_model(TINY).eval()
@@ -409,6 +410,7 @@ class OpenCLIPMethods:
         self._encode_text = lambda texts: model.text(texts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq_len, min_seq_len, num_beams", [(6, 2, 3), (7, 3, 4), (5, 4, 2)])
 def test_beam_search_equals_openclip_mains_generate(seq_len, min_seq_len, num_beams):
     """OpenCLIP main's generate runs Hugging Face's beam search: bigclip's gives the same captions (some ending with
@@ -437,6 +439,7 @@ def test_beam_search_equals_openclip_mains_generate(seq_len, min_seq_len, num_be
     assert any(ended) and not all(ended) and len({tuple(row) for row in got.tolist()}) > 2
 
 
+@pytest.mark.slow
 def test_bigclip_generate_writes_a_caption_per_image(tmp_path, capsys):
     from PIL import Image
 

@@ -373,6 +373,7 @@ def test_skip_batches_continues_the_same_epoch():
 
 
 # ---------------------------------------------------------------------------------------------- demo
+@pytest.mark.slow
 def test_digits_split_is_fixed_stratified_and_disjoint():
     a, b = load_digit_split(), load_digit_split()
     assert len(a.train_labels) == 1437 and len(a.heldout_labels) == 360
@@ -565,6 +566,7 @@ def _both_decodes(data: bytes, train: bool, seed: int = 0) -> tuple[torch.Tensor
     return out[0], out[1], torch.equal(*states)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("train", [False, True])
 def test_reduced_decoding_crops_like_openclip_and_stays_within_resampling_noise(train):
     """Photographs of 1024 and 2048 px (3:2 and square): the same crops (the same random numbers drawn, the crops
@@ -667,6 +669,7 @@ def test_jpegs_decode_through_libjpeg_turbo_to_pils_own_pixels_at_every_dct_scal
     assert capfd.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_a_jpeg_is_transformed_as_the_pil_opened_image_was():
     """The reduced transforms on a Jpeg (libjpeg-turbo) draw the same crops with the same random numbers as on the
     image PIL opened, with the same pixels: evaluation's bit for bit; a training crop that torch resizes from a
@@ -703,6 +706,7 @@ def test_a_jpeg_is_transformed_as_the_pil_opened_image_was():
     assert ReducedResize(224, InterpolationMode.BICUBIC)(read_jpeg(data)).size == (width * 224 // height, 224)
 
 
+@pytest.mark.slow
 def test_crops_and_regions_are_resized_by_torch_within_rounding_of_pils_resize():
     """torch's uint8 antialiased resize against PIL's on photographs' crops, shrunk as a training crop is:
     resized_crop (whole pixels) and resized_region (a fractional region one of whose ends is whole on each axis:

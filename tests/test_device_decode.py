@@ -132,6 +132,7 @@ def test_a_jpeg_no_decoder_reads_is_counted_and_replaced_by_the_next_image_of_it
         only_bad.to("cpu")
 
 
+@pytest.mark.slow
 def test_cpu_only_augmentations_are_refused_with_device_decoding(tmp_path):
     _photo_shards(tmp_path, shards=2, per_shard=2)
     for aug in (["color_jitter=0.4"], ["gray_scale_prob=0.2"], ["use_timm=True"]):
@@ -172,6 +173,7 @@ def _epoch(loader) -> list[tuple[list[int], torch.Tensor]]:
     return [(texts[:, 0].tolist(), images.to("cpu")) for images, texts in loader]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resampled", [False, True])
 def test_loader_batches_keep_their_samples_and_order_and_resume_exactly(tmp_path, resampled):
     """Two workers: the same samples in the same batches as full decoding, the images within resampling noise
@@ -271,6 +273,7 @@ def test_a_run_with_device_decoding_trains_and_evaluates_like_full_decoding(tmp_
     assert evals["device"]["eval/val_loss"] == pytest.approx(evals["full"]["eval/val_loss"], rel=2e-4)
 
 
+@pytest.mark.slow
 def test_zero_shot_folders_are_decoded_on_the_device_in_their_batches(tmp_path):
     """The ImageNet-folder loader (1000 class folders, JPEGs and a PNG): its batches carry the labels in order
     and the images as full decoding makes them, within a grey level."""

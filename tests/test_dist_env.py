@@ -79,6 +79,7 @@ def test_rank_ranges_in_the_per_node_lines():
     assert _ranges([3]) == "3"
 
 
+@pytest.mark.slow
 def test_dry_run_prints_world_engine_and_memory_plan_and_trains_nothing(tmp_path):
     from helpers import python_train
 

@@ -163,6 +163,7 @@ def _engine_and_teacher(tmp_path):
     return cfg, engine, build_teacher(cfg.sections.model, cfg.sections.engine, World(), engine)
 
 
+@pytest.mark.slow
 def test_accumulation_with_a_teacher_gives_the_big_batch_gradient(tmp_path):
     cfg, big, teacher = _engine_and_teacher(tmp_path)
     _, accum, _ = _engine_and_teacher(tmp_path)
@@ -186,6 +187,7 @@ RUN = ["--model", "test-tiny", "--dataset-type", "synthetic", "--train-num-sampl
        "--epochs", "1", "--precision", "fp32", "--workers", "0", "--lr", "1e-3"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_run_with_a_teacher_saves_only_the_student(tmp_path):
     torch.manual_seed(3)
     torch.save(create_model("test-tiny").state_dict(), tmp_path / "teacher.pt")

@@ -103,6 +103,7 @@ def test_the_second_listing_reads_the_cache_and_a_changed_code_digest_counts_aga
     assert json.loads(models.cache_file().read_text())["counts"] == stored["counts"]
 
 
+@pytest.mark.slow
 def test_the_table_at_the_command_line(listing, tmp_path, monkeypatch, capsys):
     _, _, stored = listing
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from helpers import TINY_SYNTHETIC, python_train
 
@@ -59,6 +60,7 @@ def said(tmp_path, name: str, **env: str) -> list[str]:
     return [line for line in open(tmp_path / name / "out.log") if "slower than float32" in line]
 
 
+@pytest.mark.slow
 def test_a_run_on_a_cpu_without_bf16_units_says_it_once_with_the_measured_factor(tmp_path):
     (line,) = said(tmp_path, "avx2", **avx2_only(tmp_path))
     capability, factor = SAID.search(line).groups()
@@ -66,6 +68,7 @@ def test_a_run_on_a_cpu_without_bf16_units_says_it_once_with_the_measured_factor
     assert line.rstrip().endswith("use --precision fp32 to run faster here")
 
 
+@pytest.mark.slow
 def test_the_same_run_says_it_where_this_cpu_measures_bf16_slow_and_only_there(tmp_path):
     """This machine's own CPU: the run says it exactly when bf16 measures slow here (an AVX512-BF16 or AMX CPU:
     0.4-0.5x, nothing said; an AVX2-only one: 40x and more, said once). Known CPUs measure far from the threshold

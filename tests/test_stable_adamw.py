@@ -157,6 +157,7 @@ def test_flag_rules():
         resolve({"opt": "stableadamw", "engine": "deepspeed"})
 
 
+@pytest.mark.slow
 def test_trains_end_to_end(tmp_path):
     args = ["--model", "test-tiny", "--dataset-type", "synthetic", "--train-num-samples", "64", "--batch-size", "8",
             "--epochs", "1", "--precision", "fp32", "--workers", "0", "--opt", "stableadamw", "--lr", "1e-3",

@@ -141,6 +141,7 @@ def test_save_most_recent_and_delete_previous(tmp_path):
     assert names == ["epoch_3", "epoch_latest"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags",
     [
