@@ -192,6 +192,9 @@ def proc_usage(pid: int) -> tuple[int, int, int]:
 SOAK_MAX_NEW_FDS, SOAK_MAX_NEW_THREADS, SOAK_MAX_RSS_GROWTH = 16, 8, 200 * 2**20
 
 
+# Extended tier: 100 steps, a checkpoint each, through two outages (1.5 min); in CI the ordering of late commits
+# (test_ckpt_ordering.py) and each fault on its own (the tests above and below)
+@pytest.mark.extended
 def test_soak_a_checkpoint_every_step_through_two_outages(s3, s3_bucket, proxy, tmp_path):
     """300 steps, a checkpoint to S3 after every step, --keep-last-k 3; the store hangs for longer than the
     client's timeouts once, and refuses connections for 30 s once. The run finishes; the 3 newest of the checkpoints
