@@ -32,6 +32,8 @@ def test_two_process_ddp_matches_one_process_on_the_global_batch(tmp_path):
     assert "/s/gpu" in ddp.stdout + ddp.stderr
 
 
+# Extended tier: in CI two-process DDP against one process (above), the local loss on ranks (test_loss_distributed.py)
+@pytest.mark.extended
 def test_two_process_local_loss_run_and_bad_flag_exit_code(tmp_path):
     common = [*TINY_SYNTHETIC, "--epochs", "1", "--logs", str(tmp_path)]
     ok = torchrun(2, [*common, "--name", "local", "--local-loss", "--gather-with-grad", "--accum-freq", "2"])

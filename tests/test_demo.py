@@ -48,7 +48,10 @@ def fp32_8_epochs(tmp_path_factory) -> dict:
     return run_demo(tmp_path_factory.mktemp("fp32-8"), ["--epochs", "8"])[0]
 
 
-# The two tests below share their fp32 run: one test process runs both (pytest-xdist's loadgroup)
+# The two tests below share their fp32 run: one test process runs both (pytest-xdist's loadgroup). Both in the
+# extended tier: in CI int8 MLPs train under every engine step for step (test_engine_multiprocess.py) and the
+# demo learns (above).
+@pytest.mark.extended
 @pytest.mark.xdist_group("demo-8-epochs")
 def test_demo_with_int8_switchback_learns_as_well_as_fp32(fp32_8_epochs, tmp_path):
     """8 of the demo's 24 epochs, int8 and fp32 side by side (int8 matmuls on CPU are ~4x slower than fp32,

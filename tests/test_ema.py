@@ -77,7 +77,7 @@ def test_the_average_resumes_exactly_reshards_and_exports(tmp_path):
     assert max(float((saved[k] - reference[k]).abs().max()) for k in saved) < 1e-3
 
 
-@pytest.mark.extended  # in CI ZeRO-2's averages resumed on two ranks (below)
+@pytest.mark.extended  # in CI the EMA steps under every engine alike (test_engine_multiprocess.py)
 def test_deepspeed_keeps_the_average_of_its_partitions_resumes_reshards_and_evaluates_it(tmp_path):
     zero3 = ["--ds_config", os.path.join(REPO, "ds_configs", "zero3.json")]
     base = [*TINY_SYNTHETIC, *EMA, "--logs", str(tmp_path), "--save-frequency", "1", *zero3]
@@ -105,9 +105,10 @@ def test_deepspeed_keeps_the_average_of_its_partitions_resumes_reshards_and_eval
 ZERO2 = ["--ds_config", os.path.join(REPO, "ds_configs", "zero2.json")]
 
 
-# In CI ZeRO-2's (each rank's fragments of its fp32 partition); FSDP2's, whose two ranks' average the test above saves
-# and resumes on one process, in the extended tier
-@pytest.mark.parametrize("engine", [pytest.param(["--engine", "fsdp"], marks=pytest.mark.extended), ZERO2])
+# Extended tier (40 s each): in CI the EMA steps under every engine alike (test_engine_multiprocess.py) and FSDP2's
+# two ranks' average resumed on one process (test above)
+@pytest.mark.extended
+@pytest.mark.parametrize("engine", [["--engine", "fsdp"], ZERO2])
 def test_fsdp2_and_zero2_averages_resume_exactly_on_two_ranks(tmp_path, engine):
     """FSDP2 (each rank's shard of the average) and ZeRO-2 (each rank's fragments of its fp32 partition): resumed
     from the epoch-1 checkpoint on the same two ranks, the epoch-2 average equals the uninterrupted run's bit for

@@ -462,6 +462,8 @@ def test_mission_deepspeed_launch_line(tmp_path):
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer") and f"_{port}_" in n]
 
 
+# Extended tier: in CI FSDP2's checkpoints (test_contracts.py) and validation (test_eval_dist.py) under torchrun
+@pytest.mark.extended
 def test_torchrun_fsdp_run_with_eval_and_checkpoint(tmp_path):
     """`torchrun --nproc_per_node 2 launch/train.py --engine fsdp ...`: trains, evaluates, saves."""
     proc = torchrun(
@@ -508,6 +510,8 @@ def test_torchrun_fsdp_run_with_eval_and_checkpoint(tmp_path):
     assert os.path.isfile(os.path.join(run_dir, "checkpoints", "epoch_1", "manifest.json"))
 
 
+# Extended tier: four processes (30 s); in CI FSDP2 and DDP step for step (above)
+@pytest.mark.extended
 def test_hsdp_on_a_real_2x2_mesh_matches_ddp(tmp_path):
     """4 ranks: --fsdp-replicate-degree 2 is a 2 (replicate) x 2 (shard) mesh (on 2 ranks it would be
     replicate-2 x shard-1, plain replication). Same losses as DDP and as 4-way FSDP; each rank holds half of

@@ -34,6 +34,10 @@ SAMPLE = {
 }
 ROW = re.compile(r"^(\S+)\s+([\d,]+|-)\s+(.+?)\s{2,}(bigclip|open_clip_torch|OpenCLIP main)(?:\s{2,}(.*))?$")
 
+# The tests that read the listing run in one test process (pytest-xdist's loadgroup), which counts every model once
+# (~1 min) for all of them: a module fixture is made once per process.
+LISTING = pytest.mark.xdist_group("models-listing")
+
 
 @pytest.fixture(scope="module")
 def listing(tmp_path_factory):
@@ -55,6 +59,7 @@ def _openclip_params(name: str) -> int:
 
 
 @pytest.mark.slow
+@LISTING
 def test_every_name_is_listed_once(listing):
     first, _, _ = listing
     names = [name for name, *_ in first]
@@ -64,6 +69,7 @@ def test_every_name_is_listed_once(listing):
 
 
 @pytest.mark.slow
+@LISTING
 def test_listed_counts_are_openclips_own_and_families_are_read_from_the_configs(listing):
     rows = {name: (params, family) for name, params, family, _ in listing[0]}
     for name, family in SAMPLE.items():
@@ -78,6 +84,7 @@ def test_listed_counts_are_openclips_own_and_families_are_read_from_the_configs(
 
 
 @pytest.mark.slow
+@LISTING
 def test_the_second_listing_reads_the_cache_and_a_changed_code_digest_counts_again(listing, tmp_path, monkeypatch):
     first, second, stored = listing
     assert second == first
@@ -104,6 +111,7 @@ def test_the_second_listing_reads_the_cache_and_a_changed_code_digest_counts_aga
 
 
 @pytest.mark.slow
+@LISTING
 def test_the_table_at_the_command_line(listing, tmp_path, monkeypatch, capsys):
     _, _, stored = listing
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
