@@ -35,11 +35,12 @@ SAMPLE = {
 ROW = re.compile(r"^(\S+)\s+([\d,]+|-)\s+(.+?)\s{2,}(bigclip|open_clip_torch|OpenCLIP main)(?:\s{2,}(.*))?$")
 
 # The tests that read the listing run in one test process (pytest-xdist's loadgroup), which counts every model once
-# (~1 min) for all of them: a module fixture is made once per process.
+# (~1 min) for all of them: the fixture lives as long as the process (a module's would be made again after another
+# module's tests ran in between).
 LISTING = pytest.mark.xdist_group("models-listing")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def listing(tmp_path_factory):
     """`bigclip models` run twice on an empty cache: the first counts every model, the second reads the cache."""
     cache = tmp_path_factory.mktemp("xdg")
