@@ -21,7 +21,8 @@ from bigclip.report.figure import build_figure
 from bigclip.report.runs import load_run
 from bigclip.run.code_version import code_version
 
-pytestmark = pytest.mark.slow
+# One test process for the module: the runs fixture (four short trainings, ~35 s) is made once, not per worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("report-runs")]
 
 TRAINING_PANELS = [
     "training loss by step",
