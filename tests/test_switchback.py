@@ -289,6 +289,36 @@ def test_int8_matmul_is_exact_for_extreme_values():
     assert torch.equal(sb.int8_matmul(a, b.t()), (a.long() @ b.long().t()).int())
 
 
+def test_the_float32_path_is_exact_past_float32s_integers():
+    """Where torch._int_mm is not exact (CPUs without VNNI), the sum is taken by float32 matmuls over chunks of
+    K: exact even where one whole sum passes 2^24 (K = 3000 of 128 x 128: 49 million)."""
+    a = torch.full((3, 3000), -128, dtype=torch.int8)
+    b = torch.full((3000, 2), -128, dtype=torch.int8)
+    assert (sb._int8_matmul_in_float32(a, b) == 128 * 128 * 3000).all()
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 128, (9, 2500), generator=gen, dtype=torch.int8)
+    b = torch.randint(-128, 128, (2500, 7), generator=gen, dtype=torch.int8)
+    assert torch.equal(sb._int8_matmul_in_float32(a, b), (a.long() @ b.long()).int())
+
+
+def test_on_a_cpu_without_vnni_the_int8_matmul_stays_exact():
+    """oneDNN held to AVX2 (an AVX2-only CPU, as many laptops and CI machines): torch._int_mm's sums saturate in
+    int16 there, the probe sees it and int8_matmul takes the exact float32 path."""
+    code = (
+        "import torch; from bigclip.model import switchback as sb\n"
+        "ones = torch.full((32, 64), 127, dtype=torch.int8)\n"
+        "assert (torch._int_mm(ones, ones.t()) != 127 * 127 * 64).any()  # the saturation itself\n"
+        "assert not sb._cpu_int_mm_is_exact()\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "a = torch.randint(-127, 128, (17, 1300), generator=g, dtype=torch.int8)\n"
+        "b = torch.randint(-127, 128, (1300, 24), generator=g, dtype=torch.int8)\n"
+        "assert torch.equal(sb.int8_matmul(a, b), (a.long() @ b.long()).int())\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 # --------------------------------------------------------------------------- replacement
 
 

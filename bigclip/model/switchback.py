@@ -40,13 +40,15 @@ Dispatch: CUDA tensors use the Triton kernels of `bigclip.model.switchback_trito
 use: Triton stays optional); every other device uses the torch functions below, with
 `torch._int_mm(int8, int8) -> int32` for the int8 matmul. On CPU `torch._int_mm` takes any shapes and
 strides (checked with torch 2.14: 1x1x1, odd sizes, transposed operands, empty dims), so nothing is
-padded; its CUDA kernel wants M > 16 and K, N multiples of 8, one reason CUDA goes to Triton.
+padded; its CUDA kernel wants M > 16 and K, N multiples of 8, one reason CUDA goes to Triton. On a CPU without
+VNNI (AVX2 only) its sums saturate in int16, so there the exact sum comes from float32 matmuls (int8_matmul).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -128,7 +130,32 @@ def dequantize_rowwise(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dt
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for int8 [M, K] and [K, N], the exact int32 accumulator (|a_ik b_kj| <= 2^14: no overflow
     below K = 2^17)."""
+    if a.device.type == "cpu" and not _cpu_int_mm_is_exact():
+        return _int8_matmul_in_float32(a, b)
     return torch._int_mm(a, b)
+
+
+@functools.cache
+def _cpu_int_mm_is_exact() -> bool:
+    """Whether torch._int_mm keeps the exact int32 sum on this CPU. Without VNNI (AVX2-only CPUs) oneDNN sums
+    pairs of u8 x s8 products into int16 with saturation: 127 x 127 over K = 64 comes out wrong there (and any
+    pair of large products), while with VNNI (AVX-512 VNNI, AMX) every sum is exact. One probe per process."""
+    ones = torch.full((32, 64), 127, dtype=torch.int8)
+    return bool((torch._int_mm(ones, ones.t().contiguous()) == 127 * 127 * 64).all())
+
+
+# float32 holds every integer up to 2^24 exactly, and 1024 products of int8 values (|each| <= 2^14) sum to at
+# most 2^24 in magnitude: each chunk's float32 matmul is exact whatever its order of summation.
+_EXACT_FLOAT32_K = 1024
+
+
+def _int8_matmul_in_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int8_matmul's exact result through float32 matmuls over chunks of K, summed in int32 (where torch._int_mm
+    is not exact; on such CPUs float32 is the fast matmul anyway)."""
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32, device=a.device)
+    for k in range(0, a.shape[1], _EXACT_FLOAT32_K):
+        out += (a[:, k : k + _EXACT_FLOAT32_K].float() @ b[k : k + _EXACT_FLOAT32_K].float()).int()
+    return out
 
 
 def int8_matmul_dequant(
