@@ -1,6 +1,7 @@
 """Builds every architecture open_clip_torch lists, in bigclip and in OpenCLIP, on the meta device, and prints one
-JSON object: name -> [outcome, detail]. Run by tests/test_model_zoo.py in a process of its own with
-HF_HUB_OFFLINE=1 (the Hugging Face text towers' configs are not fetched)."""
+JSON object: name -> [outcome, detail]. Run by tests/test_model_zoo.py in a process of its own, HF_ENDPOINT pointed
+at a hub of tiny stand-in configs for the Hugging Face text towers' repositories (huggingface_hub and transformers
+read it when imported), HF_HOME at an empty cache."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ def walk() -> dict[str, list]:
     for name in open_clip.list_models():
         try:
             with torch.device("meta"):
-                theirs = open_clip.create_model(name, pretrained=None, device="meta").state_dict()
+                # pretrained_text=False: a Hugging Face text tower from its config alone, as bigclip builds it on meta
+                # (its weights come at init_weights); transformers refuses from_pretrained on the meta device
+                theirs = open_clip.create_model(name, pretrained=None, device="meta", pretrained_text=False)
+                theirs = theirs.state_dict()
             theirs = {k: list(v.shape) for k, v in theirs.items()}
         except Exception as e:  # noqa: BLE001 - OpenCLIP itself cannot build it here (a hub download)
             theirs = f"{type(e).__name__}: {str(e)[:200]}"
@@ -38,8 +42,10 @@ def walk() -> dict[str, list]:
         elif ours == theirs:
             out[name] = ["equal", len(ours)]
         else:
+            shapes = {k: [theirs[k], ours[k]] for k in sorted(set(theirs) & set(ours)) if theirs[k] != ours[k]}
             out[name] = ["differ", {"missing": sorted(set(theirs) - set(ours))[:5],
-                                    "extra": sorted(set(ours) - set(theirs))[:5]}]  # fmt: skip
+                                    "extra": sorted(set(ours) - set(theirs))[:5],
+                                    "shapes": dict(list(shapes.items())[:5])}]  # fmt: skip
     return out
 
 
