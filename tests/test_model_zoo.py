@@ -97,6 +97,7 @@ def test_every_openclip_name_is_known_by_name():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("model-zoo")  # one test process: the walk (~60 s) runs once
 def test_each_builds_with_openclips_names_and_shapes(zoo):
     zoo, _, _ = zoo
     assert set(zoo) == set(open_clip.list_models())
@@ -116,6 +117,7 @@ def test_each_builds_with_openclips_names_and_shapes(zoo):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("model-zoo")  # one test process: the walk (~60 s) runs once
 def test_the_hugging_face_text_towers_are_built_from_the_hubs_config_alone(zoo):
     """Each of the 10 names with a Hugging Face text tower (7 repositories) downloads its repository's config.json
     through huggingface_hub and nothing else: building on meta reads no weights."""
