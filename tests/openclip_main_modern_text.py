@@ -9,12 +9,14 @@ Achal Dave, Vaishaal Shankar, John Miller, Hongseok Namkoong, Hannaneh Hajishirz
     src/open_clip/transformer.py  SwiGLU .. ModernTextTransformer (lines 957-1576), _set_group_requires_grad and
                                   _lock_layer_groups (lines 2034-2053)
     src/open_clip/tokenizer.py    TikTokenTokenizer (lines 704-804)
+    src/open_clip_train/naflex_data.py  collate_variable_text (lines 157-193: how main batches variable_text)
 
 Only the imports below are this file's own (the names those lines use, from open_clip_torch 3.3, whose LayerNorm,
 LayerScale, feature_take_indices and get_clean_fn main still has unchanged). The copies are checked against the
 mirror by tests/test_modern_text.py where the mirror is at hand.
 """
 # ruff: noqa
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -847,3 +849,42 @@ class TikTokenTokenizer:
         for i, tokens in enumerate(all_tokens):
             result[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         return result
+
+
+def collate_variable_text(
+        targets: List[Any],
+        pad_id: int,
+        pad_multiple: Optional[int] = None,
+        pad_cap: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pad a list of variable-length token id sequences into a batch.
+
+    Args:
+        targets: List of 1-D token id tensors (or sequences) of differing lengths.
+        pad_id: Padding token id used to fill, and to derive the validity mask.
+        pad_multiple: When set, round the batch sequence length up to this multiple. Bounds the number of distinct
+            ``Lmax`` values across batches so torch.compile recompiles a small fixed set of graphs (the text-axis
+            analogue of ``--naflex-pad-multiple`` for audio patches).
+        pad_cap: Upper bound for the rounded length (typically the tokenizer truncation cap / context_length), so
+            rounding never pads past what absolute-position towers can consume. Sequences longer than the cap
+            raise: the tokenizer is expected to have truncated already, and truncating here would silently chop
+            the tail (including the EOS that pooling depends on).
+
+    Returns:
+        Tuple ``(text, text_valid)`` of shape ``[B, Lmax]``; ``text_valid`` is ``text != pad_id``.
+    """
+    tensors = [t if torch.is_tensor(t) else torch.as_tensor(t, dtype=torch.long) for t in targets]
+    max_len = max((t.shape[0] for t in tensors), default=0)
+    if pad_cap and max_len > pad_cap:
+        raise ValueError(
+            f"variable-text sequence length ({max_len}) exceeds pad_cap ({pad_cap}); "
+            "the tokenizer is expected to truncate to the context length."
+        )
+    if pad_multiple:
+        max_len = math.ceil(max_len / pad_multiple) * pad_multiple
+        if pad_cap:
+            max_len = min(max_len, pad_cap)
+    text = torch.full((len(tensors), max_len), pad_id, dtype=torch.long)
+    for i, tokens in enumerate(tensors):
+        text[i, :tokens.shape[0]] = tokens
+    return text, text != pad_id

@@ -36,12 +36,14 @@ from bigclip.model.towers import text_tower
 NAME = "moderntext-ViT-B-32-256"
 ORACLE = os.path.join(os.path.dirname(__file__), "openclip_main_modern_text.py")
 # (first line, number of lines, sha256) of each span copied from OpenCLIP main at 89fb801 (model.py 79-150,
-# transformer.py 957-1576 and 2034-2053, tokenizer.py 704-804), hashed from the repository's files
+# transformer.py 957-1576 and 2034-2053, tokenizer.py 704-804, open_clip_train/naflex_data.py 157-193), hashed from
+# the repository's files
 SPANS = [
     ("@dataclass\nclass CLIPTextCfg:", 72, "c8c84a7a1c4d7ac25ae035b3d5379e8e0cf50af1c476d157035e41610a3c0c95"),
     ("class SwiGLU(nn.Module):", 620, "da9cf2c096ddef736162e4083aa89de2d37a56de1ad98b9ae0cf3890f06a55d9"),
     ("def _set_group_requires_grad(", 20, "e295b2162bb24645b48eacdf6e12993d2a2b0c9cd05d9fa0f37b5485e074c361"),
     ("class TikTokenTokenizer:", 101, "d3b05ce36cb6d78b10cf7acca13af483b8cbcfff13c71ecac75716064b198548"),
+    ("def collate_variable_text(", 37, "928ade94b28c793f92a72d428f8df9d16821638deae0fa5077847d5df0eea274"),
 ]
 VIT = {"image_size": 32, "layers": 2, "width": 64, "head_width": 32, "patch_size": 8}
 # the moderntext-ViT-B-32-256 text_cfg's flags at tiny widths (ids of the byte-level stand-in's r50k_base)
@@ -231,6 +233,36 @@ def test_a_config_whose_ids_are_not_the_tokenizers_is_refused(r50k, tmp_path):
     (tmp_path / "open_clip_config.json").write_text(json.dumps({"model_cfg": cfg, "preprocess_cfg": {}}))
     with pytest.raises(UserError, match="text_cfg pad_id 0 is not tiktoken r50k_base's \\(50258\\)"):
         get_tokenizer(f"local-dir:{tmp_path}")
+
+
+def test_variable_text_batches_are_mains_each_caption_unpadded_then_padded_to_the_batchs_longest(r50k, tmp_path):
+    """main's variable_text data path (TokenizeText(variable=True): each caption tokenized unpadded; its
+    collate_variable_text: a batch padded to its longest caption) and bigclip's (fixed-length ids, each batch cut
+    to its longest caption) give the same batches: a CSV dataset of captions of many lengths, one over the context
+    length."""
+    from PIL import Image
+
+    from bigclip.data import DataConfig, get_data, image_transform
+    from bigclip.model.tokenizer import variable_text_pad_id
+
+    texts = ["a cat", "photo", "a photo of a dog and a cat " * 3, "cat", "dog " * 400, "a dog", "cat cat", "photo of"]
+    rows = []
+    for i, text in enumerate(texts):
+        Image.new("RGB", (8, 8), (i * 20, 0, 0)).save(tmp_path / f"{i}.png")
+        rows.append(f"{tmp_path / f'{i}.png'}\t{text}")
+    (tmp_path / "data.csv").write_text("filepath\ttitle\n" + "\n".join(rows) + "\n")
+    ours = get_tokenizer(NAME)
+    pad = variable_text_pad_id(NAME, get_model_config(NAME), ours)
+    assert pad == 50258 and variable_text_pad_id("ViT-B-32", get_model_config("ViT-B-32"), ours) is None
+    cfg = DataConfig(val_data=str(tmp_path / "data.csv"), batch_size=2, workers=0)
+    size = {"size": (8, 8), "mean": (0.5,) * 3, "std": (0.5,) * 3}
+    transform = image_transform(8, False, (0.5,) * 3, (0.5,) * 3)
+    val = get_data(cfg, transform, transform, ours, preprocess_cfg=size, text_pad_id=pad)["val"]
+    batches = [tokens for _, tokens in val.dataloader]
+    theirs = main.TikTokenTokenizer("r50k_base", context_length=256)
+    expected = [main.collate_variable_text(theirs(texts[i : i + 2], pad=False), pad)[0] for i in range(0, 8, 2)]
+    assert [b.shape[1] for b in batches] == [b.shape[1] for b in expected] and len({b.shape[1] for b in batches}) > 2
+    assert all(torch.equal(a, b) for a, b in zip(batches, expected))
 
 
 # ------------------------------------------------------------------------------------------------- plan, engines

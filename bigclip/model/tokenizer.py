@@ -172,3 +172,16 @@ def tokenizer_at_hand(name: str, what: str, remedy: str):
         ) from None
     except OSError as err:
         raise UserError(f"--model {name}: {what} could not be loaded ({first_line(err)}); {remedy}") from None
+
+
+def variable_text_pad_id(name: str, model_cfg: dict, tokenizer) -> int | None:
+    """The padding id variable-length batches are cut by (text_cfg variable_text: OpenCLIP main pads each batch to
+    its longest caption), None for fixed-length text. As main, a tokenizer without a reserved padding id is refused
+    (id 0 is a real token in most vocabularies)."""
+    if not model_cfg.get("text_cfg", {}).get("variable_text"):
+        return None
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = pad if pad is not None else getattr(getattr(tokenizer, "tokenizer", None), "pad_token_id", None)
+    if pad is None:
+        raise UserError(f"--model {name}: text_cfg variable_text needs a tokenizer with a padding id; this has none")
+    return int(pad)
