@@ -21,11 +21,12 @@ from bigclip.dist import World, raise_together
 from bigclip.engine import EngineConfig, build_engine
 from bigclip.engine import build_model as engine_build_model
 from bigclip.loss import LossConfig, build_loss
-from bigclip.model import create_model, get_tokenizer, preprocess_cfg
+from bigclip.model import create_model, get_model_config, get_tokenizer, preprocess_cfg
 from bigclip.model.config import ModelConfig, check_model
 from bigclip.model.fp8_linear import check_fp8_device
 from bigclip.model.pretrained import model_weights, resolve_pretrained, resolve_pretrained_image, timm_model_name
 from bigclip.model.registry import CONFIG_NAME, HF_HUB_PREFIX, check_hub_name, fetch_hub_config, is_schema_name
+from bigclip.model.tokenizer import variable_text_pad_id
 
 logger = logging.getLogger("bigclip")
 
@@ -212,6 +213,7 @@ def build_data(model: ModelConfig, data: DataConfig, world: World, epoch: int):
     """(the run's loaders by name, the tokenizer) for this rank."""
     preprocess_train, preprocess_val, geometry = build_transforms(model, data, training_normalize_at(world.device))
     tokenizer = build_tokenizer(model)
+    model_cfg = get_model_config(model.model, model.cache_dir)
     loaders = get_data(
         data,
         preprocess_train,
@@ -221,6 +223,7 @@ def build_data(model: ModelConfig, data: DataConfig, world: World, epoch: int):
         world_size=world.world_size,
         epoch=epoch,
         preprocess_cfg=geometry,
+        text_pad_id=variable_text_pad_id(model.model, model_cfg, tokenizer),
     )
     return loaders, tokenizer
 

@@ -322,6 +322,7 @@ LAZY_IMPORTS = {
     "huggingface_hub": "only hub downloads (pretrained tags, hf-hub: models, timm trunk weights)",
     "torch.distributed.checkpoint": "DCP's private helpers, guarded by try/except: they may move between releases",
     "transformers": "optional extra, seconds to import; only Hugging Face text towers (hf_model_name)",
+    "tiktoken": "optional extra; only OpenCLIP main's tiktoken tokenizer (text_cfg tokenizer_type tiktoken)",
     "torchao": "seconds to import (torch.compile's machinery); --opt adamw8bit, bf16 rounding, --use-fp8-linear",
     "bigclip.optim.adamw8bit": "imports torchao at module level",
     "matplotlib": "optional extra, a second to import; only run reports (bigclip report, report.html)",

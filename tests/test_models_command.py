@@ -80,6 +80,9 @@ def test_listed_counts_are_openclips_own_and_families_are_read_from_the_configs(
     assert rows["roberta-ViT-B-32"][1] == "ViT + HF text: roberta-base"
     assert rows["nllb-clip-base-siglip"][1] == "timm:vision_transformer + HF text: nllb-200-distilled-600M"
     assert rows["CLAP-HTSAT-base"] == ("audio (CLAP) models are not built by bigclip yet", "audio: HTSAT-base")
+    # OpenCLIP main's modern text tower: built, counted as main's CustomTextCLIP (tests/test_modern_text.py)
+    assert rows["moderntext-ViT-B-32-256"] == (154_757_121, "ViT + modern text")
+    assert rows["moderntext-naflex_ViT-B-16"][0] == "NaFlex image towers are not built by bigclip yet"
     # offline with an empty hub cache: a Hugging Face text tower says what to download, nothing is fetched
     assert rows["roberta-ViT-B-32"][0] == "hub config not cached: huggingface-cli download roberta-base"
 

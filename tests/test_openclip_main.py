@@ -1,6 +1,7 @@
 """OpenCLIP main's architectures that open_clip_torch 3.3 lacks (configs/openclip_main/, OpenCLIP's files verbatim):
 each is known by name and either builds or is refused in one line naming what bigclip lacks (audio, generative,
-NaFlex, modern-text models), which is which pinned here. gte-modernbert-base-ViT-B-32-256 (a Hugging Face ModernBERT
+NaFlex models), which is which pinned here. moderntext-ViT-B-32-256 (main's modern text tower) is built, tested
+against main's own code in tests/test_modern_text.py. gte-modernbert-base-ViT-B-32-256 (a Hugging Face ModernBERT
 text tower) is built by name against a hub served from memory that holds a tiny stand-in of
 Alibaba-NLP/gte-modernbert-base made here (no real hub; OpenCLIP main is not installable, so the oracle is
 transformers' own ModernBERT with main's pooling and projection computed in tests/modernbert_worker.py)."""
@@ -32,17 +33,16 @@ NAFLEX_CLAP = [f"naflexclap_{n}" for n in ("base_pf4_pt20_moderntextp", "base_pf
 GENLAP = [f"naflexgenlap_{n}" for n in ("betwixt", "so150m2", "test_1d", "test_2d")]
 GENLIP = [f"naflexgenlip_{n}" for n in ("b16", "so150m2", "so16", "test")]
 NAFLEX = ["ViT-B-16-SigLIP2-naflex", "ViT-SO400M-16-SigLIP2-naflex", "naflex_ViT-B-16", "naflex_ViT-B-32"]
-MODERN_TEXT = ["moderntext-ViT-B-32-256"]
-NAFLEX_AND_MODERN_TEXT = [f"moderntext-naflex_ViT-{n}" for n in ("B-16", "B-32", "B-deep-16", "SO150M2-16")]
-BUILT = ["gte-modernbert-base-ViT-B-32-256"]
+# NaFlex image towers with main's modern text tower: refused for their image tower (the text tower is built)
+NAFLEX_MODERN_TEXT = [f"moderntext-naflex_ViT-{n}" for n in ("B-16", "B-32", "B-deep-16", "SO150M2-16")]
+# (moderntext-ViT-B-32-256: main's modern text tower, tested against main's own code in tests/test_modern_text.py)
+BUILT = ["gte-modernbert-base-ViT-B-32-256", "moderntext-ViT-B-32-256"]
 # name -> what its one line says bigclip lacks
 REFUSED = {
     **{n: "audio (CLAP) models are not built" for n in CLAP + NAFLEX_CLAP},
     **{n: "audio models are not built" for n in GENLAP},
     **{n: "GenLIP models are not built" for n in GENLIP},
-    **{n: "NaFlex image towers are not built" for n in NAFLEX},
-    **{n: "modern text towers are not built" for n in MODERN_TEXT},
-    **{n: "NaFlex image towers and modern text towers are not built" for n in NAFLEX_AND_MODERN_TEXT},
+    **{n: "NaFlex image towers are not built" for n in NAFLEX + NAFLEX_MODERN_TEXT},
 }
 HUB_REPO = "Alibaba-NLP/gte-modernbert-base"
 # The special tokens' ids in gte-modernbert-base's tokenizer (its config's pad_id is 50283), and its vocabulary size
@@ -129,6 +129,7 @@ def test_each_main_name_builds_on_meta_or_is_refused_in_one_line_naming_what_is_
         assert line.startswith(f"--model {name}: ") and f"; {missing} by bigclip yet" in line, line
     # the stand-in's parameters: ViT-B-32 at 256 (OpenCLIP's ViT, here bigclip's), ModernBERT, the projection
     assert walk[BUILT[0]][1] == main_walk["params"] == main_walk["meta_params"]
+    assert walk["moderntext-ViT-B-32-256"][1] == 154_757_121  # main's CustomTextCLIP's (tests/test_modern_text.py)
 
 
 @pytest.mark.slow
@@ -152,7 +153,9 @@ def test_gte_modernbert_tokenizes_as_openclip_mains_hf_tokenizer_does(main_walk)
     assert main_walk["tokens_shape"] == [3, 256] and main_walk["tokens"] == expected
 
 
-@pytest.mark.parametrize("name", ["CLAP-HTSAT-base", "naflex_ViT-B-16", "moderntext-ViT-B-32-256", "naflexgenlip_b16"])
+@pytest.mark.parametrize(
+    "name", ["CLAP-HTSAT-base", "naflex_ViT-B-16", "moderntext-naflex_ViT-B-16", "naflexgenlip_b16"]
+)
 def test_a_refused_main_name_is_one_line_at_the_command_line_before_any_work(name, capsys, tmp_path):
     code = cli.main(["--model", name, "--dataset-type", "synthetic", "--logs", str(tmp_path / "logs")])
     err = capsys.readouterr().err.strip()

@@ -217,13 +217,24 @@ def _finish(pixels: torch.Tensor, item: EncodedJpeg) -> torch.Tensor:
     return normalized(pixels, geometry.mean, geometry.std)
 
 
-def collate_samples(samples: list[tuple], skips_key: str | None = None) -> tuple:
+def trim_text_padding(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """A batch of right-padded captions cut to its longest one (at least one position): OpenCLIP main's
+    variable-length text batching (its collate_variable_text pads each batch to its longest caption)."""
+    used = (tokens != pad_id).any(dim=0).nonzero()
+    length = int(used[-1]) + 1 if len(used) else 1
+    return tokens if length == tokens.shape[1] else tokens[:, :length].contiguous()
+
+
+def collate_samples(samples: list[tuple], skips_key: str | None = None, text_pad_id: int | None = None) -> tuple:
     """A loader's batch from (image, *rest) samples: the images stacked; 8-bit Pixels normalised into the batch, or
     batched as a PixelBatch (normalised on the device: data/pixels.py's NORMALIZE_AT); or an
     EncodedImages batch where some are shipped encoded (--image-decode device; `skips_key`: the loader's
-    SkipCounter, which counts the images no decoder can read); the rest as torch's default collate makes it."""
+    SkipCounter, which counts the images no decoder can read); the rest as torch's default collate makes it, the
+    captions (rest[0]) cut to the batch's longest where `text_pad_id` is given (variable-length text)."""
     images = [s[0] for s in samples]
     rest = default_collate([s[1:] for s in samples])
+    if text_pad_id is not None:
+        rest = [trim_text_padding(rest[0], text_pad_id), *rest[1:]]
     if any(isinstance(image, EncodedJpeg) for image in images):
         return EncodedImages(images, skips_key), *rest
     if isinstance(images[0], Pixels):  # a run's reduced training transform: 8-bit, normalised here or on the device

@@ -53,6 +53,7 @@ def get_data(
     world_size: int = 1,
     epoch: int = 0,
     preprocess_cfg: dict | None = None,
+    text_pad_id: int | None = None,
 ) -> dict[str, Any]:
     """Loaders named 'train' and 'val' (DataInfo) as the config asks, and one per ImageNet zero-shot set
     (--imagenet-val, --imagenet-v2; keyed by their metric prefix, yielding (images, class index)); for the
@@ -60,8 +61,10 @@ def get_data(
 
     `preprocess_cfg` = {'size': (H, W), 'mean': ..., 'std': ...}: the model's image geometry, used
     where images are made as tensors (synthetic data, the demo) rather than by the preprocess callables.
+    `text_pad_id`: the architecture's text is variable-length (text_cfg variable_text): each training and
+    validation batch's captions are cut to its longest, this being the padding id.
     """
-    ctx = LoaderContext(tokenizer, rank, world_size, preprocess_cfg or {}, preprocess_val)
+    ctx = LoaderContext(tokenizer, rank, world_size, preprocess_cfg or {}, preprocess_val, text_pad_id)
     if cfg.demo:
         data = _demo(cfg, ctx)
     else:

@@ -56,6 +56,8 @@ class LoaderContext:
     world_size: int = 1
     geometry: dict[str, Any] | None = None  # the model's {'size': (H, W), 'mean', 'std'}
     eval_transform: Callable | None = None  # measures the image size when the geometry has none
+    # variable-length text (text_cfg variable_text): each batch's captions cut to its longest, padding id this
+    text_pad_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -231,7 +233,7 @@ def map_style_loader(
     dataset, sampler: ShardedBatchSampler, workers: int, skips: SkipCounter | None, flag: str, cfg: DataConfig, ctx
 ) -> DataInfo:
     """A map-style dataset's loader; `flag` names what to change when it makes no full batch."""
-    collate = partial(collate_samples, skips_key=skips.key if skips is not None else None)
+    collate = partial(collate_samples, skips_key=skips.key if skips is not None else None, text_pad_id=ctx.text_pad_id)
     loader = worker_loader(dataset, workers, batch_sampler=sampler, collate_fn=collate)
     info = DataInfo(loader, num_samples=len(dataset), num_batches=sampler.num_batches, sampler=sampler, skips=skips)
     if info.num_batches == 0:

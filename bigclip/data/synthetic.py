@@ -26,19 +26,19 @@ from bigclip.data.sources import (
 _DEFAULT_CONTEXT_LENGTH, _DEFAULT_SOT, _DEFAULT_EOT = 77, 49406, 49407
 
 
-def token_layout(tokenizer) -> tuple[int, int, int]:
-    """(context length, sot id, eot id), read off the tokenization of an empty text."""
+def token_layout(tokenizer) -> tuple[int, int, int, int]:
+    """(context length, sot id, eot id, padding id), read off the tokenization of an empty text."""
     if tokenizer is None:
-        return _DEFAULT_CONTEXT_LENGTH, _DEFAULT_SOT, _DEFAULT_EOT
+        return _DEFAULT_CONTEXT_LENGTH, _DEFAULT_SOT, _DEFAULT_EOT, 0
     empty = tokenizer([""])[0]
-    return int(empty.shape[0]), int(empty[0]), int(empty[1])
+    return int(empty.shape[0]), int(empty[0]), int(empty[1]), int(empty[-1]) if len(empty) > 2 else 0
 
 
 class SyntheticDataset(Dataset):
     def __init__(self, num_samples: int, image_size: tuple[int, int], tokenizer=None, seed: int = 0, stream: int = 0):
         self.num_samples = num_samples
         self.image_size = tuple(image_size)
-        self.context_length, self.sot, self.eot = token_layout(tokenizer)
+        self.context_length, self.sot, self.eot, self.pad = token_layout(tokenizer)
         # Text ids below both specials: the eot stays the largest id, which argmax pooling relies on.
         self.max_text_id = max(2, min(self.sot, self.eot))
         self.seed = seed
@@ -50,7 +50,8 @@ class SyntheticDataset(Dataset):
     def __getitem__(self, index: int):
         g = torch.Generator().manual_seed(((self.seed * 1_000_003 + index) << 1) + self.stream)
         image = torch.randn(3, *self.image_size, generator=g)
-        tokens = torch.zeros(self.context_length, dtype=torch.long)
+        # padded as the tokenizer pads (0 in OpenCLIP's BPE, a reserved id in main's tiktoken tokenizer)
+        tokens = torch.full((self.context_length,), self.pad, dtype=torch.long)
         length = int(torch.randint(0, self.context_length - 1, (1,), generator=g))
         tokens[0] = self.sot
         tokens[1 : length + 1] = torch.randint(1, self.max_text_id, (length,), generator=g)

@@ -51,6 +51,7 @@ def build_webdataset(cfg: DataConfig, split: Split, ctx: LoaderContext) -> DataI
         source=f"{flag} {path}",
         keys=cfg.sample_keys(),
         max_pixels=cfg.max_image_pixels,
+        text_pad_id=ctx.text_pad_id,
     )
     loader = worker_loader(stream, cfg.workers, batch_size=None, stateful=train)
     return DataInfo(

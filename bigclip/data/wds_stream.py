@@ -233,6 +233,7 @@ class ShardStream(IterableDataset):
         source: str = "--train-data",
         keys: SampleKeys = SampleKeys(),
         max_pixels: int | None = None,
+        text_pad_id: int | None = None,
     ):
         """`batches_per_worker`: training's quota per worker and epoch; `num_batches`: evaluation's estimate of
         its batches per rank (from --val-num-samples), or None; `keys`: the members holding image and caption."""
@@ -240,6 +241,7 @@ class ShardStream(IterableDataset):
         self.read_shard = read_shard
         self.transform = transform
         self.tokenizer = tokenizer
+        self.text_pad_id = text_pad_id  # variable-length text: batches cut to their longest caption
         self.skips = skips
         self.batch_size = batch_size
         self.rank, self.world_size = rank, world_size
@@ -459,13 +461,13 @@ class ShardStream(IterableDataset):
                 made += 1
                 if snapshot is not None:
                     snapshot(produced + made, done=quota is not None and made == quota)
-                yield collate_samples(batch, self.skips.key)
+                yield collate_samples(batch, self.skips.key, self.text_pad_id)
                 batch = []
                 if quota is not None and made == quota:
                     return
         if quota is None:
             if batch:  # evaluation: the last, partial batch counts
-                yield collate_samples(batch, self.skips.key)
+                yield collate_samples(batch, self.skips.key, self.text_pad_id)
             return
         if not usable and not produced:
             # This reader's shards held not one usable sample (all failed, or all bad): counted, not fatal; the

@@ -95,14 +95,18 @@ def _size(t: torch.Tensor, nbytes: int) -> Saved:
     return Saved(values=nbytes / t.element_size()) if t.dtype == TRACE_DTYPE else Saved(fixed=nbytes)
 
 
-def trace_activations(tower: nn.Module, image_size: tuple[int, int], blocks: list[nn.Module]) -> TracedActivations:
-    """Run `tower` (on the meta device; it is cast to bfloat16 in place) on a batch of images and sort what its
-    forward saves for the backward by block. Raises what the forward raises where an operation has no meta
-    kernel."""
+def trace_activations(
+    tower: nn.Module, image_size: tuple[int, int] | None, blocks: list[nn.Module], inputs: torch.Tensor | None = None
+) -> TracedActivations:
+    """Run `tower` (on the meta device; it is cast to bfloat16 in place) on a batch of images (or on `inputs`, a
+    batch of _TRACE_BATCH on meta: a text tower's token ids) and sort what its forward saves for the backward by
+    block. Raises what the forward raises where an operation has no meta kernel."""
     tower.to(TRACE_DTYPE)
     state = {StorageWeakRef(t.untyped_storage()) for t in [*tower.parameters(), *tower.buffers()]}
-    images = torch.empty(_TRACE_BATCH, 3, *image_size, device="meta", dtype=TRACE_DTYPE)
-    state.add(StorageWeakRef(images.untyped_storage()))
+    batch = inputs
+    if batch is None:
+        batch = torch.empty(_TRACE_BATCH, 3, *image_size, device="meta", dtype=TRACE_DTYPE)
+    state.add(StorageWeakRef(batch.untyped_storage()))
     seen: set[StorageWeakRef] = set()
     outside, per_block, inputs = Saved(), [Saved() for _ in blocks], [Saved() for _ in blocks]
     running: list[int] = []  # the block being run (a stack: a block's hooks may nest inside another's)
@@ -137,7 +141,7 @@ def trace_activations(tower: nn.Module, image_size: tuple[int, int], blocks: lis
         handles += [block.register_forward_pre_hook(enter(index)), block.register_forward_hook(leave)]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), _FusedAttention():
-            tower(images)
+            tower(batch)
     finally:
         for handle in handles:
             handle.remove()

@@ -20,7 +20,8 @@ Only names and a few shapes differ; every tensor keeps its values:
 
 CoCa (model/coca.py) keeps OpenCLIP's names everywhere except the ViT's trunk: its image tower's attn_pool.* and
 ln_post.* (after the pooler), its text.* (OpenCLIP's CoCa keeps the text tower under `text.`, unlike CLIP) and
-text_decoder.* pass through unchanged; so does a Hugging Face text tower's text.* (OpenCLIP's CustomTextCLIP).
+text_decoder.* pass through unchanged; so does a Hugging Face text tower's text.* and OpenCLIP main's modern text
+tower's (OpenCLIP's CustomTextCLIP).
 
 timm's fused qkv weight stacks [q; k; v] exactly like `nn.MultiheadAttention.in_proj_weight`,
 so attention weights need no reordering. Other vision towers bring their own tables (`TowerNames`); the
@@ -195,7 +196,8 @@ def _openclip_separate_text(names: Iterable[str]) -> bool:
 def _bigclip_separate_text(names: Iterable[str]) -> bool:
     names = set(names)
     coca = any(name.startswith("text_decoder.") for name in names)
-    return coca or "text.token_embedding.weight" not in names  # a Hugging Face tower
+    modern = any(name.startswith("text.blocks.") for name in names)  # OpenCLIP main's modern text tower
+    return coca or modern or "text.token_embedding.weight" not in names  # or a Hugging Face tower
 
 
 def plan_openclip_to_bigclip(names: Iterable[str]) -> Plan:

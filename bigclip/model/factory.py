@@ -77,7 +77,8 @@ def get_tokenizer(model_name: str, context_length: int | None = None, cache_dir:
     cfg = get_model_config(model_name, cache_dir)
     if cfg.get("tokenizer") == "byte":
         return ByteTokenizer(context_length or cfg["text_cfg"].get("context_length", DEFAULT_CONTEXT_LENGTH))
-    if not is_schema_name(model_name):
+    # (OpenCLIP main's tiktoken tokenizer: open_clip_torch 3.3 has none, for a local-dir: name either)
+    if not is_schema_name(model_name) or cfg["text_cfg"].get("tokenizer_type") == "tiktoken":
         return openclip_tokenizer(model_name, cfg, context_length, cache_dir)
     # open_clip takes seconds to import; only runs that tokenize with its tokenizers need it.
     import open_clip

@@ -260,13 +260,16 @@ def get_model_config(name: str, cache_dir: str | None = None, local_files_only: 
 
 def openclip_separate_text(model_cfg: dict, force_custom_text: bool = False) -> bool:
     """Whether OpenCLIP builds this architecture as CustomTextCLIP, whose text tower's weights are under
-    `text.` (its create_model: the config's custom_text, --force-custom-text, a Hugging Face text tower, or
-    CoCa), rather than at the top level as CLIP keeps them: the layout an export must write."""
+    `text.` (its create_model: the config's custom_text, --force-custom-text, a Hugging Face text tower, main's
+    modern text tower or variable-length text, or CoCa), rather than at the top level as CLIP keeps them: the
+    layout an export must write."""
     text_cfg = model_cfg.get("text_cfg", {})
     return bool(
         model_cfg.get("custom_text")
         or force_custom_text
         or "hf_model_name" in text_cfg
+        or text_cfg.get("text_arch") == "modern"
+        or text_cfg.get("variable_text")
         or "multimodal_cfg" in model_cfg
     )
 

@@ -6,6 +6,8 @@ The choice (`tokenizer_kind`, `openclip_tokenizer`) is OpenCLIP's for the same c
                                  tokenizer_mode and tokenizer_kwargs: SigLIP's sentencepiece vocabularies, CLIPA's
                                  BERT, the worldwide models' XLM-V), fetched into the hub cache (--cache-dir)
     a built-in name with siglip  OpenCLIP's SigLipTokenizer (its T5/Gemma sentencepiece files)
+    text_cfg tokenizer_type      OpenCLIP main's tiktoken tokenizer (its tiktoken_name encoding, control ids above
+      "tiktoken"                 it: tiktoken_tokenizer.py), before an hf_tokenizer_name as main does
     otherwise                    OpenCLIP's BPE tokenizer (SimpleTokenizer, 49,408 ids, tokenizer_kwargs)
 
 and a tokenizer that is not at hand (offline, unreachable hub) is one line naming what to fetch.
@@ -34,9 +36,10 @@ import torch
 
 from bigclip.errors import UserError, first_line
 from bigclip.model.registry import hub_cache_dir, parse_model_name
+from bigclip.model.tiktoken_tokenizer import tiktoken_tokenizer
 
 # text_cfg keys that describe the tokenizer, not the tower (OpenCLIP's CLIPTextCfg)
-TOKENIZER_KEYS = ("hf_tokenizer_name", "tokenizer_mode", "tokenizer_kwargs")
+TOKENIZER_KEYS = ("hf_tokenizer_name", "tokenizer_mode", "tokenizer_kwargs", "tokenizer_type", "tiktoken_name")
 DEFAULT_CONTEXT_LENGTH = 77  # OpenCLIP's, where a text_cfg names none
 # OpenCLIP's BPE vocabulary: 49,152 merges + 256 bytes + start/end of text.
 OPENCLIP_VOCAB_SIZE = 49408
@@ -93,10 +96,13 @@ class ByteTokenizer:
 
 def tokenizer_kind(name: str, model_cfg: dict, schema: bool = False) -> str:
     """Which tokenizer architecture `name` (its config `model_cfg`) gets: "byte" (the config asks for bigclip's),
-    "hf" (text_cfg hf_tokenizer_name), "siglip" (OpenCLIP's rule for a built-in name that says siglip and names no
+    "tiktoken" (text_cfg tokenizer_type: OpenCLIP main's, tiktoken_tokenizer.py), "hf" (text_cfg hf_tokenizer_name),
+    "siglip" (OpenCLIP's rule for a built-in name that says siglip and names no
     tokenizer) or "bpe" (OpenCLIP's SimpleTokenizer). schema: a local-dir:/hf-hub: name (no rule by name)."""
     if model_cfg.get("tokenizer") == "byte":
         return "byte"
+    if model_cfg.get("text_cfg", {}).get("tokenizer_type") == "tiktoken":  # OpenCLIP main's, before an HF name
+        return "tiktoken"
     if model_cfg.get("text_cfg", {}).get("hf_tokenizer_name"):
         return "hf"
     return "siglip" if not schema and "siglip" in name.lower() else "bpe"
@@ -128,6 +134,8 @@ def openclip_tokenizer(name: str, model_cfg: dict, context_length: int | None = 
     length = context_length or text_cfg.get("context_length", DEFAULT_CONTEXT_LENGTH)
     kwargs = dict(text_cfg.get("tokenizer_kwargs") or {})
     kind = tokenizer_kind(name, model_cfg)
+    if kind == "tiktoken":
+        return tiktoken_tokenizer(name, text_cfg, length)
     if kind == "bpe":
         return openclip.SimpleTokenizer(context_length=length, **kwargs)
     if kind == "siglip":  # OpenCLIP's variants by name: Gemma's for SigLIP 2, mC4's for i18n, else English C4
@@ -164,3 +172,16 @@ def tokenizer_at_hand(name: str, what: str, remedy: str):
         ) from None
     except OSError as err:
         raise UserError(f"--model {name}: {what} could not be loaded ({first_line(err)}); {remedy}") from None
+
+
+def variable_text_pad_id(name: str, model_cfg: dict, tokenizer) -> int | None:
+    """The padding id variable-length batches are cut by (text_cfg variable_text: OpenCLIP main pads each batch to
+    its longest caption), None for fixed-length text. As main, a tokenizer without a reserved padding id is refused
+    (id 0 is a real token in most vocabularies)."""
+    if not model_cfg.get("text_cfg", {}).get("variable_text"):
+        return None
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = pad if pad is not None else getattr(getattr(tokenizer, "tokenizer", None), "pad_token_id", None)
+    if pad is None:
+        raise UserError(f"--model {name}: text_cfg variable_text needs a tokenizer with a padding id; this has none")
+    return int(pad)

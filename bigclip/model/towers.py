@@ -12,7 +12,8 @@ description (what it is, for messages).
 To add a kind: a tower class in its own file, and one register() call below.
 
 Text towers are chosen the same way from the text_cfg (TEXT_TOWERS): OpenCLIP's `hf_model_name` means a Hugging
-Face model (hf_text.py); otherwise bigclip's text transformer (text.py). Every text tower offers forward(tokens)
+Face model (hf_text.py); `text_arch` "modern" OpenCLIP main's modern text transformer (modern_text.py); otherwise
+bigclip's text transformer (text.py). Every text tower offers forward(tokens)
 -> (B, embed_dim) (with output_tokens, also the token states), width, context_length, blocks,
 set_grad_checkpointing(every), init_weights(), layer_groups(), lock(layers, freeze_layer_norm), activation_shape().
 """
@@ -26,6 +27,7 @@ from torch import nn
 
 from bigclip.errors import UserError
 from bigclip.model.hf_text import HFTextTower
+from bigclip.model.modern_text import ModernTextTower
 from bigclip.model.resnet import ResNetTower
 from bigclip.model.text import TextTransformer
 from bigclip.model.timm_tower import TimmVisionTower
@@ -127,6 +129,14 @@ TEXT_TOWERS.register(
         lambda embed_dim, text_cfg, quick_gelu: HFTextTower(embed_dim=embed_dim, **text_cfg),
     ),
     help="a Hugging Face model through transformers (OpenCLIP's HFTextEncoder: hf_model_name)",
+)
+TEXT_TOWERS.register(
+    "modern",
+    TextTowerKind(
+        lambda t: t.get("text_arch", "clip") == "modern",
+        lambda embed_dim, text_cfg, quick_gelu: ModernTextTower(embed_dim=embed_dim, **text_cfg),
+    ),
+    help="OpenCLIP main's ModernTextTransformer (text_arch modern: rotary positions, SwiGLU, RMSNorm, gated attention)",
 )
 
 

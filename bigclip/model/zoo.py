@@ -1,6 +1,7 @@
 """OpenCLIP's model zoo as families, read from an architecture's config alone (nothing is built): which family its
 towers belong to (`bigclip models`), and why bigclip refuses to build one that OpenCLIP's main branch has
-(configs/openclip_main/: audio, generative and NaFlex models, the "modern" text transformer).
+(configs/openclip_main/: audio, generative and NaFlex models; its "modern" text transformer is built,
+model/modern_text.py).
 
 A family names the image tower (OpenCLIP's rule: `timm_model_name` a timm trunk, named here by the timm module that
 defines it; a list of stage depths a ResNet; otherwise a ViT), then a text tower other than CLIP's text transformer
@@ -74,12 +75,6 @@ def _missing(cfg: dict) -> list[tuple[str, str]]:
     if timm_name.startswith(NAFLEX_PREFIX):
         what = f"a NaFlex variable-resolution image tower (timm's {timm_name}, fed patch sequences)"
         missing.append((what, "NaFlex image towers"))
-    if cfg.get("text_cfg", {}).get("text_arch", "clip") == "modern":
-        what = (
-            "OpenCLIP main's modern text transformer (text_arch modern: rotary positions, SwiGLU, RMSNorm, gated "
-            "attention, a tiktoken tokenizer)"
-        )
-        missing.append((what, "modern text towers"))
     return missing
 
 
