@@ -119,6 +119,7 @@ def main_walk(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("openclip-main-walk")  # one test process: the walk (~9 s) runs once
 def test_each_main_name_builds_on_meta_or_is_refused_in_one_line_naming_what_is_missing(main_walk):
     walk = main_walk["walk"]
     assert sorted(walk) == sorted([*BUILT, *REFUSED])
@@ -133,6 +134,7 @@ def test_each_main_name_builds_on_meta_or_is_refused_in_one_line_naming_what_is_
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("openclip-main-walk")  # one test process: the walk (~9 s) runs once
 def test_gte_modernbert_by_name_gives_modernberts_features_with_main_pooling_and_projection(main_walk):
     assert main_walk["text_features_max_diff"] <= 1e-5 * max(1.0, main_walk["text_features_norm"])
     assert main_walk["text_features_norm"] > 0.1  # not a trivial zero
@@ -145,6 +147,7 @@ def test_gte_modernbert_by_name_gives_modernberts_features_with_main_pooling_and
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("openclip-main-walk")  # one test process: the walk (~9 s) runs once
 def test_gte_modernbert_tokenizes_as_openclip_mains_hf_tokenizer_does(main_walk):
     """[CLS] words [SEP], right-padded with [PAD] to the config's context length (256)."""
     words = sorted({w for t in TEXTS for w in t.split()})
