@@ -301,6 +301,7 @@ def test_the_float32_path_is_exact_past_float32s_integers():
     assert torch.equal(sb._int8_matmul_in_float32(a, b), (a.long() @ b.long()).int())
 
 
+@pytest.mark.slow  # a process of its own (~14 s with its imports)
 def test_on_a_cpu_without_vnni_the_int8_matmul_stays_exact():
     """oneDNN held to AVX2 (an AVX2-only CPU, as many laptops and CI machines): torch._int_mm's sums saturate in
     int16 there, the probe sees it and int8_matmul takes the exact float32 path. (Not ATEN_CPU_CAPABILITY as well:
