@@ -2,8 +2,9 @@
 main's), or the ones named, with its parameter count, its tower family (model/zoo.py) and where its config comes
 from; a name bigclip does not build says why.
 
-The count is the memory model's (`memory.model_facts`: the model built on the meta device, so `bigclip plan` and
---dry-run say the same number). Building all ~200 on meta takes about half a minute, so counts are kept in
+The count is the memory model's (`memory.parameter_count`: the model built on the meta device, as `bigclip plan`
+and --dry-run build it, so they say the same number; its activations are not traced). Building all ~200 on meta
+takes about 20 s, so counts are kept in
 `$XDG_CACHE_HOME/bigclip/model_params.json` (default ~/.cache), keyed by each config's content and stamped with a
 digest of the code that builds models (bigclip/model's sources and the torch, timm, transformers and open_clip_torch
 versions): any change there rebuilds them all, a new or edited config rebuilds that one. Architectures with a
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from bigclip.commands import COMMANDS, Command
 from bigclip.errors import OneLineErrorParser, UserError
-from bigclip.memory import model_facts
+from bigclip.memory import parameter_count
 from bigclip.model import get_model_config, list_models, zoo
 from bigclip.model.registry import config_source
 
@@ -83,7 +84,7 @@ def count(name: str, cfg: dict) -> int | str:
     if missing is not None:
         return missing
     try:
-        return model_facts(name).params
+        return parameter_count(name)
     except UserError as e:
         return _why(name, e)
 

@@ -37,7 +37,7 @@ from bigclip.memory.setups import (
     state_bytes,
     working_bytes,
 )
-from bigclip.memory.size import ModelFacts, ModelSize, model_facts
+from bigclip.memory.size import ModelFacts, ModelSize, model_facts, parameter_count
 
 __all__ = [
     "GiB",
@@ -60,6 +60,7 @@ __all__ = [
     "fitting_setups",
     "max_batch",
     "model_facts",
+    "parameter_count",
     "peak_parts",
     "recipes",
     "state_bytes",
