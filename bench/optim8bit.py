@@ -1,11 +1,13 @@
-"""8-bit AdamW candidates side by side: torch's AdamW (fp32 moments), torchao's AdamW8bit as bigclip runs it
-(--opt adamw8bit, bigclip/optim/adamw8bit.py) and bitsandbytes' AdamW8bit, on the same model, data and steps.
+"""8-bit AdamW candidates side by side: torch's AdamW (fp32 moments), bigclip's --opt adamw8bit (torchao's
+arithmetic in one packed update, bigclip/optim/packed_update.py), torchao's own AdamW8bit (its update compiled and
+called once per tensor) and bitsandbytes' AdamW8bit, on the same model, data and steps.
 
     python bench/optim8bit.py                 # CPU: 4 ViT-B MLP blocks (768 -> 3072 -> 768), 19M parameters
     python bench/optim8bit.py --blocks 12 --device cuda
 
 Per optimizer: optimizer state bytes (counted tensor by tensor, inside quantized tensors), bytes per parameter,
-the median optimizer-step time after --warmup steps (torchao compiles its update on the first steps), the
+the first step's time (compiles included, inductor's on-disk cache empty: a fresh machine's first step), the number
+of graphs compiled, the median optimizer-step time after --warmup steps, the
 largest relative difference of the losses from fp32 AdamW's over --steps steps, and whether its step runs on
 FSDP2's sharded parameters (two gloo processes on this machine, one step). bitsandbytes is optional: its row
 says so when it is not installed.
@@ -21,10 +23,13 @@ import sys
 import tempfile
 import time
 
-import torch
-import torch.multiprocessing as mp
-from ranks import free_port
-from torch import nn
+# A fresh machine's compiles: inductor's on-disk cache in a new folder (set before torch is imported)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="optim8bit-inductor-"))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from ranks import free_port  # noqa: E402
+from torch import nn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bigclip.engine.memory import tensor_bytes  # noqa: E402
@@ -35,8 +40,12 @@ HP = {"lr": 1e-3, "betas": (0.9, 0.98), "eps": 1e-6, "weight_decay": 0.1}
 def make_optimizer(name: str, params):
     if name == "torch AdamW (fp32 moments)":
         return torch.optim.AdamW(params, **HP)
-    if name == "bigclip --opt adamw8bit (torchao)":
+    if name == "bigclip --opt adamw8bit (packed)":
         from bigclip.optim.adamw8bit import AdamW8bit
+
+        return AdamW8bit(params, **HP)
+    if name == "torchao AdamW8bit (per tensor)":
+        from torchao.optim import AdamW8bit
 
         return AdamW8bit(params, **HP)
     import bitsandbytes as bnb
@@ -44,7 +53,12 @@ def make_optimizer(name: str, params):
     return bnb.optim.AdamW8bit(params, **HP)
 
 
-NAMES = ("torch AdamW (fp32 moments)", "bigclip --opt adamw8bit (torchao)", "bitsandbytes AdamW8bit")
+NAMES = (
+    "torch AdamW (fp32 moments)",
+    "bigclip --opt adamw8bit (packed)",
+    "torchao AdamW8bit (per tensor)",
+    "bitsandbytes AdamW8bit",
+)
 
 
 def model(blocks: int, device: str) -> nn.Module:
@@ -58,6 +72,7 @@ def model(blocks: int, device: str) -> nn.Module:
 def train(name: str, base: nn.Module, steps: int, warmup: int, device: str) -> dict:
     m = copy.deepcopy(base)
     opt = make_optimizer(name, m.parameters())
+    torch._dynamo.utils.counters.clear()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(256, 768, generator=g).to(device), torch.randn(256, 768, generator=g).to(device)
     losses, times = [], []
@@ -75,7 +90,9 @@ def train(name: str, base: nn.Module, steps: int, warmup: int, device: str) -> d
         losses.append(loss.item())
     params = sum(p.numel() for p in m.parameters())
     state = tensor_bytes(m, opt)["optimizer"]
-    return {"losses": losses, "step_ms": 1e3 * statistics.median(times[warmup:]), "state": state, "params": params}
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return {"losses": losses, "step_ms": 1e3 * statistics.median(times[warmup:]), "first_s": times[0], "graphs": graphs,
+            "state": state, "params": params}  # fmt: skip
 
 
 def _fsdp_worker(rank: int, name: str, port: int, result_dir: str) -> None:
@@ -124,16 +141,18 @@ def main() -> None:
             rows[name] = {"missing": str(e)}
     ref = rows[NAMES[0]]
     print(f"{args.blocks} blocks, {ref['params'] / 1e6:.1f}M parameters, {args.steps} steps, device {args.device}\n")
-    print("| optimizer | state MB | bytes/param | vs AdamW | step ms | vs AdamW | max loss rel diff | FSDP2 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("| optimizer | state MB | bytes/param | vs AdamW | first step s | graphs | step ms | vs AdamW "
+          "| max loss rel diff | FSDP2 |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, r in rows.items():
         if "missing" in r:
-            print(f"| {name} | not installed ({r['missing']}) | | | | | | |")
+            print(f"| {name} | not installed ({r['missing']}) | | | | | | | | |")
             continue
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"]))
         print(
             f"| {name} | {r['state'] / 1e6:.1f} | {r['state'] / r['params']:.3f} | {r['state'] / ref['state']:.3f}x "
-            f"| {r['step_ms']:.1f} | {r['step_ms'] / ref['step_ms']:.2f}x | {diff:.1e} | {r['fsdp2']} |"
+            f"| {r['first_s']:.1f} | {r['graphs']} | {r['step_ms']:.1f} | {r['step_ms'] / ref['step_ms']:.2f}x "
+            f"| {diff:.1e} | {r['fsdp2']} |"
         )
 
 

@@ -28,8 +28,7 @@ def test_rounding_is_unbiased_and_lands_on_a_neighbour():
     total = torch.zeros_like(x, dtype=torch.float64)
     param = torch.empty_like(x, dtype=torch.bfloat16)
     for step in range(rounds):
-        bf16_rounding.seed_update(step, 0, param)
-        bf16_rounding.round_into_bf16_(param, x)
+        bf16_rounding.round_into_bf16_(param, x, step, 0, 0)
         value = param.float()
         assert bool(((value == down) | (value == up)).all())
         total += value.double()
@@ -42,16 +41,20 @@ def test_rounding_is_unbiased_and_lands_on_a_neighbour():
     assert float((x.bfloat16().double() - x.double()).abs().max()) > 5 * bound
 
 
-def test_the_seed_is_the_same_on_replicas_and_the_training_stream_is_untouched():
-    p = torch.zeros(4, dtype=torch.bfloat16)
-    assert bf16_rounding.update_seed(3, 5, p) == bf16_rounding.update_seed(3, 5, p.clone())
-    assert bf16_rounding.update_seed(3, 5, p) != bf16_rounding.update_seed(4, 5, p)
+def test_the_bits_are_the_same_on_replicas_and_the_training_stream_is_untouched():
+    x = 1.0 + torch.rand(4096, generator=torch.Generator().manual_seed(1))
+    a, b = (torch.empty_like(x, dtype=torch.bfloat16) for _ in range(2))
+    assert bf16_rounding.shard_key(a) == bf16_rounding.shard_key(b) == 0  # whole tensors: every replica alike
+    bf16_rounding.round_into_bf16_(a, x, 3, 5, 0)
+    bf16_rounding.round_into_bf16_(b, x, 3, 5, 0)
+    assert torch.equal(a, b)
+    for other in ((4, 5, 0), (3, 6, 0), (3, 5, 1)):  # another step, parameter or shard draws other bits
+        bf16_rounding.round_into_bf16_(b, x, *other)
+        assert not torch.equal(a, b), other
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    with bf16_rounding.own_random_stream([p]):
-        bf16_rounding.seed_update(1, 0, p)
-        bf16_rounding.round_into_bf16_(p, torch.rand(4))
+    bf16_rounding.round_into_bf16_(a, x, 1, 0, 0)  # no generator is drawn from
     assert torch.equal(torch.rand(3), expected)
 
 

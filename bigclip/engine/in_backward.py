@@ -87,7 +87,7 @@ class PerParameterOptimizers:
             self.groups.append((hyperparameters, len(group["params"])))
             for p in group["params"]:
                 optimizer = optim.create_optimizer(cfg, [{**hyperparameters, "params": [p]}])
-                optimizer.first_index = index  # stochastic rounding seeds as one optimizer over all would
+                optimizer.first_index = index  # rounding bits drawn as one optimizer over all would draw them
                 self.by_param[p] = optimizer
                 index += 1
 

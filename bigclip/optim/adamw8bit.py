@@ -36,8 +36,8 @@ import warnings
 import torch
 from torch.distributed.tensor import DTensor
 
-import bigclip.optim.bf16_rounding as bf16_rounding
 from bigclip.dist import local_shard
+from bigclip.optim import packed_update
 
 # torchao's import registers an Enum with torch's pytree, which logs a deprecation line on every run; and AOT
 # autograd's cache warns on every compile that torchao's state class has no stable hash. Neither is the user's.
@@ -47,9 +47,8 @@ _pytree_log.setLevel(logging.ERROR)
 try:
     from torchao.optim import AdamW8bit as _TorchaoAdamW8bit
     from torchao.optim import _AdamW as _TorchaoAdamW
-    from torchao.optim.adam import single_param_adam
     from torchao.optim.quant_utils import quantize_8bit_with_qmap
-    from torchao.optim.subclass_8bit import OptimState8bit
+    from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 finally:
     _pytree_log.setLevel(_level)
 warnings.filterwarnings("ignore", message="OptimState8bit does not implement _stable_hash_for_caching")
@@ -101,22 +100,20 @@ def quantize_exactly_(state: OptimState8bit, values: torch.Tensor) -> None:
     state.scale.copy_(scales)
 
 
-@functools.cache
-def _compiled_update():
-    return torch.compile(single_param_adam, fullgraph=True, dynamic=False)
-
-
 class _LocalUpdate:
-    """What bigclip changes in torchao's AdamW step (mixed into its optimizer classes): float learning rates in
-    param_groups, each rank's local tensors handed to the compiled update, and stochastic rounding into bf16
-    weights from bf16_rounding's per-update seeds."""
+    """What bigclip changes in torchao's AdamW (mixed into its optimizer classes): float learning rates in
+    param_groups, and the step: packed_update.py's one compiled update over windows of many tensors (torchao's
+    arithmetic, each rank's local tensors), with counter-based stochastic rounding into bf16 weights."""
 
     param_groups: list[dict]
     state: dict
+    block_size: float
     bf16_stochastic_round: bool
     # The position of its first parameter among the model's: an optimizer of one parameter (stepped in the
-    # backward) seeds that parameter's rounding as the optimizer of them all would.
+    # backward) draws that parameter's rounding bits as the optimizer of them all would.
     first_index: int = 0
+    _windows: list[packed_update.Window] | None = None
+    window_blocks = packed_update.WINDOW_BLOCKS
 
     def _float_rates(self) -> None:
         for group in self.param_groups:  # torchao turns them into tensors
@@ -125,55 +122,74 @@ class _LocalUpdate:
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         self.param_groups[-1]["lr"] = float(self.param_groups[-1]["lr"])
+        self._windows = None  # planned again at the next step
+
+    def _quantizes(self, local: torch.Tensor) -> bool:
+        """torchao's rule (_new_buffer): 8-bit moments for tensors of >= 4096 values in whole blocks."""
+        return local.numel() >= 4096 and local.numel() % self.block_size == 0
 
     @torch.no_grad()
     def step(self, closure=None):
-        """torchao's step on each rank's local tensors. torchao hands DTensors to its compiled update; with an
-        uneven FSDP2 shard (130 rows on one rank, 129 on the other) a rank ran a graph compiled for the other
-        shape and stopped ("expected size 129==130"; the guards see the DTensor's global shape). Plain local
-        tensors are guarded by their own shapes, and the update is elementwise, so the local computation is
-        the whole one."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        update = _compiled_update()
         params = [p for group in self.param_groups for p in group["params"]]
-        # one compile per distinct shape (as torchao's own step); the rounding's random bits on their own stream
-        with torch._dynamo.utils.disable_cache_limit(), bf16_rounding.own_random_stream(params):
-            index = self.first_index - 1  # the parameter's position (a stochastic rounding seed)
-            for group in self.param_groups:
-                lr = torch.tensor(float(group["lr"]), dtype=torch.float32)  # a tensor: no recompile per rate
-                beta1, beta2 = group["betas"]
-                for p in group["params"]:
-                    index += 1
-                    if p.grad is None:
-                        continue
-                    state = self.state[p]
-                    if not state:
-                        state["step"] = torch.tensor(0.0)
-                        state["exp_avg"] = self._new_buffer(p, True)
-                        state["exp_avg_sq"] = self._new_buffer(p, False)
-                    state["step"] += 1
-                    stochastic = self.bf16_stochastic_round and p.dtype is torch.bfloat16
-                    if stochastic:
-                        bf16_rounding.seed_update(int(state["step"]), index, p)
-                    update(
-                        local_shard(p.detach()),
-                        local_shard(p.grad),
-                        state["step"],
-                        local_shard(state["exp_avg"]),
-                        local_shard(state["exp_avg_sq"]),
-                        None,  # no AMSGrad
-                        lr,
-                        beta1,
-                        beta2,
-                        group["weight_decay"],
-                        group["eps"],
-                        True,  # decoupled weight decay (AdamW)
-                        stochastic,
-                    )
+        if self._windows is None:
+            self._windows = packed_update.plan_windows(self.param_groups, self._quantizes, self.window_blocks)
+        states = []
+        for p in params:
+            state = self.state[p] if p.grad is not None else self.state.get(p, {})
+            if p.grad is not None:
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = self._new_buffer(p, True)
+                    state["exp_avg_sq"] = self._new_buffer(p, False)
+                state["step"] += 1
+            states.append(state)
+        update = packed_update.compiled_window_update()
+        constants: dict[int, dict] = {}
+        for window in self._windows:
+            active = [params[piece.position].grad is not None for piece in window.pieces]
+            if not any(active):
+                continue
+            operands = packed_update.WindowOperands(window, params, states, active)
+            group = self.param_groups[window.group]
+            hp = constants.get(window.group) or constants.setdefault(window.group, _constants(group))
+            device = operands.packed["p"].device
+            per_block = packed_update.block_vectors(window, group, states, active, self.first_index, device)
+            stochastic = self.bf16_stochastic_round and operands.packed["p"].dtype == torch.bfloat16
+            packed = operands.packed
+            for t in [*packed.values(), *per_block]:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            update(
+                packed["p"], packed["g"], packed["m"], packed["v"], packed.get("m_scale"), packed.get("v_scale"),
+                *_code_maps(device), *per_block, **hp, key=_key(window.key, device), stochastic=stochastic,
+            )  # fmt: skip
+            operands.write_back()
         return loss
+
+
+def _constants(group: dict) -> dict[str, torch.Tensor]:
+    """A group's hyperparameters as float32 scalars (changing them recompiles nothing). 1 - beta is formed in
+    float64 and rounded once, as torchao's Python-float lerp weight is."""
+    beta1, beta2 = group["betas"]
+    values = {"lr": float(group["lr"]), "one_minus_beta1": 1 - beta1, "one_minus_beta2": 1 - beta2,
+              "weight_decay": group["weight_decay"], "eps": group["eps"]}  # fmt: skip
+    return {name: torch.tensor(value, dtype=torch.float32) for name, value in values.items()}
+
+
+@functools.cache
+def _key(key: int, device: torch.device) -> torch.Tensor:
+    """A shard's rounding key as an int64 tensor: a Python int would make dynamo recompile for each rank's key
+    (and its code for a symbolic key did not compile on CPU: torch 2.14)."""
+    return torch.tensor(key, dtype=torch.int64, device=device)
+
+
+@functools.cache
+def _code_maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's signed and unsigned 8-bit code maps on `device`."""
+    return tuple(torch.tensor(q, dtype=torch.float32, device=device) for q in (get_qmap_signed(), get_qmap_unsigned()))
 
 
 class AdamWStochasticBF16(_LocalUpdate, _TorchaoAdamW):

@@ -85,7 +85,7 @@ class StableAdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.stochastic_rounding = stochastic_rounding  # bf16 weights: see bigclip/optim/bf16_rounding.py
         # The position of its first parameter among the model's: an optimizer of one parameter (stepped in the
-        # backward) seeds that parameter's rounding as the optimizer of them all would.
+        # backward) draws that parameter's rounding bits as the optimizer of them all would.
         self.first_index = 0
 
     @torch.no_grad()
@@ -100,7 +100,7 @@ class StableAdamW(torch.optim.Optimizer):
         sums: list[torch.Tensor] = []
         numels: list[int] = []
         batches: dict[tuple, list[int]] = defaultdict(list)  # (mesh and sharded dims or None, device) -> indices
-        index = self.first_index - 1  # the parameter's position (a stochastic rounding seed)
+        index = self.first_index - 1  # the parameter's position (its rounding bits' counter)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             eps = group["eps"]
@@ -144,17 +144,16 @@ class StableAdamW(torch.optim.Optimizer):
                 totals[i] = total
 
         # Pass 3: the update with the clipped learning rate, weight decay included.
-        with bf16_rounding.own_random_stream([w[1] for w in work]):
-            for (group, param, exp_avg, exp_avg_sq, index, p), total, numel in zip(work, totals, numels):
-                rms = math.sqrt(total / max(numel, 1))
-                eta = float(group["lr"]) / max(1.0, rms)
-                stochastic = self.stochastic_rounding and param.dtype == torch.bfloat16
-                target = param.float() if stochastic else param  # bf16: the update in float32, then rounded
-                if group["weight_decay"] != 0:
-                    target.mul_(1.0 - eta * group["weight_decay"])
-                m, v = (exp_avg.float(), exp_avg_sq.float()) if stochastic else (exp_avg, exp_avg_sq)
-                target.addcdiv_(m, v.sqrt().add_(group["eps"]), value=-eta)
-                if stochastic:
-                    bf16_rounding.seed_update(int(self.state[p]["step"]), index, p)
-                    bf16_rounding.round_into_bf16_(param, target)
+        for (group, param, exp_avg, exp_avg_sq, index, p), total, numel in zip(work, totals, numels):
+            rms = math.sqrt(total / max(numel, 1))
+            eta = float(group["lr"]) / max(1.0, rms)
+            stochastic = self.stochastic_rounding and param.dtype == torch.bfloat16
+            target = param.float() if stochastic else param  # bf16: the update in float32, then rounded
+            if group["weight_decay"] != 0:
+                target.mul_(1.0 - eta * group["weight_decay"])
+            m, v = (exp_avg.float(), exp_avg_sq.float()) if stochastic else (exp_avg, exp_avg_sq)
+            target.addcdiv_(m, v.sqrt().add_(group["eps"]), value=-eta)
+            if stochastic:
+                step = int(self.state[p]["step"])
+                bf16_rounding.round_into_bf16_(param, target, step, index, bf16_rounding.shard_key(p))
         return loss
