@@ -220,3 +220,58 @@ def test_hyperparameters_are_read_from_the_groups_load_state_dict_leaves():
     optimizer.step()
     moved = [not torch.equal(a, b) for a, b in zip(before, params)]
     assert moved == [False] * len(frozen["params"]) + [True] * (len(params) - len(frozen["params"]))
+
+
+class _TwoBlocks(torch.nn.Module):
+    """Two 'transformer blocks' and a head, in bf16: the units the in-backward step packs together."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        make = lambda *shape: torch.nn.Parameter(torch.randn(*shape, generator=g).bfloat16())  # noqa: E731
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(2):
+            block = torch.nn.Module()
+            block.weight, block.bias, block.norm = make(64, 64), make(64), make(64)
+            self.blocks.append(block)
+        self.head = make(64, 128)
+
+    def transformer_blocks(self):
+        return list(self.blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(x @ block.weight + block.bias) * block.norm
+        return (x @ self.head).float().square().mean()
+
+
+@pytest.mark.slow
+def test_the_in_backward_step_packs_each_block_and_equals_the_ordinary_step(monkeypatch):
+    """--optimizer-in-backward on one process: each block's per-parameter optimizers are stepped as one packed call
+    when the block's last gradient arrives, with the ordinary step's weights bit for bit (bf16 weights, 8-bit
+    moments, stochastic rounding)."""
+    from bigclip.config import resolve
+    from bigclip.engine.in_backward import PerParameterOptimizers, StepInBackward
+    from bigclip.optim import create_optimizer, param_groups
+
+    cfg = resolve({"opt": "adamw8bit", "precision": "pure_bf16", "lr": 1e-2}).sections.optimizer
+    ordinary_model, stepped_model = _TwoBlocks(), _TwoBlocks()
+    ordinary = create_optimizer(cfg, param_groups(ordinary_model, cfg))
+    per_parameter = PerParameterOptimizers(cfg, param_groups(stepped_model, cfg))
+    batches = []
+    original = AdamW8bit.step_together
+    monkeypatch.setattr(AdamW8bit, "step_together", staticmethod(
+        lambda optimizers, plans: (batches.append(len(optimizers)), original(optimizers, plans))))  # fmt: skip
+    units = [list(block.parameters()) for block in stepped_model.blocks]
+    hooks = StepInBackward(per_parameter, torch.device("cpu"), units=units)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(8)).bfloat16()
+    for _ in range(3):
+        ordinary_model(x).backward()
+        ordinary.step()
+        ordinary.zero_grad()
+        stepped_model(x).backward()
+        hooks.finish_backward()
+    assert batches == [3, 3] * 3  # each block's three tensors in one call, every step (the head on its own)
+    for a, b in zip(ordinary_model.parameters(), stepped_model.parameters()):
+        assert torch.equal(a, b)
+    hooks.remove()

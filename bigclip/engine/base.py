@@ -228,7 +228,8 @@ class TorchOptimizerEngine(Engine):
         groups = optim.param_groups(model, self.cfg.optimizer)
         if self.cfg.optimizer_in_backward:
             self.optimizer = PerParameterOptimizers(self.cfg.optimizer, groups)
-            self._in_backward = StepInBackward(self.optimizer, self.world.device, **step_in_backward)
+            blocks = [list(block.parameters()) for block in model.transformer_blocks()]  # stepped a block at a time
+            self._in_backward = StepInBackward(self.optimizer, self.world.device, units=blocks, **step_in_backward)
         else:
             self.optimizer = optim.create_optimizer(self.cfg.optimizer, groups)
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]

@@ -21,7 +21,12 @@ Where the gradient is final, per engine:
   end of the backward.
 - one process: the hook steps at once.
 
-It is exactly the ordinary step (same arithmetic, one tensor at a time) where the ordinary step needs nothing
+Optimizers that can step many tensors as one (the packed 8-bit / bf16-rounding AdamW, optim/packed_update.py)
+are stepped a transformer block at a time (one process, FSDP2: when the block's last gradient is final; DDP:
+the gradients awaited together), not one tensor at a time: a giant tower's ~1000 tensors become a few calls per
+block. Their gradients are alive together anyway, so this keeps no more memory.
+
+It is exactly the ordinary step (same arithmetic, tensor by tensor) where the ordinary step needs nothing
 but each tensor's own gradient. The config refuses the rest in one line (check_config): --accum-freq > 1 (the
 step would run after the first micro-batch), --grad-clip-norm (needs the global norm before any update), fp16
 loss scaling (needs every gradient checked for overflow first), and optimizers that read other tensors. A step
@@ -81,13 +86,15 @@ class PerParameterOptimizers:
     def __init__(self, cfg: optim.OptimizerConfig, groups: list[dict]):
         self.by_param: dict[torch.Tensor, torch.optim.Optimizer] = {}
         self.groups: list[tuple[dict, int]] = []  # (hyperparameters, number of parameters) of each group
+        self._plans: dict = {}  # the window plans of optimizers stepped together (see step_together)
         index = 0
-        for group in groups:
+        for number, group in enumerate(groups):
             hyperparameters = {k: v for k, v in group.items() if k != "params"}
             self.groups.append((hyperparameters, len(group["params"])))
             for p in group["params"]:
                 optimizer = optim.create_optimizer(cfg, [{**hyperparameters, "params": [p]}])
                 optimizer.first_index = index  # rounding bits drawn as one optimizer over all would draw them
+                optimizer.model_group = number  # packed with the group's other tensors when stepped together
                 self.by_param[p] = optimizer
                 index += 1
 
@@ -126,6 +133,18 @@ class PerParameterOptimizers:
     def state(self) -> dict:
         return {p: s for optimizer in self for p, s in optimizer.state.items()}
 
+    def step_together(self, params: list[torch.Tensor]) -> None:
+        """Step the optimizers of `params` (whose gradients are final) as one where their kind can (the packed
+        8-bit / bf16-rounding AdamW: one compiled call per window of tensors instead of one per tensor), each
+        on its own otherwise. The arithmetic is the same either way."""
+        optimizers = [self.by_param[p] for p in params]
+        together = getattr(type(optimizers[0]), "step_together", None)
+        if together is not None and len(optimizers) > 1 and len({type(o) for o in optimizers}) == 1:
+            together(optimizers, self._plans)
+            return
+        for optimizer in optimizers:
+            optimizer.step()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for optimizer in self:
             optimizer.zero_grad(set_to_none=set_to_none)
@@ -158,6 +177,7 @@ class StepInBackward:
         average_over=None,
         norm_group=None,
         in_flight_bytes: int = 0,
+        units: list[list[torch.Tensor]] = (),
     ):
         self.optimizers = optimizers
         self.device = device
@@ -167,11 +187,29 @@ class StepInBackward:
         self._in_flight: list[tuple[torch.Tensor, object]] = []
         self._in_flight_total = 0
         self._square_sum: torch.Tensor | None = None
+        # Units stepped together (the transformer blocks: FSDP2's units): a block's tensors are stepped in one
+        # packed call when its last gradient is final. Their gradients are alive together anyway (FSDP2: the
+        # unit's reduce-scatter output; one process: the block's backward), so this keeps no more memory.
+        self._unit_of: dict[torch.Tensor, int] = {}
+        self._unit_sizes: list[int] = []
+        for members in units:
+            members = [p for p in members if p in optimizers.by_param]
+            for p in members:
+                self._unit_of[p] = len(self._unit_sizes)
+            self._unit_sizes.append(len(members))
+        self._pending: dict[int, list[torch.Tensor]] = {}
         self.handles = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in optimizers.by_param]
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         if self.average_over is None:
-            self._step(param)
+            unit = self._unit_of.get(param)
+            if unit is None:
+                self._step([param])
+                return
+            pending = self._pending.setdefault(unit, [])
+            pending.append(param)
+            if len(pending) == self._unit_sizes[unit]:
+                self._step(self._pending.pop(unit))
             return
         grad = param.grad
         size = grad.numel() * grad.element_size()
@@ -183,20 +221,26 @@ class StepInBackward:
         self._in_flight_total += size
 
     def finish_backward(self) -> None:
-        """Await, step and free the gradients still in flight (the engine calls it after loss.backward())."""
-        for param, work in self._in_flight:
+        """Await, step and free the gradients still in flight (the engine calls it after loss.backward()), and
+        those of units some of whose tensors got no gradient this step."""
+        for _param, work in self._in_flight:
             work.wait()
-            self._step(param)
+        if self._in_flight:  # at most one block's gradients: stepped together
+            self._step([param for param, _work in self._in_flight])
         self._in_flight.clear()
         self._in_flight_total = 0
+        for unit in list(self._pending):
+            self._step(self._pending.pop(unit))
 
     @torch.no_grad()
-    def _step(self, param: torch.Tensor) -> None:
-        grad = local_shard(param.grad)
-        square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        self._square_sum = square if self._square_sum is None else self._square_sum + square
-        self.optimizers.by_param[param].step()
-        param.grad = None
+    def _step(self, params: list[torch.Tensor]) -> None:
+        for param in params:  # in arrival order, as they came: the norm sums alike however they are stepped
+            grad = local_shard(param.grad)
+            square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            self._square_sum = square if self._square_sum is None else self._square_sum + square
+        self.optimizers.step_together(params)
+        for param in params:
+            param.grad = None
 
     def take_norm(self) -> float:
         """The global gradient norm of the step that just ran in the backward (0.0 when nothing was stepped)."""

@@ -113,6 +113,7 @@ class _LocalUpdate:
     # backward) draws that parameter's rounding bits as the optimizer of them all would.
     first_index: int = 0
     _windows: list[packed_update.Window] | None = None
+    _members_planned: list[packed_update.Member]
     window_blocks = packed_update.WINDOW_BLOCKS
 
     def _float_rates(self) -> None:
@@ -128,46 +129,79 @@ class _LocalUpdate:
         """torchao's rule (_new_buffer): 8-bit moments for tensors of >= 4096 values in whole blocks."""
         return local.numel() >= 4096 and local.numel() % self.block_size == 0
 
+    def _members(self) -> list[packed_update.Member]:
+        """This optimizer's parameters in order; windows group them by this optimizer's groups unless it is one of
+        the per-parameter optimizers of a model's group (model_group, set by the engine's in-backward step)."""
+        members, index = [], self.first_index
+        for number, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                key = getattr(self, "model_group", None)
+                members.append(packed_update.Member(self, number, p, number if key is None else key, index))
+                index += 1
+        return members
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        params = [p for group in self.param_groups for p in group["params"]]
         if self._windows is None:
-            self._windows = packed_update.plan_windows(self.param_groups, self._quantizes, self.window_blocks)
-        states = []
-        for p in params:
-            state = self.state[p] if p.grad is not None else self.state.get(p, {})
-            if p.grad is not None:
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = self._new_buffer(p, True)
-                    state["exp_avg_sq"] = self._new_buffer(p, False)
-                state["step"] += 1
-            states.append(state)
-        update = packed_update.compiled_window_update()
-        constants: dict[int, dict] = {}
-        for window in self._windows:
-            active = [params[piece.position].grad is not None for piece in window.pieces]
-            if not any(active):
-                continue
-            operands = packed_update.WindowOperands(window, params, states, active)
-            group = self.param_groups[window.group]
-            hp = constants.get(window.group) or constants.setdefault(window.group, _constants(group))
-            device = operands.packed["p"].device
-            per_block = packed_update.block_vectors(window, group, states, active, self.first_index, device)
-            stochastic = self.bf16_stochastic_round and operands.packed["p"].dtype == torch.bfloat16
-            packed = operands.packed
-            for t in [*packed.values(), *per_block]:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-            update(
-                packed["p"], packed["g"], packed["m"], packed["v"], packed.get("m_scale"), packed.get("v_scale"),
-                *_code_maps(device), *per_block, **hp, key=_key(window.key, device), stochastic=stochastic,
-            )  # fmt: skip
-            operands.write_back()
+            self._members_planned = self._members()
+            self._windows = packed_update.plan_windows(self._members_planned, self._quantizes, self.window_blocks)
+        packed_step(self._members_planned, self._windows)
         return loss
+
+    @staticmethod
+    @torch.no_grad()
+    def step_together(optimizers: list[_LocalUpdate], plans: dict) -> None:
+        """Step several optimizers of this kind as one (their tensors packed together: the optimizers stepped in
+        the backward, a transformer block at a time). `plans`: the caller's cache of window plans."""
+        key = tuple(id(optimizer) for optimizer in optimizers)
+        if key not in plans:
+            members = [member for optimizer in optimizers for member in optimizer._members()]
+            first = optimizers[0]
+            plans[key] = (members, packed_update.plan_windows(members, first._quantizes, first.window_blocks))
+        packed_step(*plans[key])
+
+
+def packed_step(members: list[packed_update.Member], windows: list[packed_update.Window]) -> None:
+    """One AdamW step of `members` (see packed_update.py): their states made on their first gradient (by their
+    owners, as torchao makes them), then each window with an active tensor updated by the compiled function."""
+    params = [member.param for member in members]
+    states = []
+    for member in members:
+        p, owner = member.param, member.owner
+        state = owner.state[p] if p.grad is not None else owner.state.get(p, {})
+        if p.grad is not None:
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = owner._new_buffer(p, True)
+                state["exp_avg_sq"] = owner._new_buffer(p, False)
+            state["step"] += 1
+        states.append(state)
+    update = packed_update.compiled_window_update()
+    constants: dict[object, dict] = {}
+    for window in windows:
+        active = [params[piece.position].grad is not None for piece in window.pieces]
+        if not any(active):
+            continue
+        operands = packed_update.WindowOperands(window, params, states, active)
+        owner, group_key = members[window.group].owner, members[window.group].group_key
+        if group_key not in constants:  # once per group of hyperparameters
+            constants[group_key] = _constants(members[window.group].hyperparameters)
+        device = operands.packed["p"].device
+        per_block = packed_update.block_vectors(window, members, states, active, device)
+        packed = operands.packed
+        stochastic = owner.bf16_stochastic_round and packed["p"].dtype == torch.bfloat16
+        for t in [*packed.values(), *per_block]:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        update(
+            packed["p"], packed["g"], packed["m"], packed["v"], packed.get("m_scale"), packed.get("v_scale"),
+            *_code_maps(device), *per_block, **constants[group_key], key=_key(window.key, device),
+            stochastic=stochastic,
+        )  # fmt: skip
+        operands.write_back()
 
 
 def _constants(group: dict) -> dict[str, torch.Tensor]:

@@ -54,9 +54,25 @@ class Piece:
 
 
 @dataclass
-class Window:
-    # the position of its parameter group, whose hyperparameters apply (not the dict: load_state_dict replaces them)
+class Member:
+    """A parameter as the packed step sees it: the optimizer that owns its state, its group there (read at each
+    step: load_state_dict replaces the group dicts), the key of the hyperparameters it shares with others (the
+    model's group: windows never mix two), and its index among the model's parameters (its rounding bits)."""
+
+    owner: object
     group: int
+    param: torch.Tensor
+    group_key: object
+    index: int
+
+    @property
+    def hyperparameters(self) -> dict:
+        return self.owner.param_groups[self.group]
+
+
+@dataclass
+class Window:
+    group: int  # the position of a member whose group's hyperparameters apply to every piece
     quantized: bool
     key: int  # the shard key of its tensors' stochastic rounding
     pieces: list[Piece]
@@ -65,14 +81,14 @@ class Window:
     in_place: bool = False
     _block_tables: dict = field(default_factory=dict)  # device -> (parameter index, first counter group)
 
-    def block_tables(self, device: torch.device, first_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def block_tables(self, device: torch.device, members: list[Member]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per block: the parameter's index (its position in the model, for the rounding's counters) and the
         counter group of the block's first value."""
         if device not in self._block_tables:
             index, first_group = [], []
             for piece in self.pieces:
                 first = piece.start // bf16_rounding.GROUP
-                index += [first_index + piece.position] * piece.blocks
+                index += [members[piece.position].index] * piece.blocks
                 first_group += [first + GROUPS_PER_BLOCK * b for b in range(piece.blocks)]
             padding = self.blocks - len(index)
             index, first_group = index + [0] * padding, first_group + [0] * padding
@@ -81,33 +97,30 @@ class Window:
         return self._block_tables[device]
 
 
-def plan_windows(param_groups: list[dict], quantizes, window_blocks: int = WINDOW_BLOCKS) -> list[Window]:
-    """Cut the parameters of each group into windows, in order. `quantizes(local_tensor)`: whether its moments
-    are 8-bit. Tensors of one window share group, kind of moments, dtype, device and shard key."""
+def plan_windows(members: list[Member], quantizes, window_blocks: int = WINDOW_BLOCKS) -> list[Window]:
+    """Cut the members' tensors into windows, in order. `quantizes(local_tensor)`: whether its moments are 8-bit.
+    Tensors of one window share hyperparameters (group key), kind of moments, dtype, device and shard key."""
     windows: list[Window] = []
-    position = 0
-    for group_index, group in enumerate(param_groups):
-        open_windows: dict[tuple, Window] = {}  # by (kind, dtype, device, key): the window being filled
-        for p in group["params"]:
-            local = local_shard(p)
-            if not local.is_contiguous():
-                raise RuntimeError(f"packed AdamW update: parameter {position} is not contiguous")
-            quantized = bool(quantizes(local))
-            key = bf16_rounding.shard_key(p)
-            kind = (quantized, local.dtype, local.device, key)
-            n = local.numel()
-            blocks = -(-n // BLOCK)
-            current = open_windows.get(kind)
-            if blocks > window_blocks // 2:  # a large tensor: windows of its own, updated in place
-                for start in range(0, n, window_blocks * BLOCK):
-                    piece = Piece(position, start, min(n, start + window_blocks * BLOCK))
-                    windows.append(Window(group_index, quantized, key, [piece]))
-            elif n:
-                if current is None or sum(pc.blocks for pc in current.pieces) + blocks > window_blocks:
-                    current = open_windows[kind] = Window(group_index, quantized, key, [])
-                    windows.append(current)
-                current.pieces.append(Piece(position, 0, n))
-            position += 1
+    open_windows: dict[tuple, Window] = {}  # by (group key, kind, dtype, device, shard key): the one being filled
+    for position, member in enumerate(members):
+        local = local_shard(member.param)
+        if not local.is_contiguous():
+            raise RuntimeError(f"packed AdamW update: parameter {member.index} is not contiguous")
+        quantized = bool(quantizes(local))
+        key = bf16_rounding.shard_key(member.param)
+        kind = (member.group_key, quantized, local.dtype, local.device, key)
+        n = local.numel()
+        blocks = -(-n // BLOCK)
+        current = open_windows.get(kind)
+        if blocks > window_blocks // 2:  # a large tensor: windows of its own, updated in place
+            for start in range(0, n, window_blocks * BLOCK):
+                piece = Piece(position, start, min(n, start + window_blocks * BLOCK))
+                windows.append(Window(position, quantized, key, [piece]))
+        elif n:
+            if current is None or sum(pc.blocks for pc in current.pieces) + blocks > window_blocks:
+                current = open_windows[kind] = Window(position, quantized, key, [])
+                windows.append(current)
+            current.pieces.append(Piece(position, 0, n))
     for window in windows:
         used = sum(piece.blocks for piece in window.pieces)
         window.blocks = max(used, MIN_BLOCKS)
@@ -245,11 +258,11 @@ def bias_corrections(beta: float, step: float) -> float:
 
 
 def block_vectors(
-    window: Window, group: dict, states: list[dict], active: list[bool], first_index: int, device: torch.device
+    window: Window, members: list[Member], states: list[dict], active: list[bool], device: torch.device
 ) -> tuple[torch.Tensor, ...]:
     """Per block of `window` this step: its parameter's optimizer step count (int64), whether it has a gradient
     (padding blocks: no), the two bias corrections (float32), and block_tables()."""
-    beta1, beta2 = group["betas"]
+    beta1, beta2 = members[window.group].hyperparameters["betas"]
     steps, flags, corrections1, corrections2 = [], [], [], []
     for piece, is_active in zip(window.pieces, active):
         state = states[piece.position]
@@ -266,4 +279,4 @@ def block_vectors(
         torch.tensor(corrections1 + [1.0] * padding, dtype=torch.float32),
         torch.tensor(corrections2 + [1.0] * padding, dtype=torch.float32),
     )
-    return (*(v.to(device) for v in vectors), *window.block_tables(device, first_index))
+    return (*(v.to(device) for v in vectors), *window.block_tables(device, members))
