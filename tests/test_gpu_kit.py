@@ -206,3 +206,25 @@ def test_the_loss_tuner_writes_plans_the_fused_loss_reads(tmp_path):
         assert plan.chunk_rows == table["plans"]["clip"]["bfloat16"][1]["chunk_rows"]
     finally:
         fused_tuning.use_table(None)
+
+
+@pytest.mark.slow
+def test_giant_levers_reports_every_setup_its_ratio_to_amp_and_its_profile():
+    """bench/gpu/giant_levers.py --profile on CPU at toy size (issue 41's prepared GPU measurement): a row per
+    setup, its step time against amp_bf16 + AdamW's, and the packed update's calls: a few per step for the whole
+    optimizer, one per block's windows (and per tensor outside the blocks) when stepped in the backward."""
+    env = subprocess_env(PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "bench"), KIT]))
+    cmd = [sys.executable, os.path.join(KIT, "giant_levers.py"), "--model", "test-tiny", "--batch", "4", "--steps",
+           "2", "--profile"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {row["setup"]: row for row in map(json.loads, re.findall(r"^\{.*\}$", proc.stdout, re.M))}
+    assert list(rows) == ["amp_bf16, adamw", "pure_bf16, adamw", "pure_bf16, adamw8bit",
+                          "pure_bf16, adamw, optimizer in backward",
+                          "pure_bf16, adamw8bit, optimizer in backward (leanest)"]  # fmt: skip
+    assert rows["amp_bf16, adamw"]["vs_amp"] == 1.0
+    for row in rows.values():
+        assert row["s_per_step"] > 0 and row["profile_clock"] == "cpu" and len(row["profile_top"]) > 3
+    calls = {setup: row["window_update_calls"] for setup, row in rows.items()}
+    assert calls["amp_bf16, adamw"] == 0  # torch's AdamW
+    assert 0 < calls["pure_bf16, adamw8bit"] < 8 < calls["pure_bf16, adamw8bit, optimizer in backward (leanest)"]

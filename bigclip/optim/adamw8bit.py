@@ -196,11 +196,12 @@ def packed_step(members: list[packed_update.Member], windows: list[packed_update
         stochastic = owner.bf16_stochastic_round and packed["p"].dtype == torch.bfloat16
         for t in [*packed.values(), *per_block]:
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        update(
-            packed["p"], packed["g"], packed["m"], packed["v"], packed.get("m_scale"), packed.get("v_scale"),
-            *_code_maps(device), *per_block, **constants[group_key], key=_key(window.key, device),
-            stochastic=stochastic,
-        )  # fmt: skip
+        with torch.profiler.record_function(packed_update.PROFILER_LABEL):  # counted by bench/gpu/giant_levers.py
+            update(
+                packed["p"], packed["g"], packed["m"], packed["v"], packed.get("m_scale"), packed.get("v_scale"),
+                *_code_maps(device), *per_block, **constants[group_key], key=_key(window.key, device),
+                stochastic=stochastic,
+            )  # fmt: skip
         operands.write_back()
 
 

@@ -36,6 +36,7 @@ from bigclip.optim import bf16_rounding
 BLOCK = 256  # values per quantization block (torchao's default; the only block size supported here)
 WINDOW_BLOCKS = 1 << 14  # 4M values per window: ~40 MB of transient buffers with bf16 weights
 GROUPS_PER_BLOCK = BLOCK // bf16_rounding.GROUP
+PROFILER_LABEL = "bigclip.packed_adamw_window"  # each window's update, as torch.profiler names it
 MIN_BLOCKS = 2  # dynamo specialises sizes 0 and 1: smaller windows are padded so that one graph serves all
 
 
