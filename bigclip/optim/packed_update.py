@@ -184,26 +184,29 @@ class WindowOperands:
 
     def __init__(self, window: Window, params: list[torch.Tensor], states: list[dict], active: list[bool]):
         self.window = window
-        self.active = active
         names = ["p", "g", "m", "v"] + (["m_scale", "v_scale"] if window.quantized else [])
-        self.slices: dict[str, list[torch.Tensor]] = {name: [] for name in names}  # per active piece, to write back
-        self.packed: dict[str, torch.Tensor] = {}
         parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+        # (operand, the tensor's own view, its offset in the packed operand): what write_back() copies
+        self._returns: list[tuple[str, torch.Tensor, int]] = []
+        blocks_before = 0
         for piece, is_active in zip(window.pieces, active):
-            views = self._views(piece, params[piece.position], states[piece.position], is_active)
+            views = self._views(piece, params[piece.position], states[piece.position])
             padding = piece.blocks * BLOCK - (piece.end - piece.start)
             for name, view in views.items():
-                if padding and name not in ("m_scale", "v_scale"):
-                    view = torch.cat([view, view.new_zeros(padding)])
-                parts[name].append(view)
-        extra = window.blocks - sum(piece.blocks for piece in window.pieces)
+                scale = name.endswith("scale")
+                if is_active and name != "g":
+                    self._returns.append((name, view, blocks_before * (1 if scale else BLOCK)))
+                parts[name].append(torch.cat([view, view.new_zeros(padding)]) if padding and not scale else view)
+            blocks_before += piece.blocks
+        extra = window.blocks - blocks_before
+        self.packed: dict[str, torch.Tensor] = {}
         for name, pieces in parts.items():
             if extra:  # padding blocks up to MIN_BLOCKS
                 pieces.append(pieces[0].new_zeros(extra * (1 if name.endswith("scale") else BLOCK)))
             flat = pieces[0] if window.in_place else torch.cat(pieces)
             self.packed[name] = flat if name.endswith("scale") else flat.view(window.blocks, BLOCK)
 
-    def _views(self, piece: Piece, p: torch.Tensor, state: dict, is_active: bool) -> dict[str, torch.Tensor]:
+    def _views(self, piece: Piece, p: torch.Tensor, state: dict) -> dict[str, torch.Tensor]:
         s, e = piece.start, piece.end
         local = local_shard(p.detach())  # a view of the parameter that does not require grad (one graph for all)
         views = {"p": local.view(-1)[s:e]}
@@ -220,36 +223,14 @@ class WindowOperands:
                     views[f"{scale}_scale"] = value.scale[s // BLOCK : -(-e // BLOCK)]
             else:
                 views[scale] = value.view(-1)[s:e] if value is not None else torch.zeros_like(views["p"])
-        if is_active:
-            for name, view in views.items():
-                self.slices[name].append(view)
         return views
 
     def write_back(self) -> None:
-        """Copy the packed buffers' updated values into the tensors (nothing to do in place)."""
-        if self.window.in_place:
+        """Copy the packed buffers' updated values into the active tensors (nothing to do in place)."""
+        if self.window.in_place or not self._returns:
             return
-        offsets = {"block": 0, "value": 0}
-        destinations: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
-        active_slices = {name: iter(views) for name, views in self.slices.items()}
-        for piece, is_active in zip(self.window.pieces, self.active):
-            length, blocks = piece.end - piece.start, piece.blocks
-            if is_active:
-                for name, views in active_slices.items():
-                    flat = self.packed[name].view(-1)
-                    if name.endswith("scale"):
-                        start, size = offsets["block"], blocks
-                    else:
-                        start, size = offsets["value"], length
-                    view = next(views)
-                    if name != "g":
-                        destinations.append(view)
-                        sources.append(flat[start : start + size])
-            offsets["block"] += blocks
-            offsets["value"] += blocks * BLOCK
-        if destinations:
-            torch._foreach_copy_(destinations, sources)
+        sources = [self.packed[name].view(-1)[start : start + view.numel()] for name, view, start in self._returns]
+        torch._foreach_copy_([view for _name, view, _start in self._returns], sources)
 
 
 @functools.lru_cache(maxsize=4096)
