@@ -11,18 +11,21 @@ import sys
 import warnings
 
 import open_clip
-import torch
 
 from bigclip.errors import UserError
 from bigclip.model import create_model
 from bigclip.model.convert import bigclip_to_openclip
+from bigclip.model.meta_build import meta_construction
 
 
 def walk() -> dict[str, list]:
     out = {}
     for name in open_clip.list_models():
         try:
-            with torch.device("meta"):
+            # meta_construction: torch.device("meta") without the constructors' initialisation math, which on
+            # meta tensors computes nothing (no values) and only costs time; the names and shapes compared are
+            # OpenCLIP's own
+            with meta_construction():
                 # pretrained_text=False: a Hugging Face text tower from its config alone, as bigclip builds it on meta
                 # (its weights come at init_weights); transformers refuses from_pretrained on the meta device
                 theirs = open_clip.create_model(name, pretrained=None, device="meta", pretrained_text=False)

@@ -19,6 +19,7 @@ from bigclip.model import fp8_linear as fp8_linear_module
 from bigclip.model import switchback, zoo
 from bigclip.model.clip import CLIP, DEFAULT_INIT_LOGIT_SCALE
 from bigclip.model.coca import CoCa
+from bigclip.model.meta_build import meta_construction
 from bigclip.model.pretrained import model_weights, resolve_pretrained_image, timm_model_name
 from bigclip.model.registry import (
     CONFIG_DIR,
@@ -204,7 +205,7 @@ def create_model(
             f"tokenizer's {tokenizer_vocab}; raise vocab_size in its config"
         )
 
-    with torch.device("meta"):
+    with meta_construction():
         try:
             towers = (vision_cfg, text_cfg) if multimodal_cfg is None else (vision_cfg, text_cfg, multimodal_cfg)
             model = (CLIP if multimodal_cfg is None else CoCa)(
