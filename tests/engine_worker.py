@@ -381,7 +381,9 @@ def main() -> int:
     results = {}
     for spec in runs:
         try:
+            started = time.perf_counter()
             results[spec["name"]] = run_one(spec, world)
+            results[spec["name"]]["run_s"] = time.perf_counter() - started  # the whole run: what the launch pays
         except Exception as e:  # record and go on: one broken engine should not hide the others' results
             import traceback
 
