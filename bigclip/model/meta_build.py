@@ -4,8 +4,8 @@ Every bigclip model is first constructed on the meta device (factory.create_mode
 its own `init_weights()` on a real device (or shard by shard by a sharding engine). The towers' constructors
 (timm's, torch.nn's, transformers') still run their own initialisation while they are built: trunc_normal_,
 kaiming_uniform_, ... On meta tensors that arithmetic computes nothing, as they hold no values, yet it was most of a
-meta build's time: torch runs in-place ops on meta through its Python reference decompositions (ViT-bigG-14 took
-0.54 s to construct, 0.09 s without them; `bigclip models` counting every architecture 25 s, 11 s without).
+meta build's time: torch runs in-place ops on meta through its Python reference decompositions (docs/benchmarks.md,
+"Meta construction": ViT-bigG-14 4.6x faster to construct without them, `bigclip models`' count 25 s -> 10 s).
 
 `meta_construction()` is `torch.device("meta")` plus a torch function mode that returns such in-place calls'
 target untouched. Only calls that cannot change a tensor's metadata are skipped: torch.nn.init's in-place
