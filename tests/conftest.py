@@ -7,10 +7,10 @@ in-process (GBs). glibc keeps what they free in its heaps, so a worker's residen
 GB held after the OpenCLIP round-trip tests; two such workers beside multi-process runs reached 20 of 23 GB, and
 a smaller CI machine killed a worker). malloc_trim(0) after each test returns the free pages (milliseconds).
 
-In a fresh environment DeepSpeed JIT-builds three ops on first use: its shared-memory collectives
-(deepspeed_shm_comm, ~30 s, the first DeepSpeed run), CPU Adam (cpu_adam, ~45 s, ds_configs/zero3_offload.json)
-and async I/O with its pinned-memory helper (async_io + pin_memory, ~2 min, ds_configs/zero3_nvme.json). When
-the session runs DeepSpeed tests, the first two (as its test modules use them) are built from the start in a
+In a fresh environment DeepSpeed JIT-builds two ops bigclip's runs use on first use: CPU Adam (cpu_adam, ~45 s,
+ds_configs/zero3_offload.json) and async I/O with its pinned-memory helper (async_io + pin_memory, ~2 min,
+ds_configs/zero3_nvme.json); its inference-only shared-memory collectives are never built (engine/deepspeed.py).
+When the session runs the offload config's tests, CPU Adam is built from the start in a
 process at a lower CPU priority (nice 5), so the compiler mostly uses cores the tests leave idle (single-process
 runs, waits on timeouts and requeues) instead of running inside a test. Not the lowest priority: beside other
 CPU-bound work at normal priority (a contributor's laptop) a nice-19 build got under 1% of a core and never
@@ -38,10 +38,10 @@ for name in sys.argv[1:]:
     if builder.is_compatible():  # async_io needs libaio (.ci/run installs it)
         builder.load()
 """
-# Which op a module's tests need, read from its text: every DeepSpeed run (ds_config) needs the shared-memory
-# collectives, the offload config CPU Adam. Async I/O (~2 min of a core) is left to its one test, in the extended
-# tier (tests/test_zero_infinity.py), which builds it on first use: CI's tier does not pay for it.
-_OPS_BY_TEXT = {"ds_config": "ShareMemCommBuilder", "zero3_offload": "CPUAdamBuilder"}
+# Which op a module's tests need, read from its text: the offload config's, CPU Adam. Async I/O (~2 min of a core) is
+# left to its one test, in the extended tier (tests/test_zero_infinity.py), which builds it on first use: CI's tier
+# does not pay for it.
+_OPS_BY_TEXT = {"zero3_offload": "CPUAdamBuilder"}
 _WAIT_S = 900  # an unfinished build would leave torch's lock behind: let it finish
 
 
@@ -52,6 +52,19 @@ _LIBC = ctypes.CDLL("libc.so.6")
 def _return_freed_memory():
     yield
     _LIBC.malloc_trim(0)
+
+
+def pytest_configure(config) -> None:
+    # Two test processes (-n 2) on a 2-core machine, each with torch's default of one intra-op thread per core, ask
+    # for twice the cores, and OpenMP threads waiting at an op's end spin on a core the other process needs
+    # (measured: the fast tier in 87 s instead of 103, 134 s of user time instead of 166, with one thread each).
+    # Each test process (xdist worker) takes its share of the cores before it imports torch, which reads the
+    # variable; subprocesses inherit it; an OMP_NUM_THREADS set by the caller wins.
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+        if "torch" in sys.modules:  # imported already (by a plugin): too late for the variable
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker

@@ -72,19 +72,17 @@ def _prepare_environment(world: World) -> None:
     ensure_process_group(world)
 
 
-def _unlink_shared_memory_buffers(world: World) -> None:
-    """DeepSpeed's CPU accelerator maps one shared-memory buffer per rank for its all-reduce kernel
-    (/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>, 66 MiB) and never removes it:
-    every multi-process CPU run left them in RAM until reboot (measured: 2.2 GB in /dev/shm after a few test
-    suites), and a later run on the same port would map a stale buffer. Once every rank has mapped every
-    buffer (init_distributed returned everywhere: the barrier), the names can go; the mappings stay valid."""
-    if world.device.type != "cpu" or world.world_size < 2:
+def _skip_inference_collectives(world: World) -> None:
+    """On a CPU, DeepSpeed's comm layer JIT-compiles its shared-memory all-reduce (the deepspeed_shm_comm op) when it
+    starts and maps a 66 MiB /dev/shm buffer per rank that it never removes. The op serves only
+    `inference_all_reduce` (tensor-parallel inference layers), never a training step: it cost 25-40 s of compiling
+    at a machine's first DeepSpeed launch and left the buffers in RAM until reboot. Marked incompatible for this
+    process, DeepSpeed takes its own fallback (no op; torch.distributed's collectives)."""
+    if world.device.type != "cpu":
         return
-    torch.distributed.barrier()
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{world.rank}"
-    with contextlib.suppress(FileNotFoundError):  # not all ranks on this node: DeepSpeed made none
-        os.unlink(name)
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def widest_tower(model: nn.Module) -> int | None:
@@ -298,8 +296,8 @@ class DeepSpeedEngine(Engine):
 
         # DeepSpeed's comm layer wraps the group bigclip opened (its config reads the world size from it).
         backend = world.backend or ("nccl" if world.device.type == "cuda" else "gloo")
+        _skip_inference_collectives(world)
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-        _unlink_shared_memory_buffers(world)
 
         self.ds_config = dsc.for_run(self._flag_values(cfg), cfg, world.world_size, widest_tower(model))
         self.stage = dsc.stage(self.ds_config)
