@@ -256,19 +256,53 @@ def _weight_sums_per_rank(engine, world) -> list[float]:
 
 
 @torch.no_grad()
+@torch.no_grad()
 def compare_with_file(engine, path: str) -> dict:
-    """Gather every parameter whole, one at a time (a collective), and compare it with the OpenCLIP-layout
-    safetensors file it was loaded from, converted eagerly (the streaming loader converts entry by entry)."""
+    """Compare what each rank holds of every parameter (its FSDP2 shard or ZeRO-3 partition, or the whole tensor)
+    with the same elements of the OpenCLIP-layout safetensors file it was loaded from, converted eagerly (the
+    streaming loader converts entry by entry). No gathering: the ranks' element counts are summed, so together they
+    must cover every element of the model."""
+    import torch.distributed as dist
     from safetensors.torch import load_file
 
     from bigclip.model import openclip_to_bigclip
 
     expected = openclip_to_bigclip(load_file(path))
+    rank, world = dist.get_rank(), dist.get_world_size()
     worst, compared = 0.0, 0
+    totals = torch.zeros(2, dtype=torch.float64)  # elements compared, elements in the model
     for name, p in engine.model.named_parameters():
-        worst = max(worst, (_whole(p).float() - expected[name].float()).abs().max().item())
+        held, wanted = _held_and_expected(p, expected[name], rank, world)
+        assert held.shape == wanted.shape, (name, held.shape, wanted.shape)
+        if held.numel():
+            worst = max(worst, (held.float() - wanted.float()).abs().max().item())
+        counted = held.numel() if _is_sharded(p) or rank == 0 else 0  # a whole tensor counts once
+        totals += torch.tensor([counted, expected[name].numel() if rank == 0 else 0])
         compared += 1
-    return {"max_abs_diff": worst, "compared": compared, "in_file": len(expected)}
+    dist.all_reduce(totals)
+    worst_t = torch.tensor([worst])
+    dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
+    return {"max_abs_diff": worst_t.item(), "compared": compared, "in_file": len(expected),
+            "elements_compared": int(totals[0]), "elements_expected": int(totals[1])}  # fmt: skip
+
+
+def _is_sharded(p: torch.Tensor) -> bool:
+    return hasattr(p, "full_tensor") or hasattr(p, "ds_id")
+
+
+def _held_and_expected(p: torch.Tensor, whole: torch.Tensor, rank: int, world: int):
+    """(the elements of p this rank holds, the same elements of the whole tensor), without a collective."""
+    if hasattr(p, "full_tensor"):  # FSDP2: a DTensor sharded on dim 0, torch.chunk's split
+        (placement,) = p.placements
+        chunks = torch.chunk(whole, world, dim=placement.dim)
+        mine = chunks[rank] if rank < len(chunks) else whole.narrow(placement.dim, 0, 0)
+        return p.to_local(), mine
+    if hasattr(p, "ds_id"):  # ZeRO-3: a flat partition of the flattened tensor (the last one padded)
+        partition = p.ds_tensor.ds_numel
+        start = rank * partition
+        numel = max(0, min(partition, p.ds_numel - start))
+        return p.ds_tensor.flatten()[:numel], whole.flatten()[start : start + numel]
+    return p.detach(), whole  # whole on every rank
 
 
 @torch.no_grad()

@@ -365,16 +365,19 @@ def test_wide_model_runs_under_fsdp_and_zero3_with_sharded_init(tmp_path):
 
 def test_pretrained_streams_into_shards_under_fsdp_and_zero3(tmp_path):
     """--pretrained with sharded init on a ViT-B-32 (151M parameters), 2 ranks: OpenCLIP-layout safetensors
-    written by OpenCLIP itself stream into each rank's shards. Gathered back, every parameter equals the file,
+    written by OpenCLIP itself stream into each rank's shards. Every element each rank holds equals the file,
     and no rank's memory ever held the whole model: peak RSS growth over the build stays below the model's
-    size plus one tensor (loading the file whole and then sharding it needs the model plus the shards)."""
+    size plus one tensor (loading the file whole and then sharding it needs the model plus the shards). Each rank
+    compares what it holds with the file (no gathering); together the ranks cover every element."""
     torch.manual_seed(0)
-    state = open_clip.create_model("ViT-B-32").state_dict()
+    reference = open_clip.create_model("ViT-B-32")
+    state = reference.state_dict()
+    num_params = sum(p.numel() for p in reference.parameters())
     path = str(tmp_path / "openclip-vit-b-32.safetensors")
     save_file({k: v.contiguous() for k, v in state.items()}, path)
     model_bytes = sum(v.numel() * v.element_size() for v in state.values())
     largest = max(v.numel() * v.element_size() for v in state.values())  # the token embedding, 101 MB
-    del state
+    del state, reference
 
     base = {"model": "ViT-B-32", "batch_size": 1, "sharded_init": "always", "pretrained": path}
     runs = [
@@ -388,6 +391,7 @@ def test_pretrained_streams_into_shards_under_fsdp_and_zero3(tmp_path):
         assert "error" not in run, run
         check = run["pretrained_check"]
         assert check["compared"] == check["in_file"] and check["max_abs_diff"] == 0.0, (name, check)
+        assert check["elements_compared"] == check["elements_expected"] == num_params, (name, check)
         # what the engine keeps is about half the model per rank; the load itself adds at most one tensor
         # The parameters a rank holds plus everything transient while building stay below the whole model plus
         # one tensor (measured: fsdp 320 MB, zero3 565 MB, model 605 MB, token embedding 101 MB); the gradient
