@@ -10,7 +10,7 @@ a smaller CI machine killed a worker). malloc_trim(0) after each test returns th
 In a fresh environment DeepSpeed JIT-builds two ops bigclip's runs use on first use: CPU Adam (cpu_adam, ~45 s,
 ds_configs/zero3_offload.json) and async I/O with its pinned-memory helper (async_io + pin_memory, ~2 min,
 ds_configs/zero3_nvme.json); its inference-only shared-memory collectives are never built (engine/deepspeed.py).
-When the session runs the offload config's tests, CPU Adam is built from the start in a
+When the session runs a test of DeepSpeed's CPU Adam, its op is built from the start in a
 process at a lower CPU priority (nice 5), so the compiler mostly uses cores the tests leave idle (single-process
 runs, waits on timeouts and requeues) instead of running inside a test. Not the lowest priority: beside other
 CPU-bound work at normal priority (a contributor's laptop) a nice-19 build got under 1% of a core and never
@@ -38,10 +38,10 @@ for name in sys.argv[1:]:
     if builder.is_compatible():  # async_io needs libaio (.ci/run installs it)
         builder.load()
 """
-# Which op a module's tests need, read from its text: the offload config's, CPU Adam. Async I/O (~2 min of a core) is
-# left to its one test, in the extended tier (tests/test_zero_infinity.py), which builds it on first use: CI's tier
-# does not pay for it.
-_OPS_BY_TEXT = {"zero3_offload": "CPUAdamBuilder"}
+# Which op a module's tests need, read from its text: a test that expects DeepSpeed's CPU Adam needs its op. Async
+# I/O (~2 min of a core) is left to its one test, which builds it on first use. Both are in the extended tier
+# (tests/test_zero_infinity.py): CI's tier builds no op.
+_OPS_BY_TEXT = {"DeepSpeedCPUAdam": "CPUAdamBuilder"}
 _WAIT_S = 900  # an unfinished build would leave torch's lock behind: let it finish
 
 

@@ -106,10 +106,10 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
                 },  # fmt: skip
             }
         )
-    # ds_configs/zero3_offload.json as shipped: DeepSpeed's own CPU Adam (JIT-built on first use, ~45 s here)
-    # over offloaded parameters and optimizer state; and the same offload with bigclip's torch AdamW
+    # ds_configs/zero3_offload.json's offload of parameters and optimizer state, with bigclip's torch AdamW (the
+    # file as shipped, with DeepSpeed's own CPU Adam, whose JIT build costs ~100 s of CPU: test_zero_infinity.py,
+    # extended tier)
     offload = json.loads(open(os.path.join(REPO, "ds_configs", "zero3_offload.json")).read())
-    add("zero3_offload", 5, ds_config=os.path.join(REPO, "ds_configs", "zero3_offload.json"))
     del offload["optimizer"]
     (tmp_path / "zero3_offload_torch_adamw.json").write_text(json.dumps(offload))
     add("zero3_offload_torch_adamw", 5, ds_config=str(tmp_path / "zero3_offload_torch_adamw.json"))
@@ -224,11 +224,9 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
         "fsdp_compile",
         "zero3_compile",
         "fsdp_offload_noreshard",
-        "zero3_offload",
         "zero3_offload_torch_adamw",
     ):
         assert_same_run(r[name], ddp, FP32_RTOL, steps=len(r[name]["losses"]))
-    assert r["zero3_offload"]["optimizer"] == "DeepSpeedCPUAdam", r["zero3_offload"]["optimizer"]
     assert r["zero3_offload_torch_adamw"]["optimizer"] == r["ddp"]["optimizer"] == "AdamW"
     for name in ("fsdp_locked", "zero3_locked"):
         assert_same_run(r[name], r["ddp_locked"], FP32_RTOL)

@@ -90,3 +90,22 @@ def test_parameters_swapped_to_nvme_train_and_resume_like_zero3_offload(tmp_path
     resume = str(tmp_path / "nvme" / "checkpoints" / "epoch_1")
     resumed = run("resumed", "--ds_config", NVME, "--zero-nvme-path", str(nvme), "--resume", resume)
     assert resumed == {step: loss for step, loss in swapped.items() if step > 4} and resumed  # 4 steps per epoch
+
+
+# Extended tier: DeepSpeed's CPU Adam is JIT-built on first use (~100 s of CPU); in CI the same offload of
+# parameters and optimizer state with bigclip's torch AdamW matches DDP (test_engine_multiprocess.py)
+@pytest.mark.extended
+@pytest.mark.slow
+def test_the_shipped_offload_config_steps_with_deepspeeds_cpu_adam_like_ddp(tmp_path):
+    """ds_configs/zero3_offload.json as shipped: DeepSpeed's own CPU Adam over offloaded parameters and optimizer
+    state gives DDP's losses and gradient norms step for step (test-tiny, fp32, 2 ranks)."""
+    from test_engine_multiprocess import FP32_RTOL, assert_same_run, run_worker
+
+    tiny = {"model": "test-tiny", "batch_size": 8}
+    runs = [
+        {"name": "ddp", "steps": 5, "config": tiny},
+        {"name": "zero3_offload", "steps": 5, "config": {**tiny, "ds_config": OFFLOAD}},
+    ]
+    r = run_worker(tmp_path, runs)
+    assert r["zero3_offload"]["optimizer"] == "DeepSpeedCPUAdam", r["zero3_offload"]["optimizer"]
+    assert_same_run(r["zero3_offload"], r["ddp"], FP32_RTOL)
