@@ -2,10 +2,11 @@
 the demo), as drawing one costs seconds a run; after every test the process hands the memory it freed back to
 the system; DeepSpeed's C++ ops are built in the machine's idle time.
 
-Memory: a test process (-n 2: two of them) runs hundreds of tests, some of which hold two ViT-B models or train one
+Memory: a test process (-n 3: three of them) runs hundreds of tests, some of which hold two ViT-B models or train one
 in-process (GBs). glibc keeps what they free in its heaps, so a worker's resident memory only grows (measured: 3.6
 GB held after the OpenCLIP round-trip tests; two such workers beside multi-process runs reached 20 of 23 GB, and
-a smaller CI machine killed a worker). malloc_trim(0) after each test returns the free pages (milliseconds).
+a smaller CI machine killed a worker). malloc_trim(0) after each test returns the free pages (milliseconds); with
+it, a whole `-n 3` run peaked at 10.5 GB in use on the machine (sampled every 20 s).
 
 In a fresh environment DeepSpeed JIT-builds two ops bigclip's runs use on first use: CPU Adam (cpu_adam, ~45 s,
 ds_configs/zero3_offload.json) and async I/O with its pinned-memory helper (async_io + pin_memory, ~2 min,
@@ -57,7 +58,8 @@ def _return_freed_memory():
 def pytest_configure(config) -> None:
     # Two test processes (-n 2) on a 2-core machine, each with torch's default of one intra-op thread per core, ask
     # for twice the cores, and OpenMP threads waiting at an op's end spin on a core the other process needs
-    # (measured: the fast tier in 87 s instead of 103, 134 s of user time instead of 166, with one thread each).
+    # (measured: the fast tier in 87 s instead of 103, 134 s of user time instead of 166, with one thread each;
+    # with three processes on 2 cores, as CI runs the suite, each still gets one).
     # Each test process (xdist worker) takes its share of the cores before it imports torch, which reads the
     # variable; subprocesses inherit it; an OMP_NUM_THREADS set by the caller wins.
     workers = getattr(config, "workerinput", {}).get("workercount")
