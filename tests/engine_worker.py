@@ -256,7 +256,6 @@ def _weight_sums_per_rank(engine, world) -> list[float]:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def compare_with_file(engine, path: str) -> dict:
     """Compare what each rank holds of every parameter (its FSDP2 shard or ZeRO-3 partition, or the whole tensor)
     with the same elements of the OpenCLIP-layout safetensors file it was loaded from, converted eagerly (the

@@ -363,10 +363,10 @@ def test_wide_model_runs_under_fsdp_and_zero3_with_sharded_init(tmp_path):
 
 def test_pretrained_streams_into_shards_under_fsdp_and_zero3(tmp_path):
     """--pretrained with sharded init on a ViT-B-32 (151M parameters), 2 ranks: OpenCLIP-layout safetensors
-    written by OpenCLIP itself stream into each rank's shards. Every element each rank holds equals the file,
-    and no rank's memory ever held the whole model: peak RSS growth over the build stays below the model's
-    size plus one tensor (loading the file whole and then sharding it needs the model plus the shards). Each rank
-    compares what it holds with the file (no gathering); together the ranks cover every element."""
+    written by OpenCLIP itself stream into each rank's shards. Every element each rank holds equals the file
+    (compared where it is held, no gathering; together the ranks cover every element), and no rank's memory ever
+    held the whole model: peak RSS growth over the build stays below the model's size plus one tensor (loading the
+    file whole and then sharding it needs the model plus the shards)."""
     torch.manual_seed(0)
     reference = open_clip.create_model("ViT-B-32")
     state = reference.state_dict()

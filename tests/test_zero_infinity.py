@@ -8,6 +8,7 @@ import os
 
 import pytest
 from helpers import REPO, TINY_SYNTHETIC, step_losses, torchrun
+from test_engine_multiprocess import FP32_RTOL, assert_same_run, run_worker
 
 from bigclip import cli
 from bigclip.config import resolve
@@ -99,8 +100,6 @@ def test_parameters_swapped_to_nvme_train_and_resume_like_zero3_offload(tmp_path
 def test_the_shipped_offload_config_steps_with_deepspeeds_cpu_adam_like_ddp(tmp_path):
     """ds_configs/zero3_offload.json as shipped: DeepSpeed's own CPU Adam over offloaded parameters and optimizer
     state gives DDP's losses and gradient norms step for step (test-tiny, fp32, 2 ranks)."""
-    from test_engine_multiprocess import FP32_RTOL, assert_same_run, run_worker
-
     tiny = {"model": "test-tiny", "batch_size": 8}
     runs = [
         {"name": "ddp", "steps": 5, "config": tiny},
