@@ -271,11 +271,11 @@ def compare_with_file(engine, path: str) -> dict:
     worst, compared = 0.0, 0
     totals = torch.zeros(2, dtype=torch.float64)  # elements compared, elements in the model
     for name, p in engine.model.named_parameters():
-        held, wanted = _held_and_expected(p, expected[name], rank, world)
+        held, wanted, sharded = _held_and_expected(p, expected[name], rank, world)
         assert held.shape == wanted.shape, (name, held.shape, wanted.shape)
         if held.numel():
             worst = max(worst, (held.float() - wanted.float()).abs().max().item())
-        counted = held.numel() if _is_sharded(p) or rank == 0 else 0  # a whole tensor counts once
+        counted = held.numel() if sharded or rank == 0 else 0  # a whole tensor counts once
         totals += torch.tensor([counted, expected[name].numel() if rank == 0 else 0])
         compared += 1
     dist.all_reduce(totals)
@@ -285,23 +285,20 @@ def compare_with_file(engine, path: str) -> dict:
             "elements_compared": int(totals[0]), "elements_expected": int(totals[1])}  # fmt: skip
 
 
-def _is_sharded(p: torch.Tensor) -> bool:
-    return hasattr(p, "full_tensor") or hasattr(p, "ds_id")
-
-
 def _held_and_expected(p: torch.Tensor, whole: torch.Tensor, rank: int, world: int):
-    """(the elements of p this rank holds, the same elements of the whole tensor), without a collective."""
+    """(the elements of p this rank holds, the same elements of the whole tensor, whether p is sharded), without a
+    collective."""
     if hasattr(p, "full_tensor"):  # FSDP2: a DTensor sharded on dim 0, torch.chunk's split
         (placement,) = p.placements
         chunks = torch.chunk(whole, world, dim=placement.dim)
         mine = chunks[rank] if rank < len(chunks) else whole.narrow(placement.dim, 0, 0)
-        return p.to_local(), mine
+        return p.to_local(), mine, True
     if hasattr(p, "ds_id"):  # ZeRO-3: a flat partition of the flattened tensor (the last one padded)
         partition = p.ds_tensor.ds_numel
         start = rank * partition
         numel = max(0, min(partition, p.ds_numel - start))
-        return p.ds_tensor.flatten()[:numel], whole.flatten()[start : start + numel]
-    return p.detach(), whole  # whole on every rank
+        return p.ds_tensor.flatten()[:numel], whole.flatten()[start : start + numel], True
+    return p.detach(), whole, False  # whole on every rank
 
 
 @torch.no_grad()

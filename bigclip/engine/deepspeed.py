@@ -68,18 +68,17 @@ def _prepare_environment(world: World) -> None:
     # DeepSpeed picks its accelerator at first use; on a CPU run say so up front (silences its probe warning).
     if world.device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        _skip_inference_collectives()
     os.environ.setdefault("LOCAL_RANK", str(world.local_rank))  # zero.Init reads it
     ensure_process_group(world)
 
 
-def _skip_inference_collectives(world: World) -> None:
+def _skip_inference_collectives() -> None:
     """On a CPU, DeepSpeed's comm layer JIT-compiles its shared-memory all-reduce (the deepspeed_shm_comm op) when it
     starts and maps a 66 MiB /dev/shm buffer per rank that it never removes. The op serves only
     `inference_all_reduce` (tensor-parallel inference layers), never a training step: it cost 25-40 s of compiling
     at a machine's first DeepSpeed launch and left the buffers in RAM until reboot. Marked incompatible for this
     process, DeepSpeed takes its own fallback (no op; torch.distributed's collectives)."""
-    if world.device.type != "cpu":
-        return
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -296,7 +295,6 @@ class DeepSpeedEngine(Engine):
 
         # DeepSpeed's comm layer wraps the group bigclip opened (its config reads the world size from it).
         backend = world.backend or ("nccl" if world.device.type == "cuda" else "gloo")
-        _skip_inference_collectives(world)
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
         self.ds_config = dsc.for_run(self._flag_values(cfg), cfg, world.world_size, widest_tower(model))
