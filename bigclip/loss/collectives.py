@@ -101,16 +101,20 @@ class Transfer:
     (on gloo a second wait on a finished send or receive blocks forever)."""
 
     in_flight = 0  # posted and not yet waited for, in this process: what overlaps the compute now
+    bytes_in_flight = 0  # their sent and receive buffers' bytes: what the overlap costs in memory
 
     def __init__(self, works, sent: tuple, received: tuple):
         self.works, self.sent, self.received = works, sent, received  # the sent tensors must live until sent
+        self.bytes = sum(t.numel() * t.element_size() for t in sent + received) if works else 0
         Transfer.in_flight += 1
+        Transfer.bytes_in_flight += self.bytes
 
     def wait(self) -> tuple:
         """The received tensors, once; the transfer lets go of them (and of the sent ones), so a ring that keeps
         its transfers until `finish` holds no features of ranks it has passed."""
         if self.works:
             Transfer.in_flight -= 1
+            Transfer.bytes_in_flight -= self.bytes
         for work in self.works:
             work.wait()
         received = self.received
@@ -121,6 +125,11 @@ class Transfer:
 def transfers_in_flight() -> int:
     """Feature transfers posted and not yet waited for (tests check that the compute overlaps them)."""
     return Transfer.in_flight
+
+
+def bytes_in_flight() -> int:
+    """Bytes of the transfers posted and not yet waited for (tests bound what the overlap holds)."""
+    return Transfer.bytes_in_flight
 
 
 class _PostExchange(torch.autograd.Function):

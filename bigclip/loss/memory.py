@@ -17,6 +17,7 @@ from bigclip.loss import chunked
 from bigclip.loss.family import LOSSES, LossConfig, check_dist_impl
 from bigclip.loss.fused_tuning import launch_plan, naive_max_logits
 from bigclip.loss.select import NAIVE_LIVE_MATRICES
+from bigclip.loss.siglip_exchange import text_pieces
 
 CHUNKED_TILE_BUFFERS = 3  # the chunked path's live tiles: logits, one exp, one product (loss/chunked.py)
 TRITON_WORKSPACE_ROWS = 2 * 264  # the tile kernels' (programs x N) float32 workspaces: 2 x 2 x 132 SMs
@@ -66,10 +67,13 @@ def loss_peak_bytes(
     # texts against which this rank's images are computed at once, and what travels with them
     all_texts = dist_impl == "gather"
     columns = batch * world if all_texts else batch
-    texts_held = (world if all_texts else 2) * row_bytes * feature_bytes if world > 1 else 0
+    travelling = row_bytes  # elements of the texts one exchange moves at a time (the CLIP ring: a rank's)
+    if family == "siglip" and dist_impl in ("bidir", "shift"):  # pieces, each way bidir's steps go
+        travelling = -(-batch // text_pieces(batch)) * dim * (2 if dist_impl == "bidir" and world > 2 else 1)
+    texts_held = (world * row_bytes if all_texts else 2 * travelling) * feature_bytes if world > 1 else 0
     grads = (1 + (world if all_texts else 1)) * row_bytes * 4  # float32 image and text gradients
     if world > 1 and not all_texts:
-        grads += 2 * row_bytes * 4  # a text block's gradient sent and one received while the next block runs
+        grads += 2 * travelling * 4  # a text gradient sent and one received while the next texts are computed
     if family == "siglip" and world > 1 and dist_impl in ("gather", "reduce"):
         grads += 2 * (world - 1) * row_bytes * 4  # each block's gradients kept from forward to backward
     if impl == "fused":

@@ -84,35 +84,53 @@ def siglip_blocks(block, image, text, logit_scale, logit_bias, rank: int, world_
     return total
 
 
+# Each rank's texts travel in at most TEXT_PIECES pieces of at least MIN_PIECE_ROWS rows (read at call time, so
+# tests and benchmarks can change them; see _Visits). A piece is one matmul of all the rank's images against its
+# rows: 1024 keeps it a full-size tensor-core matmul, and blocks too small to split hold little anyway.
+TEXT_PIECES = 4
+MIN_PIECE_ROWS = 1024
+
+
+def text_pieces(batch: int) -> int:
+    """How many pieces one rank's `batch` texts travel in (1: whole)."""
+    return max(1, min(TEXT_PIECES, batch // MIN_PIECE_ROWS))
+
+
 class _Visits:
-    """The fused SigLIP loss's walk over every rank's texts (bidir or shift) for one rank's images: each text
-    exchange is posted before the block that precedes its use, and the gradient of each visiting text block is
-    sent straight to its owner while the next block is computed. Holds O(B d): the own texts' gradient, the
-    images' gradient, the texts at hand and in flight."""
+    """The fused SigLIP loss's walk over every rank's texts (bidir or shift) for one rank's images.
+
+    Each rank's texts travel in `text_pieces(B)` row pieces, one walk of OpenCLIP's exchange per piece, the walks
+    back to back: each text exchange is posted before the block that precedes its use (a walk's last visit posts
+    the next walk's first exchange, of the rank's own next piece), and each visiting piece's text gradient is sent
+    straight to its owner while the next piece is computed. What is alive during a block is a fixed number of
+    pieces (those at hand, those in flight, a gradient on its way to its owner and one arriving) plus the images'
+    and own texts' float32 gradients: O(B d) and the same at 2 ranks as at 64 (a 2-rank walk of a whole block
+    would have nothing in flight while its one visit is computed, so its memory would grow to 4 ranks' by 3 blocks)."""
 
     def __init__(self, backend, rank: int, world: int, dist_impl: str):
         self.backend, self.rank, self.world, self.dist_impl = backend, rank, world, dist_impl
 
     def schedule(self) -> list[tuple[int, ...]]:
-        """Per exchange, the offsets o of the owners (rank + o) whose texts it brings (OpenCLIP's order)."""
+        """Per exchange of one walk, the offsets o of the owners (rank + o) whose texts it brings (OpenCLIP's
+        order)."""
         if self.dist_impl == "shift":
             return [(-k,) for k in range(1, self.world)]
         pairs, odd = divmod(self.world - 1, 2)
         return [(k, -k) for k in range(1, pairs + 1)] + ([(-(pairs + 1),)] if odd else [])
 
-    def _post_texts(self, offsets: tuple[int, ...], previous: tuple[torch.Tensor, ...], text) -> Transfer:
+    def _post_texts(self, offsets: tuple[int, ...], previous: tuple[torch.Tensor, ...]) -> Transfer:
         """Texts of owners rank + o: each arrives from the neighbour on o's side, which passes on what it holds
-        from one step closer to the owner (its own texts at the first step)."""
+        from one step closer to the owner (its own piece at a walk's first step)."""
         world, rank = self.world, self.rank
         sends, recvs = [], []
         for o, held in zip(offsets, previous):
             toward = 1 if o < 0 else -1  # texts of owners to the left travel right, and the other way
             sends.append((held, (rank + toward) % world))
-            recvs.append((torch.empty_like(text), (rank - toward) % world))
+            recvs.append((torch.empty_like(held), (rank - toward) % world))
         return post_p2p(sends, recvs)
 
     def _post_grads(self, offsets: tuple[int, ...], grads: list[torch.Tensor]) -> Transfer:
-        """Each visiting block's text gradient to its owner; ours from the ranks holding our texts now."""
+        """Each visiting piece's text gradient to its owner; ours from the ranks holding that piece of ours now."""
         world, rank = self.world, self.rank
         sends = [(g, (rank + o) % world) for o, g in zip(offsets, grads)]
         recvs = [(torch.empty_like(g), (rank - o) % world) for o, g in zip(offsets, grads)]
@@ -138,30 +156,42 @@ class _Visits:
                 d_image.add_(di)
             return dt
 
-        steps = self.schedule()
         text = text.contiguous()
-        texts_in_flight = self._post_texts(steps[0], (text,) * len(steps[0]), text)
+        spans = _row_spans(text.shape[0], text_pieces(text.shape[0]))
+        pieces = [text[s] for s in spans]  # views: the own texts are alive anyway
+        walk = self.schedule()
+        visits = [(piece, offsets) for piece in range(len(spans)) for offsets in walk]
+        texts_in_flight = self._post_texts(visits[0][1], (pieces[0],) * len(visits[0][1]))
         own = block(text, 0)  # while the first texts travel
         if need_text:
             d_text.add_(own)
         del own  # every name below is dropped once used: what is alive during a block is what the walk needs
         grads_in_flight = None
-        for k, offsets in enumerate(steps):
+        for v, (piece, offsets) in enumerate(visits):
             arrived = texts_in_flight.wait()
-            if k + 1 < len(steps):
-                nxt = steps[k + 1]
-                passed_on = arrived if len(nxt) == len(arrived) else arrived[-1:]  # bidir's odd step passes one on
-                texts_in_flight = self._post_texts(nxt, passed_on, text)
+            if v + 1 < len(visits):
+                next_piece, next_offsets = visits[v + 1]
+                if next_piece != piece:  # a new walk starts from this rank's own next piece
+                    passed_on = (pieces[next_piece],) * len(next_offsets)
+                else:  # bidir's odd last step passes one of the two on
+                    passed_on = arrived if len(next_offsets) == len(arrived) else arrived[-1:]
+                texts_in_flight = self._post_texts(next_offsets, passed_on)
                 del passed_on
             grads = [block(texts, None) for texts in arrived]
             del arrived
             if grads_in_flight is not None:
-                add_received(d_text, grads_in_flight)
-            grads_in_flight = self._post_grads(offsets, grads) if need_text else None
+                add_received(d_text[grads_in_flight[0]], grads_in_flight[1])
+            grads_in_flight = (spans[piece], self._post_grads(offsets, grads)) if need_text else None
             del grads
         if grads_in_flight is not None:
-            add_received(d_text, grads_in_flight)
+            add_received(d_text[grads_in_flight[0]], grads_in_flight[1])
         return sums, d_image, d_text
+
+
+def _row_spans(rows: int, pieces: int) -> list[slice]:
+    """`pieces` contiguous row slices of sizes differing by at most one (every rank splits the same way)."""
+    bounds = [rows * k // pieces for k in range(pieces + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 class _FusedSigLipExchange(torch.autograd.Function):
