@@ -95,11 +95,11 @@ def _worker(rank: int, world: int, port: int, mode: str) -> None:
         from test_loss_reference import unit_features
 
         import bigclip.loss.chunked as chunked
-        import bigclip.loss.siglip_exchange as siglip_exchange
+        from bigclip.loss import collectives
 
         chunked.TILE = 4
-        if mode != "odd_world":  # SigLIP's texts travel in pieces of 2, 2 and 3 rows; whole with three ranks
-            siglip_exchange.MIN_PIECE_ROWS = 2
+        if mode != "odd_world":  # the ring's and SigLIP's texts travel in pieces of 2, 2 and 3 rows; whole with 3 ranks
+            collectives.MIN_PIECE_ROWS = 2
         image_all, text_all = unit_features(world * BATCH, DIM, seed=11, dtype=torch.float64)
         scale, bias = torch.tensor([9.0], dtype=torch.float64), torch.tensor([-4.0], dtype=torch.float64)
         mine = slice(rank * BATCH, (rank + 1) * BATCH)
@@ -218,7 +218,6 @@ def _check_transfers_overlap_blocks(rank, world, loss_for, unit_features) -> Non
     but those of the last transfer is computed while a transfer is in flight (the last one for shift and the CLIP
     ring, forward and backward; for bidir the two of its last pair, or the last one after an odd shift)."""
     import bigclip.loss.chunked as chunked
-    import bigclip.loss.siglip_exchange as siglip_exchange
     from bigclip.loss import collectives
 
     seen: list[tuple[str, int]] = []
@@ -247,17 +246,22 @@ def _check_transfers_overlap_blocks(rank, world, loss_for, unit_features) -> Non
             for n in names:
                 setattr(backend, n, saved[n])
         last = 2 if dist_impl == "bidir" and (world - 1) % 2 == 0 else 1
-        # SigLIP: the own block, then each other rank's texts piece by piece; the CLIP ring: one block per rank
-        blocks = 1 + (world - 1) * siglip_exchange.text_pieces(BATCH) if siglip else world
-        assert blocks > world or not siglip  # the pieces are on
+        # SigLIP: the own block, then each other rank's texts piece by piece; the CLIP ring: a turn per piece
+        pieces = collectives.text_pieces(BATCH)
+        blocks = 1 + (world - 1) * pieces if siglip else world * pieces
+        assert pieces > 1  # the pieces are on
         for n in names:
             in_flight = [count for name, count, _ in seen if name == n]
             assert len(in_flight) == blocks, (dist_impl, n, seen)
             assert all(count > 0 for count in in_flight[:-last]), (dist_impl, n, in_flight)
-        if siglip:  # in flight during a block: a piece of texts each way per exchange, and as many gradients
-            largest_piece = -(-BATCH // siglip_exchange.text_pieces(BATCH)) * DIM * text.element_size()
-            per_exchange = 2 if dist_impl == "bidir" else 1
-            assert max(b for _, _, b in seen) <= 4 * per_exchange * largest_piece, (dist_impl, seen)
+        # in flight during a block: a piece of texts sent and one received per exchange, and as many gradients
+        # (the ring's with its pieces' column statistics or log-sum-exps, a few numbers per row)
+        largest_rows = -(-BATCH // pieces)
+        per_exchange = 2 if dist_impl == "bidir" else 1
+        bound = 4 * per_exchange * largest_rows * DIM * text.element_size() + (
+            0 if siglip else 4 * 2 * largest_rows * 4
+        )
+        assert max(b for _, _, b in seen) <= bound, (dist_impl, bound, seen)
         assert collectives.transfers_in_flight() == 0  # every transfer was waited for
 
 

@@ -70,17 +70,17 @@ def test_the_plan_counts_the_loss_of_the_global_batch():
     ] == pytest.approx(big["loss"] - ring)
 
 
-def test_siglips_exchanges_hold_the_same_at_every_world_size():
-    """bidir and shift move one rank's texts in pieces (loss/siglip_exchange.py): what they hold besides the
-    gradients does not grow with the world, and is a few pieces, not whole blocks (bench/loss_ranks.py measures it
-    on gloo ranks)."""
+def test_the_exchanges_hold_the_same_at_every_world_size():
+    """The CLIP ring and SigLIP's bidir and shift move one rank's texts in pieces (loss/collectives.py): what they
+    hold besides the gradients does not grow with the world, and is a few pieces, not whole blocks
+    (bench/loss_ranks.py measures it on gloo ranks)."""
     batch, dim = 4096, 1024
-    for dist_impl in ("bidir", "shift"):
-        cfg = LossConfig(loss="siglip", loss_dist_impl=dist_impl, loss_impl="chunked")
+    for family, dist_impl in (("clip", "ring"), ("siglip", "bidir"), ("siglip", "shift")):
+        cfg = LossConfig(loss=family, loss_dist_impl=dist_impl, loss_impl="chunked")
         at = {world: loss_peak_bytes(cfg, batch, world, dim, 4) for world in (2, 4, 64)}
         assert at[2] <= at[4] == at[64], (dist_impl, at)  # bidir's 2 ranks: one exchange per step, not two
         gather = loss_peak_bytes(
-            LossConfig(loss="siglip", loss_dist_impl="gather", loss_impl="chunked"), batch, 64, dim, 4
+            LossConfig(loss=family, loss_dist_impl="gather", loss_impl="chunked"), batch, 64, dim, 4
         )
         assert at[64] < gather / 10
         single = loss_peak_bytes(cfg, batch, 1, dim, 4)

@@ -180,3 +180,23 @@ def gather_grad_outputs(grad: torch.Tensor) -> torch.Tensor:
     """Every rank's grad_output of its loss (W numbers): the fused paths weigh each rank's share by it, so the
     gradients stay exact even if ranks scale their losses differently."""
     return all_gather_rows(grad.detach().float().reshape(1))
+
+
+# Each rank's texts travel in at most TEXT_PIECES pieces of at least MIN_PIECE_ROWS rows, one turn of the exchange
+# per piece (the CLIP ring's, SigLIP's bidir / shift walks), so what is in flight during a block is a few pieces
+# whatever the world size. A piece is one matmul of all the rank's images against its rows: 1024 keeps it a
+# full-size tensor-core matmul, and blocks too small to split hold little anyway. Read at call time, so tests and
+# benchmarks can change them.
+TEXT_PIECES = 4
+MIN_PIECE_ROWS = 1024
+
+
+def text_pieces(batch: int) -> int:
+    """How many pieces one rank's `batch` texts travel in (1: whole)."""
+    return max(1, min(TEXT_PIECES, batch // MIN_PIECE_ROWS))
+
+
+def row_spans(rows: int, pieces: int) -> list[slice]:
+    """`pieces` contiguous row slices of sizes differing by at most one (every rank splits the same way)."""
+    bounds = [rows * k // pieces for k in range(pieces + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]

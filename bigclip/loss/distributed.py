@@ -7,9 +7,10 @@ are in collectives.py, the SigLIP ones in siglip_exchange.py).
      numbers). Backward recomputes the same strip and sends text gradients home with a
      reduce-scatter. Extra memory O(B_global x D).
    - `ring`: text features travel rank to rank (isend/irecv posted before each block's compute,
-     so the transfer overlaps it); each text block's column statistics travel behind it and
-     arrive home complete after a full turn. Backward repeats the turn with the text
-     gradients riding along. Extra memory O(B_local x D + world_size).
+     so the transfer overlaps it), in up to four row pieces, one turn each; each piece's column
+     statistics travel behind it and arrive home complete after a full turn. Backward repeats
+     the turns with the text gradients riding along. Extra memory O(B_local x D) (a few pieces
+     in flight) whatever the world size.
    Each global logit block is computed once, on the rank that owns its images: the global
    flops equal those of one process on the whole batch.
 
@@ -48,6 +49,8 @@ from bigclip.loss.collectives import (
     gather_grad_outputs,
     mean_grad_across_ranks,
     reduce_scatter_rows,
+    row_spans,
+    text_pieces,
 )
 
 # ---------------------------------------------------------------------------- fused CLIP
@@ -184,64 +187,87 @@ class _Ring:
 
 
 class _RingPath(_Path):
-    """`ring`: step k computes this rank's images against the texts of rank - k. The texts move on
-    before the block is computed; what belongs to a text block (its column statistics forward,
-    its gradient backward) follows one step behind and arrives home complete after a full turn."""
+    """`ring`: this rank's texts go round in pieces (collectives.text_pieces), one turn per piece, the turns back to
+    back; step k of a turn computes this rank's images against the piece of rank - k. The piece moves on before its
+    block is computed; what belongs to it (its column statistics forward, its gradient backward) follows one step
+    behind and arrives home complete after a full turn, where it is collected once the next piece's first block has
+    been computed (so that last leg, too, overlaps a block)."""
 
     def statistics(self, image, text, scale):
         batch, world = image.shape[0], self.world
         ring = _Ring(self.rank, world)
-        row_lse = torch.full((batch,), float("-inf"), device=image.device)
-        row_mean = torch.zeros(batch, device=image.device)
-        current = text.contiguous()
-        columns = None  # brings [lse; mean] of `current`'s columns from the ranks it visited before
-        for step in range(world):
-            upcoming = ring.shift(current) if step < world - 1 else None
-            r_lse, r_mean, c_lse, c_mean = self.backend.clip_block_stats(image, current, scale)
-            row_lse, row_mean = merge_lse(row_lse, row_mean, r_lse, r_mean)
-            if columns is not None:
-                (before,) = columns.wait()
-                c_lse, c_mean = merge_lse(before[0], before[1], c_lse, c_mean)
-            columns = ring.shift(torch.stack([c_lse, c_mean]))
-            if upcoming is not None:
-                (current,) = upcoming.wait()
-        (own,) = columns.wait()  # after a full turn: this rank's own texts, complete
+        dev = image.device
+        row_lse = torch.full((batch,), float("-inf"), device=dev)
+        row_mean = torch.zeros(batch, device=dev)
+        col_lse, col_mean = torch.empty(batch, device=dev), torch.empty(batch, device=dev)
+        text = text.contiguous()
+        home = None  # (own rows, the transfer bringing their complete column statistics)
+        for span in row_spans(batch, text_pieces(batch)):
+            current = text[span]
+            columns = None  # brings [lse; mean] of `current`'s columns from the ranks it visited before
+            for step in range(world):
+                upcoming = ring.shift(current) if step < world - 1 else None
+                r_lse, r_mean, c_lse, c_mean = self.backend.clip_block_stats(image, current, scale)
+                row_lse, row_mean = merge_lse(row_lse, row_mean, r_lse, r_mean)
+                if home is not None:
+                    (own,) = home[1].wait()
+                    col_lse[home[0]], col_mean[home[0]] = own[0], own[1]
+                    home = None
+                if columns is not None:
+                    (before,) = columns.wait()
+                    c_lse, c_mean = merge_lse(before[0], before[1], c_lse, c_mean)
+                columns = ring.shift(torch.stack([c_lse, c_mean]))
+                if upcoming is not None:
+                    (current,) = upcoming.wait()
+            home = (span, columns)  # after a full turn: this rank's own piece, complete
+        (own,) = home[1].wait()
+        col_lse[home[0]], col_mean[home[0]] = own[0], own[1]
         ring.finish()
-        return (row_lse, row_mean, own[0], own[1]), (text, own[0])
+        return (row_lse, row_mean, col_lse, col_mean), (text, col_lse)
 
     def feature_grads(self, image, text, scale, row_lse, col_lse, weights, need_image, need_text):
         batch, rank, world = image.shape[0], self.rank, self.world
         ring = _Ring(rank, world)
         d_image = torch.zeros(image.shape, device=image.device) if need_image else None
-        current, current_lse = text.contiguous(), col_lse.contiguous()
-        text_grads = None  # brings the gradient of `current` from the ranks it visited before
-        for step in range(world):
-            owner = (rank - step) % world
-            upcoming = ring.shift(current, current_lse) if step < world - 1 else None
-            d_img_part, d_txt_part = self.backend.clip_block_grads(
-                image,
-                current,
-                scale,
-                row_lse,
-                current_lse,
-                *_column_weights(weights, torch.full((batch,), owner, device=image.device)),
-                diag=0 if owner == rank else None,
-                need_image=need_image,
-                need_text=need_text,
-            )
-            if need_image:
-                d_image += d_img_part
-            del d_img_part
+        d_text = torch.empty(text.shape, device=image.device) if need_text else None
+        text, col_lse = text.contiguous(), col_lse.contiguous()
+        home = None  # (own rows, the transfer bringing their complete gradient)
+        for span in row_spans(batch, text_pieces(batch)):
+            current, current_lse = text[span], col_lse[span]
+            text_grads = None  # brings the gradient of `current` from the ranks it visited before
+            for step in range(world):
+                owner = (rank - step) % world
+                upcoming = ring.shift(current, current_lse) if step < world - 1 else None
+                d_img_part, d_txt_part = self.backend.clip_block_grads(
+                    image,
+                    current,
+                    scale,
+                    row_lse,
+                    current_lse,
+                    *_column_weights(weights, torch.full((current.shape[0],), owner, device=image.device)),
+                    diag=-span.start if owner == rank else None,  # image row i's positive: the piece's i - start
+                    need_image=need_image,
+                    need_text=need_text,
+                )
+                if need_image:
+                    d_image += d_img_part
+                del d_img_part
+                if home is not None:
+                    (grad,) = home[1].wait()
+                    d_text[home[0]] = grad
+                    home = None
+                if need_text:
+                    if text_grads is not None:
+                        add_received(d_txt_part, text_grads)
+                    text_grads = ring.shift(d_txt_part)
+                del d_txt_part  # the shift holds it until sent; nothing else of this block outlives it
+                if upcoming is not None:
+                    current, current_lse = upcoming.wait()
             if need_text:
-                if text_grads is not None:
-                    add_received(d_txt_part, text_grads)
-                text_grads = ring.shift(d_txt_part)
-            del d_txt_part  # the shift holds it until sent; nothing else of this block outlives it
-            if upcoming is not None:
-                current, current_lse = upcoming.wait()
-        d_text = None
-        if need_text:
-            (d_text,) = text_grads.wait()  # after a full turn: this rank's own texts, complete
+                home = (span, text_grads)  # after a full turn: this rank's own piece, complete
+        if home is not None:
+            (grad,) = home[1].wait()
+            d_text[home[0]] = grad
         ring.finish()
         return d_image, d_text
 

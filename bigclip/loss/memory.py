@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from bigclip.loss import chunked
+from bigclip.loss.collectives import text_pieces
 from bigclip.loss.family import LOSSES, LossConfig, check_dist_impl
 from bigclip.loss.fused_tuning import launch_plan, naive_max_logits
 from bigclip.loss.select import NAIVE_LIVE_MATRICES
-from bigclip.loss.siglip_exchange import text_pieces
 
 CHUNKED_TILE_BUFFERS = 3  # the chunked path's live tiles: logits, one exp, one product (loss/chunked.py)
 TRITON_WORKSPACE_ROWS = 2 * 264  # the tile kernels' (programs x N) float32 workspaces: 2 x 2 x 132 SMs
@@ -67,8 +67,8 @@ def loss_peak_bytes(
     # texts against which this rank's images are computed at once, and what travels with them
     all_texts = dist_impl == "gather"
     columns = batch * world if all_texts else batch
-    travelling = row_bytes  # elements of the texts one exchange moves at a time (the CLIP ring: a rank's)
-    if family == "siglip" and dist_impl in ("bidir", "shift"):  # pieces, each way bidir's steps go
+    travelling = row_bytes  # elements of the texts one exchange moves at a time
+    if dist_impl in ("ring", "bidir", "shift"):  # pieces (loss/collectives.py), each way bidir's steps go
         travelling = -(-batch // text_pieces(batch)) * dim * (2 if dist_impl == "bidir" and world > 2 else 1)
     texts_held = (world * row_bytes if all_texts else 2 * travelling) * feature_bytes if world > 1 else 0
     grads = (1 + (world if all_texts else 1)) * row_bytes * 4  # float32 image and text gradients

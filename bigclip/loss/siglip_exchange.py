@@ -19,6 +19,8 @@ from bigclip.loss.collectives import (
     gather_grad_outputs,
     post_exchange,
     post_p2p,
+    row_spans,
+    text_pieces,
 )
 
 
@@ -84,18 +86,6 @@ def siglip_blocks(block, image, text, logit_scale, logit_bias, rank: int, world_
     return total
 
 
-# Each rank's texts travel in at most TEXT_PIECES pieces of at least MIN_PIECE_ROWS rows (read at call time, so
-# tests and benchmarks can change them; see _Visits). A piece is one matmul of all the rank's images against its
-# rows: 1024 keeps it a full-size tensor-core matmul, and blocks too small to split hold little anyway.
-TEXT_PIECES = 4
-MIN_PIECE_ROWS = 1024
-
-
-def text_pieces(batch: int) -> int:
-    """How many pieces one rank's `batch` texts travel in (1: whole)."""
-    return max(1, min(TEXT_PIECES, batch // MIN_PIECE_ROWS))
-
-
 class _Visits:
     """The fused SigLIP loss's walk over every rank's texts (bidir or shift) for one rank's images.
 
@@ -157,7 +147,7 @@ class _Visits:
             return dt
 
         text = text.contiguous()
-        spans = _row_spans(text.shape[0], text_pieces(text.shape[0]))
+        spans = row_spans(text.shape[0], text_pieces(text.shape[0]))
         pieces = [text[s] for s in spans]  # views: the own texts are alive anyway
         walk = self.schedule()
         visits = [(piece, offsets) for piece in range(len(spans)) for offsets in walk]
@@ -186,12 +176,6 @@ class _Visits:
         if grads_in_flight is not None:
             add_received(d_text[grads_in_flight[0]], grads_in_flight[1])
         return sums, d_image, d_text
-
-
-def _row_spans(rows: int, pieces: int) -> list[slice]:
-    """`pieces` contiguous row slices of sizes differing by at most one (every rank splits the same way)."""
-    bounds = [rows * k // pieces for k in range(pieces + 1)]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 class _FusedSigLipExchange(torch.autograd.Function):
