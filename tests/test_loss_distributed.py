@@ -246,9 +246,10 @@ def _check_transfers_overlap_blocks(rank, world, loss_for, unit_features) -> Non
             for n in names:
                 setattr(backend, n, saved[n])
         last = 2 if dist_impl == "bidir" and (world - 1) % 2 == 0 else 1
-        # SigLIP: the own block, then each other rank's texts piece by piece; the CLIP ring: a turn per piece
-        pieces = collectives.text_pieces(BATCH)
-        blocks = 1 + (world - 1) * pieces if siglip else world * pieces
+        # every rank's texts piece by piece, this rank's own first; bidir's steps bring two
+        per_exchange = 2 if dist_impl == "bidir" and world > 2 else 1
+        pieces = collectives.text_pieces(BATCH, per_exchange)
+        blocks = world * pieces
         assert pieces > 1  # the pieces are on
         for n in names:
             in_flight = [count for name, count, _ in seen if name == n]
@@ -257,7 +258,6 @@ def _check_transfers_overlap_blocks(rank, world, loss_for, unit_features) -> Non
         # in flight during a block: a piece of texts sent and one received per exchange, and as many gradients
         # (the ring's with its pieces' column statistics or log-sum-exps, a few numbers per row)
         largest_rows = -(-BATCH // pieces)
-        per_exchange = 2 if dist_impl == "bidir" else 1
         bound = 4 * per_exchange * largest_rows * DIM * text.element_size() + (
             0 if siglip else 4 * 2 * largest_rows * 4
         )

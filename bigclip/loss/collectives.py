@@ -182,18 +182,20 @@ def gather_grad_outputs(grad: torch.Tensor) -> torch.Tensor:
     return all_gather_rows(grad.detach().float().reshape(1))
 
 
-# Each rank's texts travel in at most TEXT_PIECES pieces of at least MIN_PIECE_ROWS rows, one turn of the exchange
-# per piece (the CLIP ring's, SigLIP's bidir / shift walks), so what is in flight during a block is a few pieces
-# whatever the world size. A piece is one matmul of all the rank's images against its rows: 1024 keeps it a
-# full-size tensor-core matmul, and blocks too small to split hold little anyway. Read at call time, so tests and
+# Each rank's texts travel in row pieces, one turn of the exchange per piece (the CLIP ring's, SigLIP's bidir /
+# shift walks), so what is in flight during a block is a few pieces whatever the world size. A step moves at most
+# 1 / TEXT_PIECES of a rank's texts and at least MIN_PIECE_ROWS rows (bidir's steps move two pieces, so its pieces
+# are half as large): each piece is a matmul of all the rank's images against its rows, and 1024 rows keep a step's
+# matmuls tensor-core sized; blocks too small to split hold little anyway. Read at call time, so tests and
 # benchmarks can change them.
 TEXT_PIECES = 4
 MIN_PIECE_ROWS = 1024
 
 
-def text_pieces(batch: int) -> int:
-    """How many pieces one rank's `batch` texts travel in (1: whole)."""
-    return max(1, min(TEXT_PIECES, batch // MIN_PIECE_ROWS))
+def text_pieces(batch: int, per_step: int = 1) -> int:
+    """How many pieces one rank's `batch` texts travel in (1: whole), when each step of the exchange moves
+    `per_step` pieces."""
+    return max(1, min(TEXT_PIECES * per_step, per_step * batch // MIN_PIECE_ROWS))
 
 
 def row_spans(rows: int, pieces: int) -> list[slice]:

@@ -69,7 +69,8 @@ def loss_peak_bytes(
     columns = batch * world if all_texts else batch
     travelling = row_bytes  # elements of the texts one exchange moves at a time
     if dist_impl in ("ring", "bidir", "shift"):  # pieces (loss/collectives.py), each way bidir's steps go
-        travelling = -(-batch // text_pieces(batch)) * dim * (2 if dist_impl == "bidir" and world > 2 else 1)
+        per_step = 2 if dist_impl == "bidir" and world > 2 else 1
+        travelling = -(-batch // text_pieces(batch, per_step)) * dim * per_step
     texts_held = (world * row_bytes if all_texts else 2 * travelling) * feature_bytes if world > 1 else 0
     grads = (1 + (world if all_texts else 1)) * row_bytes * 4  # float32 image and text gradients
     if world > 1 and not all_texts:

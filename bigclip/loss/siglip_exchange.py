@@ -89,7 +89,7 @@ def siglip_blocks(block, image, text, logit_scale, logit_bias, rank: int, world_
 class _Visits:
     """The fused SigLIP loss's walk over every rank's texts (bidir or shift) for one rank's images.
 
-    Each rank's texts travel in `text_pieces(B)` row pieces, one walk of OpenCLIP's exchange per piece, the walks
+    Each rank's texts travel in row pieces (`text_pieces`), one walk of OpenCLIP's exchange per piece, the walks
     back to back: each text exchange is posted before the block that precedes its use (a walk's last visit posts
     the next walk's first exchange, of the rank's own next piece), and each visiting piece's text gradient is sent
     straight to its owner while the next piece is computed. What is alive during a block is a fixed number of
@@ -147,14 +147,15 @@ class _Visits:
             return dt
 
         text = text.contiguous()
-        spans = row_spans(text.shape[0], text_pieces(text.shape[0]))
-        pieces = [text[s] for s in spans]  # views: the own texts are alive anyway
         walk = self.schedule()
+        spans = row_spans(text.shape[0], text_pieces(text.shape[0], max(len(step) for step in walk)))
+        pieces = [text[s] for s in spans]  # views: the own texts are alive anyway
         visits = [(piece, offsets) for piece in range(len(spans)) for offsets in walk]
         texts_in_flight = self._post_texts(visits[0][1], (pieces[0],) * len(visits[0][1]))
-        own = block(text, 0)  # while the first texts travel
-        if need_text:
-            d_text.add_(own)
+        for span, piece in zip(spans, pieces):  # the own blocks (positives: image i, text i), while the first travel
+            own = block(piece, -span.start)
+            if need_text:
+                d_text[span].add_(own)
         del own  # every name below is dropped once used: what is alive during a block is what the walk needs
         grads_in_flight = None
         for v, (piece, offsets) in enumerate(visits):
