@@ -14,6 +14,7 @@ from helpers import REPO, subprocess_env
 
 import bigclip.engine  # noqa: F401  (the engines list their memory setups)
 from bigclip.memory import StateRecipe, activation_bytes, max_batch, model_facts, peak_parts, state_bytes
+from bigclip.optim import ADAMW8BIT_BYTES, PACKED_TEMPORARY_BYTES, PACKED_WINDOW_VALUES
 
 
 def test_the_peak_is_the_backward_or_the_step_whichever_is_larger():
@@ -41,19 +42,22 @@ def test_the_peak_is_the_backward_or_the_step_whichever_is_larger():
     assert cuda["step"] == state_bytes("fsdp", psi, 1, amp, facts) + 4 * psi and cuda["peak"] == cuda["step"]
     cpu = peak_parts("fsdp", facts, 1, amp, 1, True, "cpu")
     assert cpu["step"] == state_bytes("fsdp", psi, 1, amp, facts) + 2 * 4 * facts.largest_tensor
-    # torchao's fused 8-bit update allocates only the stochastic rounding's random integers (4 bytes per value of one
-    # tensor); stepped in the backward there is no step of its own: the token embedding is updated at the end of
-    # the text tower, its unsharded gradient and its shard in flight, the image tower's activations alive
+    # the packed 8-bit update steps a window of values at a time: the window's packed bf16 weights and gradients,
+    # 8-bit moments and the compiled update's temporaries; stepped in the backward there is no step of its own:
+    # the token embedding is updated at the end of the text tower, its unsharded gradient and its shard in flight,
+    # the image tower's activations alive
     lean_recipe = StateRecipe("pure_bf16", "adamw8bit", True)
     lean = peak_parts("fsdp", facts, 1, lean_recipe, 1, True, "cuda")
-    assert lean["working"] == 4 * facts.largest_tensor and lean["step"] == 0
+    window = (2 * 2 + ADAMW8BIT_BYTES + PACKED_TEMPORARY_BYTES) * PACKED_WINDOW_VALUES
+    assert lean["working"] == window and lean["step"] == 0
     assert lean["peak"] == max(lean["backward"], lean["text_end"])
     image_tower = dataclasses.replace(facts, towers=facts.towers[:1])
     assert (
         lean["text_end"]
         == state_bytes("fsdp", psi, 1, lean_recipe, facts)
         + activation_bytes(image_tower, 1, True, 2)
-        + (2 * 2 + 4) * facts.largest_tensor
+        + 2 * 2 * facts.largest_tensor
+        + window
     )
     # DeepSpeed cannot run 8-bit moments: no prediction rather than a wrong one
     assert peak_parts("zero3", facts, 8, StateRecipe("amp", "adamw8bit"), batch, False) is None

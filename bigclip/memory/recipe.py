@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bigclip.optim import OPTIMIZERS, OptimizerKind
+from bigclip.optim import OPTIMIZERS, PACKED_TEMPORARY_BYTES, PACKED_WINDOW_VALUES, OptimizerKind
 from bigclip.precision import PRECISIONS, Precision, resolve_precision
 
 # The memory model describes a GPU run: amp's fp16 autocast there (bf16 on CPU: the same widths).
@@ -77,7 +77,12 @@ class StateRecipe:
         path, which builds sqrt(v) for every parameter at once: one float32 moment's bytes per parameter; stepped
         tensor by tensor (on CPU, or in the backward) it builds two float32 temporaries of one tensor. torchao's
         compiled updates (8-bit AdamW; bf16 AdamW) fuse each tensor's update, but rounding into 16-bit weights
-        stochastically draws a 32-bit random integer per value of the tensor being updated."""
+        stochastically draws a 32-bit random integer per value of the tensor being updated. bigclip's packed update
+        (8-bit AdamW; AdamW on bf16 weights) steps a window of values at a time: one window's packed copies and
+        the compiled update's temporaries (bigclip.optim's PACKED_* constants)."""
+        if self._optimizer.packed_update(self.weight_bytes):
+            per_value = 2 * self.weight_bytes + self.optimizer_bytes + PACKED_TEMPORARY_BYTES
+            return per_value * min(PACKED_WINDOW_VALUES, local_params)
         if self.weight_bytes != 4:
             return 4 * largest_local
         if not self._optimizer.float32_step_temporaries:

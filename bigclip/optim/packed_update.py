@@ -31,10 +31,10 @@ import torch
 from torchao.optim.quant_utils import quantize_8bit_with_qmap
 
 from bigclip.dist import local_shard
-from bigclip.optim import bf16_rounding
+from bigclip.optim import PACKED_WINDOW_VALUES, bf16_rounding
 
 BLOCK = 256  # values per quantization block (torchao's default; the only block size supported here)
-WINDOW_BLOCKS = 1 << 14  # 4M values per window: ~40 MB of transient buffers with bf16 weights
+WINDOW_BLOCKS = PACKED_WINDOW_VALUES // BLOCK  # 4M values per window (the memory model counts its scratch)
 GROUPS_PER_BLOCK = BLOCK // bf16_rounding.GROUP
 PROFILER_LABEL = "bigclip.packed_adamw_window"  # each window's update, as torch.profiler names it
 MIN_BLOCKS = 2  # dynamo specialises sizes 0 and 1: smaller windows are padded so that one graph serves all
