@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bigclip.optim import OPTIMIZERS, PACKED_TEMPORARY_BYTES, PACKED_WINDOW_VALUES, OptimizerKind
+from bigclip.optim import OPTIMIZERS, PACKED_WINDOW_VALUES, OptimizerKind
 from bigclip.precision import PRECISIONS, Precision, resolve_precision
 
 # The memory model describes a GPU run: amp's fp16 autocast there (bf16 on CPU: the same widths).
@@ -75,13 +75,14 @@ class StateRecipe:
         """Temporaries of one optimizer step beyond the state, for `local_params` parameters of which the largest
         tensor holds `largest_local`. torch's AdamW (fp32 weights and amp's masters) on CUDA takes its multi-tensor
         path, which builds sqrt(v) for every parameter at once: one float32 moment's bytes per parameter; stepped
-        tensor by tensor (on CPU, or in the backward) it builds two float32 temporaries of one tensor. torchao's
-        compiled updates (8-bit AdamW; bf16 AdamW) fuse each tensor's update, but rounding into 16-bit weights
-        stochastically draws a 32-bit random integer per value of the tensor being updated. bigclip's packed update
-        (8-bit AdamW; AdamW on bf16 weights) steps a window of values at a time: one window's packed copies and
-        the compiled update's temporaries (bigclip.optim's PACKED_* constants)."""
-        if self._optimizer.packed_update(self.weight_bytes):
-            per_value = 2 * self.weight_bytes + self.optimizer_bytes + PACKED_TEMPORARY_BYTES
+        tensor by tensor (on CPU, or in the backward) it builds two float32 temporaries of one tensor. bigclip's
+        packed update (8-bit AdamW; AdamW on bf16 weights) steps a window of values at a time: one window's packed
+        weights, gradients and state and the compiled update's temporaries (bigclip.optim: PACKED_WINDOW_VALUES).
+        Another optimizer rounding into 16-bit weights stochastically (StableAdamW, tensor by tensor) draws a
+        32-bit random integer per value of the tensor being updated."""
+        temporaries = self._optimizer.packed_update_temporaries(self.weight_bytes)
+        if temporaries:
+            per_value = 2 * self.weight_bytes + self.optimizer_bytes + temporaries
             return per_value * min(PACKED_WINDOW_VALUES, local_params)
         if self.weight_bytes != 4:
             return 4 * largest_local

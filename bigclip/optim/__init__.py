@@ -162,8 +162,9 @@ class OptimizerKind:
     # True when torch's multi-tensor update (CUDA) builds a float32 moment-sized temporary of every parameter at
     # once, and stepped tensor by tensor two float32 temporaries of one tensor (measured for torch's AdamW)
     float32_step_temporaries: bool = False
-    # Given the weights' bytes: True when its step is optim/packed_update.py's, a window of values at a time
-    packed_update: Callable[[int], bool] = lambda weight_bytes: False
+    # Given the weights' bytes: when its step is optim/packed_update.py's (a window of values at a time), the bytes
+    # per value of the compiled update's temporaries beside the window's packed copies; 0 when it is not
+    packed_update_temporaries: Callable[[int], float] = lambda weight_bytes: 0
 
 
 def _no_decay(name: str, p: torch.Tensor) -> bool:
@@ -381,11 +382,10 @@ def _timm(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
 
 
 # The packed AdamW update (optim/packed_update.py) steps windows of up to PACKED_WINDOW_VALUES values; a window's
-# scratch is its packed weights, gradients and state plus PACKED_TEMPORARY_BYTES per value of the compiled update's
-# temporaries (measured on CPU, one ViT-B block's 3.5M values: 14.0, 18.1 and 20.0 bytes per value for bf16 weights
-# with 8-bit moments, fp32 weights with 8-bit moments, bf16 weights with float32 moments).
+# scratch is its packed weights, gradients and state plus the compiled update's temporaries (measured on CPU, one
+# ViT-B block's 3.5M values: 14.0, 18.1 and 20.0 bytes per value for bf16 weights with 8-bit moments, fp32 weights
+# with 8-bit moments, bf16 weights with bf16 moments: 8 bytes of temporaries with 8-bit moments, 12 without).
 PACKED_WINDOW_VALUES = (1 << 14) * 256
-PACKED_TEMPORARY_BYTES = 8
 
 # --opt adamw8bit's state per parameter: two 8-bit moments, each with a float32 scale per block of 256 values
 # (tensors under 4096 values keep float32 moments; not counted).
@@ -398,7 +398,8 @@ OPTIMIZERS.register(
         steps_per_parameter=True,
         float32_step_temporaries=True,
         rounds_bf16_stochastically=True,
-        packed_update=lambda weight_bytes: weight_bytes == 2,  # bf16 weights, rounded stochastically (the default)
+        packed_update_temporaries=lambda weight_bytes: 12 if weight_bytes == 2 else 0,  # bf16 weights, rounded
+        # stochastically (the default)
     ),
     help="torch's AdamW",
 )
@@ -427,7 +428,7 @@ OPTIMIZERS.register(
         steps_per_parameter=True,
         state_bytes=lambda weight_bytes: ADAMW8BIT_BYTES,
         rounds_bf16_stochastically=True,
-        packed_update=lambda weight_bytes: True,
+        packed_update_temporaries=lambda weight_bytes: 8,
     ),
     help="AdamW with 8-bit blockwise-quantized moments (torchao; 2 bytes per parameter instead of 8); new in bigclip",
 )
