@@ -14,7 +14,8 @@ from helpers import REPO, subprocess_env
 
 import bigclip.engine  # noqa: F401  (the engines list their memory setups)
 from bigclip.memory import StateRecipe, activation_bytes, max_batch, model_facts, peak_parts, state_bytes
-from bigclip.optim import ADAMW8BIT_BYTES, PACKED_WINDOW_VALUES
+from bigclip.optim import ADAMW8BIT_BYTES
+from bigclip.optim.packed_window import PACKED_WINDOW_VALUES
 
 
 def test_the_peak_is_the_backward_or_the_step_whichever_is_larger():

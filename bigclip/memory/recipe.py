@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bigclip.optim import OPTIMIZERS, PACKED_WINDOW_VALUES, OptimizerKind
+from bigclip.optim import OPTIMIZERS, OptimizerKind
+from bigclip.optim.packed_window import PACKED_WINDOW_VALUES
 from bigclip.precision import PRECISIONS, Precision, resolve_precision
 
 # The memory model describes a GPU run: amp's fp16 autocast there (bf16 on CPU: the same widths).
@@ -77,7 +78,7 @@ class StateRecipe:
         path, which builds sqrt(v) for every parameter at once: one float32 moment's bytes per parameter; stepped
         tensor by tensor (on CPU, or in the backward) it builds two float32 temporaries of one tensor. bigclip's
         packed update (8-bit AdamW; AdamW on bf16 weights) steps a window of values at a time: one window's packed
-        weights, gradients and state and the compiled update's temporaries (bigclip.optim: PACKED_WINDOW_VALUES).
+        weights, gradients and state and the compiled update's temporaries (optim/packed_window.py).
         Another optimizer rounding into 16-bit weights stochastically (StableAdamW, tensor by tensor) draws a
         32-bit random integer per value of the tensor being updated."""
         temporaries = self._optimizer.packed_update_temporaries(self.weight_bytes)

@@ -162,8 +162,8 @@ class OptimizerKind:
     # True when torch's multi-tensor update (CUDA) builds a float32 moment-sized temporary of every parameter at
     # once, and stepped tensor by tensor two float32 temporaries of one tensor (measured for torch's AdamW)
     float32_step_temporaries: bool = False
-    # Given the weights' bytes: when its step is optim/packed_update.py's (a window of values at a time), the bytes
-    # per value of the compiled update's temporaries beside the window's packed copies; 0 when it is not
+    # Bytes per value of optim/packed_update.py's temporaries beside a window's packed copies, given the weights'
+    # bytes (measured: 8 with 8-bit moments, 12 with 16-bit ones); 0 where its step is not the packed update
     packed_update_temporaries: Callable[[int], float] = lambda weight_bytes: 0
 
 
@@ -381,12 +381,6 @@ def _timm(cfg: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
         raise UserError(f"--opt {cfg.opt}: timm cannot build it ({e}); see timm.optim.list_optimizers()") from None
 
 
-# The packed AdamW update (optim/packed_update.py) steps windows of up to PACKED_WINDOW_VALUES values; a window's
-# scratch is its packed weights, gradients and state plus the compiled update's temporaries (measured on CPU, one
-# ViT-B block's 3.5M values: 14.0, 18.1 and 20.0 bytes per value for bf16 weights with 8-bit moments, fp32 weights
-# with 8-bit moments, bf16 weights with bf16 moments: 8 bytes of temporaries with 8-bit moments, 12 without).
-PACKED_WINDOW_VALUES = (1 << 14) * 256
-
 # --opt adamw8bit's state per parameter: two 8-bit moments, each with a float32 scale per block of 256 values
 # (tensors under 4096 values keep float32 moments; not counted).
 ADAMW8BIT_BYTES = 2 * (1 + 4 / 256)
@@ -398,8 +392,7 @@ OPTIMIZERS.register(
         steps_per_parameter=True,
         float32_step_temporaries=True,
         rounds_bf16_stochastically=True,
-        packed_update_temporaries=lambda weight_bytes: 12 if weight_bytes == 2 else 0,  # bf16 weights, rounded
-        # stochastically (the default)
+        packed_update_temporaries=lambda weight_bytes: 12 if weight_bytes == 2 else 0,  # bf16 weights: packed
     ),
     help="torch's AdamW",
 )

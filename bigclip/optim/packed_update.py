@@ -31,7 +31,8 @@ import torch
 from torchao.optim.quant_utils import quantize_8bit_with_qmap
 
 from bigclip.dist import local_shard
-from bigclip.optim import PACKED_WINDOW_VALUES, bf16_rounding
+from bigclip.optim import bf16_rounding
+from bigclip.optim.packed_window import PACKED_WINDOW_VALUES
 
 BLOCK = 256  # values per quantization block (torchao's default; the only block size supported here)
 WINDOW_BLOCKS = PACKED_WINDOW_VALUES // BLOCK  # 4M values per window (the memory model counts its scratch)
