@@ -247,7 +247,7 @@ def _check_transfers_overlap_blocks(rank, world, loss_for, unit_features) -> Non
                 setattr(backend, n, saved[n])
         last = 2 if dist_impl == "bidir" and (world - 1) % 2 == 0 else 1
         # every rank's texts piece by piece, this rank's own first; bidir's steps bring two
-        per_exchange = 2 if dist_impl == "bidir" and world > 2 else 1
+        per_exchange = collectives.texts_per_step(dist_impl, world)
         pieces = collectives.text_pieces(BATCH, per_exchange)
         blocks = world * pieces
         assert pieces > 1  # the pieces are on

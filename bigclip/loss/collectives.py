@@ -198,6 +198,11 @@ def text_pieces(batch: int, per_step: int = 1) -> int:
     return max(1, min(TEXT_PIECES * per_step, per_step * batch // MIN_PIECE_ROWS))
 
 
+def texts_per_step(dist_impl: str, world: int) -> int:
+    """Pieces one step of the exchange brings: bidir's from both neighbours once there are two, else one."""
+    return 2 if dist_impl == "bidir" and world > 2 else 1
+
+
 def row_spans(rows: int, pieces: int) -> list[slice]:
     """`pieces` contiguous row slices of sizes differing by at most one (every rank splits the same way)."""
     bounds = [rows * k // pieces for k in range(pieces + 1)]

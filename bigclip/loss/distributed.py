@@ -199,30 +199,27 @@ class _RingPath(_Path):
         dev = image.device
         row_lse = torch.full((batch,), float("-inf"), device=dev)
         row_mean = torch.zeros(batch, device=dev)
-        col_lse, col_mean = torch.empty(batch, device=dev), torch.empty(batch, device=dev)
+        columns_home = torch.empty(batch, 2, device=dev)  # [lse, mean] of this rank's own columns, row by row
         text = text.contiguous()
         home = None  # (own rows, the transfer bringing their complete column statistics)
         for span in row_spans(batch, text_pieces(batch)):
             current = text[span]
-            columns = None  # brings [lse; mean] of `current`'s columns from the ranks it visited before
+            columns = None  # brings [lse, mean] of `current`'s columns from the ranks it visited before
             for step in range(world):
                 upcoming = ring.shift(current) if step < world - 1 else None
                 r_lse, r_mean, c_lse, c_mean = self.backend.clip_block_stats(image, current, scale)
                 row_lse, row_mean = merge_lse(row_lse, row_mean, r_lse, r_mean)
-                if home is not None:
-                    (own,) = home[1].wait()
-                    col_lse[home[0]], col_mean[home[0]] = own[0], own[1]
-                    home = None
+                home = _collect(home, columns_home)
                 if columns is not None:
                     (before,) = columns.wait()
-                    c_lse, c_mean = merge_lse(before[0], before[1], c_lse, c_mean)
-                columns = ring.shift(torch.stack([c_lse, c_mean]))
+                    c_lse, c_mean = merge_lse(before[:, 0], before[:, 1], c_lse, c_mean)
+                columns = ring.shift(torch.stack([c_lse, c_mean], dim=1))
                 if upcoming is not None:
                     (current,) = upcoming.wait()
             home = (span, columns)  # after a full turn: this rank's own piece, complete
-        (own,) = home[1].wait()
-        col_lse[home[0]], col_mean[home[0]] = own[0], own[1]
+        _collect(home, columns_home)
         ring.finish()
+        col_lse, col_mean = columns_home.T.contiguous()
         return (row_lse, row_mean, col_lse, col_mean), (text, col_lse)
 
     def feature_grads(self, image, text, scale, row_lse, col_lse, weights, need_image, need_text):
@@ -252,10 +249,7 @@ class _RingPath(_Path):
                 if need_image:
                     d_image += d_img_part
                 del d_img_part
-                if home is not None:
-                    (grad,) = home[1].wait()
-                    d_text[home[0]] = grad
-                    home = None
+                home = _collect(home, d_text)
                 if need_text:
                     if text_grads is not None:
                         add_received(d_txt_part, text_grads)
@@ -265,11 +259,18 @@ class _RingPath(_Path):
                     current, current_lse = upcoming.wait()
             if need_text:
                 home = (span, text_grads)  # after a full turn: this rank's own piece, complete
-        if home is not None:
-            (grad,) = home[1].wait()
-            d_text[home[0]] = grad
+        _collect(home, d_text)
         ring.finish()
         return d_image, d_text
+
+
+def _collect(home, into: torch.Tensor) -> None:
+    """Waits for what `home` = (own rows, transfer) brings, a piece's complete column statistics or gradient after
+    its turn, and writes it into those rows of `into`; nothing when `home` is None. Returns None: the caller's
+    `home` is spent."""
+    if home is not None:
+        span, transfer = home
+        (into[span],) = transfer.wait()
 
 
 class _FusedClipDistributed(torch.autograd.Function):

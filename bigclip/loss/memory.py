@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from bigclip.loss import chunked
-from bigclip.loss.collectives import text_pieces
+from bigclip.loss.collectives import text_pieces, texts_per_step
 from bigclip.loss.family import LOSSES, LossConfig, check_dist_impl
 from bigclip.loss.fused_tuning import launch_plan, naive_max_logits
 from bigclip.loss.select import NAIVE_LIVE_MATRICES
@@ -69,7 +69,7 @@ def loss_peak_bytes(
     columns = batch * world if all_texts else batch
     travelling = row_bytes  # elements of the texts one exchange moves at a time
     if dist_impl in ("ring", "bidir", "shift"):  # pieces (loss/collectives.py), each way bidir's steps go
-        per_step = 2 if dist_impl == "bidir" and world > 2 else 1
+        per_step = texts_per_step(dist_impl, world)
         travelling = -(-batch // text_pieces(batch, per_step)) * dim * per_step
     texts_held = (world * row_bytes if all_texts else 2 * travelling) * feature_bytes if world > 1 else 0
     grads = (1 + (world if all_texts else 1)) * row_bytes * 4  # float32 image and text gradients

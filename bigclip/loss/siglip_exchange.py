@@ -21,6 +21,7 @@ from bigclip.loss.collectives import (
     post_p2p,
     row_spans,
     text_pieces,
+    texts_per_step,
 )
 
 
@@ -148,7 +149,7 @@ class _Visits:
 
         text = text.contiguous()
         walk = self.schedule()
-        spans = row_spans(text.shape[0], text_pieces(text.shape[0], max(len(step) for step in walk)))
+        spans = row_spans(text.shape[0], text_pieces(text.shape[0], texts_per_step(self.dist_impl, self.world)))
         pieces = [text[s] for s in spans]  # views: the own texts are alive anyway
         visits = [(piece, offsets) for piece in range(len(spans)) for offsets in walk]
         texts_in_flight = self._post_texts(visits[0][1], (pieces[0],) * len(visits[0][1]))
