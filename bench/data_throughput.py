@@ -217,15 +217,17 @@ def child(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     # delivered where training reads it: --image-decode device decodes in this step (on CPU, in this process)
     target = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    preprocess = open_clip.image_transform(224, is_train=True)
+    preprocess, chosen = open_clip.image_transform(224, is_train=True), None
     if spec["side"] == "bigclip" and spec.get("decode", "openclip") != "openclip":
-        from bigclip.build import build_transforms, training_normalize_at
+        from bigclip.build import build_transforms, image_decode_choice, training_normalize_at
         from bigclip.data import DataConfig
+        from bigclip.dist import World
         from bigclip.model.config import ModelConfig
 
-        # as `bigclip train --model ViT-B-32 --image-decode ...` builds it on this device (bigclip/build.py)
-        model, data = ModelConfig(model="ViT-B-32"), DataConfig(image_decode=spec["decode"])
-        preprocess = build_transforms(model, data, training_normalize_at(target))[0]
+        # as `bigclip train --model ViT-B-32 --image-decode ... --workers N` builds it on this device (bigclip/build.py)
+        model, data = ModelConfig(model="ViT-B-32"), DataConfig(image_decode=spec["decode"], workers=spec["workers"])
+        choice = image_decode_choice(data, World(device=target))
+        preprocess, chosen = build_transforms(model, data, training_normalize_at(target), choice)[0], choice
     tokenizer = open_clip.get_tokenizer("ViT-B-32")
     build = _bigclip_loader if spec["side"] == "bigclip" else _openclip_loader
     loader, num_batches, info = build(spec, preprocess, tokenizer)
@@ -263,6 +265,8 @@ def child(spec: dict) -> dict:
         "first_cpu": cpu0 - cpu_start,
         "whole_cpu": sum(u.ru_utime + u.ru_stime for u in usage),
         "whole_seconds": time.perf_counter() - start_wall,
+        # what bigclip decoded where (auto's choice for this device and worker count)
+        "decode_choice": None if chosen is None else {"mode": chosen.mode, "min_pixels": chosen.min_pixels},
     }
 
 
@@ -329,7 +333,7 @@ def main() -> None:
     p.add_argument(
         "--bigclip-decode",
         default="openclip",
-        choices=["openclip", "reduced", "full", "device"],
+        choices=["openclip", "auto", "reduced", "full", "device"],
         help="bigclip's transform: OpenCLIP's own callable (default), or bigclip's with --image-decode "
         "reduced/full/device (device: decoded where the batch is delivered, the GPU if there is one, else this CPU)",
     )

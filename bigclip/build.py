@@ -17,6 +17,7 @@ from torch import nn
 from bigclip.config.sections import Sections, recheck_model
 from bigclip.data import DataConfig, get_data, image_transform
 from bigclip.data.aug_cfg import validate_aug_cfg
+from bigclip.data.decode_choice import DecodeChoice, choose_image_decode, loading_cores
 from bigclip.dist import World, raise_together
 from bigclip.engine import EngineConfig, build_engine
 from bigclip.engine import build_model as engine_build_model
@@ -177,10 +178,15 @@ def build_tokenizer(cfg: ModelConfig):
     return get_tokenizer(cfg.model, context_length=cfg.force_context_length, cache_dir=cfg.cache_dir)
 
 
-def build_transforms(model: ModelConfig, data: DataConfig, normalize_at: str = "image"):
+def build_transforms(
+    model: ModelConfig, data: DataConfig, normalize_at: str = "image", decode: DecodeChoice | None = None
+):
     """(train transform, eval transform, geometry {'size', 'mean', 'std'}) for the model and the image flags.
     `normalize_at`: where reduced/device training images are normalised (data/pixels.py's NORMALIZE_AT): by the
-    transform, into the loader's batch, or where the training loop moves the 8-bit batch (PixelBatch)."""
+    transform, into the loader's batch, or where the training loop moves the 8-bit batch (PixelBatch). `decode`:
+    --image-decode as the run resolved it for its device (image_decode_choice); by default the flag's value, auto
+    meaning reduced."""
+    decode = decode or DecodeChoice(data.image_decode)
     pp = preprocess_cfg(model.model, model.image_size, cache_dir=model.cache_dir, pretrained=model.pretrained)
     mean = tuple(data.image_mean) if data.image_mean else pp["mean"]
     std = tuple(data.image_std) if data.image_std else pp["std"]
@@ -193,11 +199,13 @@ def build_transforms(model: ModelConfig, data: DataConfig, normalize_at: str = "
     uses_timm = bool(validate_aug_cfg(data.aug_cfg).get("use_timm"))
     train_interpolation = data.image_interpolation or (interpolation if uses_timm else "bicubic")
     preprocess_train = image_transform(
-        pp["size"], True, mean, std, train_interpolation, resize_mode, data.aug_cfg, data.image_decode, normalize_at
-    )
+        pp["size"], True, mean, std, train_interpolation, resize_mode, data.aug_cfg, decode.mode, normalize_at,
+        device_min_pixels=decode.min_pixels,
+    )  # fmt: skip
     preprocess_val = image_transform(
-        pp["size"], False, mean, std, interpolation, resize_mode, None, data.image_decode, fill_color=pp["fill_color"]
-    )
+        pp["size"], False, mean, std, interpolation, resize_mode, None, decode.mode, fill_color=pp["fill_color"],
+        device_min_pixels=decode.min_pixels,
+    )  # fmt: skip
     return preprocess_train, preprocess_val, {"size": pp["size"], "mean": mean, "std": std}
 
 
@@ -209,9 +217,19 @@ def training_normalize_at(device: torch.device) -> str:
     return "batch" if device.type == "cpu" else "device"
 
 
+def image_decode_choice(data: DataConfig, world: World) -> DecodeChoice:
+    """--image-decode for this rank's device and its share of the node's CPUs (auto: data/decode_choice.py)."""
+    cores = loading_cores(data.workers, world.local_world_size)
+    return choose_image_decode(data.image_decode, world.device.type, validate_aug_cfg(data.aug_cfg), cores)
+
+
 def build_data(model: ModelConfig, data: DataConfig, world: World, epoch: int):
     """(the run's loaders by name, the tokenizer) for this rank."""
-    preprocess_train, preprocess_val, geometry = build_transforms(model, data, training_normalize_at(world.device))
+    decode = image_decode_choice(data, world)
+    if data.image_decode == "auto" and world.is_main:
+        logger.info(f"--image-decode auto: {decode.describe()}")
+    normalize_at = training_normalize_at(world.device)
+    preprocess_train, preprocess_val, geometry = build_transforms(model, data, normalize_at, decode)
     tokenizer = build_tokenizer(model)
     model_cfg = get_model_config(model.model, model.cache_dir)
     loaders = get_data(

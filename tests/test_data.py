@@ -801,7 +801,7 @@ def test_image_decode_flag_reaches_the_run_transforms():
     from bigclip.data.transforms import ReducedRandomResizedCrop, ReducedResize
     from bigclip.model.config import ModelConfig
 
-    for decode, expected in (("reduced", True), ("full", False)):
+    for decode, expected in (("auto", True), ("reduced", True), ("full", False)):  # auto: reduced without a device
         train, val, _ = build_transforms(ModelConfig(model="test-tiny"), DataConfig(image_decode=decode))
         assert isinstance(train.transforms[0], ReducedRandomResizedCrop) == expected
         assert isinstance(val.transforms[0], ReducedResize) == expected

@@ -238,7 +238,7 @@ def test_a_gpu_runs_training_loader_hands_over_8_bit_batches_and_a_cpu_runs_floa
     shards = f"{tmp_path}/p-{{0..1}}.tar"
     data = dataclasses.replace(
         DataConfig(), train_data=shards, val_data=shards, train_num_samples=8, val_num_samples=8,
-        dataset_type="webdataset", batch_size=4, workers=0, seed=3,
+        dataset_type="webdataset", batch_size=4, workers=0, seed=3, image_decode="reduced",
     )  # fmt: skip
     batches = {}
     for device in ("cuda", "cpu"):

@@ -80,6 +80,8 @@ def test_smoke_run_reports_every_part_with_its_figures(tmp_path):
     assert all(r["mean_grey_levels"] < 0.3 for r in tables["decode"]["pixels"])  # the device path vs PIL's full decode
     loaders = {r["decode"]: r for r in tables["decode"]["loader"]}
     assert set(loaders) == {"device", "reduced", "openclip"} and all(r["samples"] > 0 for r in loaders.values())
+    (crossover,) = tables["decode"]["crossover"]  # one size, one worker count in the smoke run
+    assert crossover["auto_picks"] == "reduced" and crossover["faster"] in ("device", "reduced")  # auto on a CPU
 
     report = (out / "report.md").read_text()
     for name in PARTS[1:]:

@@ -37,7 +37,11 @@ PARTS = {
         150,
         "the largest of ViT-bigG-14 / ViT-H-14 that trains: amp_bf16 AdamW, and the leanest setup; EVA02-E-14 leanest",
     ),
-    "decode": (70, 120, "input pipeline on 1024-px photos: --image-decode device (nvJPEG) / reduced vs OpenCLIP"),
+    "decode": (
+        120,
+        120,
+        "input pipeline on 512- and 1024-px photos at 2, 4, 8 workers: --image-decode device / reduced, auto's pick",
+    ),
 }
 TOTAL_GPU_S = 480  # the bound for the whole kit on one H100: 8 minutes
 

@@ -129,7 +129,9 @@ class DataConfig:
     image_interpolation: str | None = flag(None, "bicubic, bilinear or random.", DATA, choices=INTERPOLATIONS)
     image_resize_mode: str | None = flag(None, "shortest, longest or squash.", DATA, choices=RESIZE_MODES)
     image_decode: str = flag(
-        "reduced",
+        "auto",
+        "auto: reduced, or on a GPU with few loading cores for the images' size, device for the JPEGs large enough "
+        "(each image by its header's size; new in bigclip); "
         "reduced: JPEGs decoded at the smallest DCT scale (1/2, 1/4, 1/8) that still covers the crop at the output "
         "size, the crop drawn as OpenCLIP draws it (new in bigclip; resampling differs slightly); full: every pixel, "
         "as OpenCLIP; device: the loader workers ship JPEGs undecoded (with their crops) and the batch is decoded on "

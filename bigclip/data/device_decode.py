@@ -76,19 +76,25 @@ class DeviceDecodeTransform:
 
     accepts_undecoded = True  # see data/decode.py: it takes the image as PIL opened it
 
-    def __init__(self, cpu, geometry: OutputGeometry, crops=None, interpolation=InterpolationMode.BICUBIC):
+    def __init__(
+        self, cpu, geometry: OutputGeometry, crops=None, interpolation=InterpolationMode.BICUBIC, min_pixels: int = 0
+    ):
         self.cpu = cpu
         self.geometry = geometry
         # training: the RandomResizedCrop (or torchvision's RandomChoice of them, for 'random' interpolation) whose
         # draws the CPU transform would make; evaluation: None
         self.crops = crops
         self.interpolation = interpolation
+        # --image-decode auto on a GPU with few loading cores: JPEGs smaller than this are decoded here, as `cpu`
+        # does, because the workers keep up with them (data/decode_choice.py); 0 ships every JPEG
+        self.min_pixels = min_pixels
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
         return self.cpu(image)
 
     def ships(self, image: Image.Image | Jpeg) -> bool:
-        return image.format == "JPEG" and image.mode in TORCH_DECODABLE_MODES
+        width, height = image.size
+        return image.format == "JPEG" and image.mode in TORCH_DECODABLE_MODES and width * height >= self.min_pixels
 
     def encode(self, image: Image.Image | Jpeg, data: bytes) -> EncodedJpeg:
         """`image`'s crop drawn as the CPU transform draws it (its header's size only), shipped with `data`."""
@@ -102,7 +108,7 @@ class DeviceDecodeTransform:
         return EncodedJpeg(jpeg_bytes(data), box, interpolation, self.geometry)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(geometry={self.geometry}, cpu={self.cpu})"
+        return f"{type(self).__name__}(geometry={self.geometry}, min_pixels={self.min_pixels}, cpu={self.cpu})"
 
 
 class EncodedImages:
@@ -164,7 +170,7 @@ def _say_once_if_cpu(device: torch.device) -> None:
         _SAID_CPU = True
         logger.warning(
             "--image-decode device on a CPU: every JPEG is decoded whole in the training process; on a machine "
-            "without a GPU --image-decode reduced (the default) is faster"
+            "without a GPU --image-decode reduced (what auto is there) is faster"
         )
 
 

@@ -8,10 +8,10 @@ OpenCLIP's, unless the flag is given). With full decoding an image is resized an
 in and converted to RGB last, step for step as OpenCLIP's transforms, which matters for RGBA (resampled with its
 alpha premultiplied) and palette images (PIL resizes those nearest): tests/test_preprocess_parity.py, every family.
 
-Reduced decoding (--image-decode reduced, the default): a transform's first step receives the image undecoded (a
-JPEG as data/decode.py's Jpeg, whose header libjpeg-turbo read; anything else as PIL opened it) and decodes a JPEG
-at the smallest DCT scale (1/2, 1/4, 1/8: what PIL's `draft` asks libjpeg for) that still leaves the pixels the
-crop keeps at least as large as the output. The crop is drawn on the full image's size with torchvision's
+Reduced decoding (--image-decode reduced, what auto is on a CPU): a transform's first step receives the image
+undecoded (a JPEG as data/decode.py's Jpeg, whose header libjpeg-turbo read; anything else as PIL opened it) and
+decodes a JPEG at the smallest DCT scale (1/2, 1/4, 1/8: what PIL's `draft` asks libjpeg for) that still leaves
+the pixels the crop keeps at least as large as the output. The crop is drawn on the full image's size with torchvision's
 RandomResizedCrop.get_params draws (same scale/ratio semantics, same random numbers), then mapped exactly (a
 fractional box) onto the reduced image; evaluation's shortest-side resize likewise. What changes is
 resampling only (libjpeg's DCT downscale before the bicubic resize): tests/test_data.py bounds the difference on
@@ -20,7 +20,9 @@ the time) where it can be placed exactly, else with PIL; evaluation, other forma
 as OpenCLIP does.
 
 --image-decode device: the workers ship JPEGs' bytes with their crops and the batch is decoded on the training
-device (data/device_decode.py); what cannot go there is decoded as `reduced` decodes it.
+device (data/device_decode.py); what cannot go there is decoded as `reduced` decodes it. --image-decode auto (the
+default): reduced, or on a GPU with few loading cores for the images' size, device for the JPEGs large enough
+(data/decode_choice.py).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from bigclip.errors import UserError
 logger = logging.getLogger(__name__)
 
 INTERPOLATIONS = ("bicubic", "bilinear", "random")
-DECODE_MODES = ("reduced", "full", "device")
+DECODE_MODES = ("auto", "reduced", "full", "device")  # auto: data/decode_choice.py picks reduced or device
 DRAFT_SCALES = (8, 4, 2)  # libjpeg's DCT scaling: 1/8, 1/4, 1/2
 RESIZE_MODES = ("shortest", "longest", "squash")
 _TIMM_ONLY = ("re_prob", "re_count")
@@ -310,18 +312,21 @@ def _timm_train_transform(size, mean, std, interpolation: str, aug: dict[str, An
     return _undecoded_ok(T.Compose([to_rgb, timm_transform]))
 
 
+def cpu_only_augmentations(aug: dict[str, Any]) -> list[str]:
+    """The --aug-cfg keys in use that work on the worker's decoded image (jitter and grayscale on its pixels, timm's
+    whole pipeline): --image-decode device, which crops and resizes on the device, cannot follow them there."""
+    used = (
+        ("color_jitter", aug.get("color_jitter") is not None),
+        ("gray_scale_prob", bool(aug.get("gray_scale_prob"))),
+        ("use_timm", bool(aug.get("use_timm"))),
+    )
+    return [name for name, on in used if on]
+
+
 def check_image_decode(decode: str, aug: dict[str, Any]) -> None:
-    """--image-decode device crops and resizes on the device, after the loader: the augmentations that work on the
-    worker's decoded image cannot follow it there."""
-    cpu_only = [
-        name
-        for name, used in (
-            ("color_jitter", aug.get("color_jitter") is not None),
-            ("gray_scale_prob", bool(aug.get("gray_scale_prob"))),
-            ("use_timm", bool(aug.get("use_timm"))),
-        )
-        if used
-    ]
+    """--image-decode device is refused with the augmentations that need the worker's pixels (auto falls back to
+    reduced with them: data/decode_choice.py)."""
+    cpu_only = cpu_only_augmentations(aug)
     if decode == "device" and cpu_only:
         raise UserError(
             f"--image-decode device crops and resizes on the device; --aug-cfg {', '.join(cpu_only)} works on "
@@ -340,16 +345,20 @@ def image_transform(
     decode: str = "full",
     normalize_at: str = "image",
     fill_color: int = 0,
+    device_min_pixels: int = 0,
 ):
     """A callable PIL.Image -> FloatTensor[3, H, W]. `aug_cfg` is a dict or key=value strings. decode="reduced":
     given an image PIL has opened but not decoded, a JPEG is decoded at reduced scale where the output allows;
-    "device": a DeviceDecodeTransform, which ships JPEGs to be decoded on the training device.
+    "device": a DeviceDecodeTransform, which ships JPEGs of at least `device_min_pixels` pixels to be decoded on the
+    training device and decodes smaller ones as "reduced"; "auto" is "reduced" here (a run resolves it for its
+    device first: data/decode_choice.py).
     `normalize_at` (training, reduced/device; data/pixels.py's NORMALIZE_AT): "image", the transform's output is the
     float image; "batch" or "device" (what a run's loader uses, on a CPU or a GPU), 8-bit Pixels, which the loader
     normalises into its batch or batches as a PixelBatch, normalised by its `.to(device, dtype)`.
     `fill_color`: what evaluation's 'longest' resize pads with (OpenCLIP's PreprocessCfg.fill_color)."""
     if decode not in DECODE_MODES:
         raise UserError(f"--image-decode {decode}: choose one of {', '.join(DECODE_MODES)}")
+    decode = "reduced" if decode == "auto" else decode
     reduced = decode in ("reduced", "device")
     interpolation = interpolation or "bicubic"
     resize_mode = resize_mode or "shortest"
@@ -379,7 +388,7 @@ def image_transform(
         finish = [Normalized(mean, std, at=normalize_at)] if reduced else [T.ToTensor(), normalize]
         cpu = _undecoded_ok(T.Compose([*steps, *finish]))
         if decode == "device":
-            return DeviceDecodeTransform(cpu, OutputGeometry(size, mean, std), crops=crop)
+            return DeviceDecodeTransform(cpu, OutputGeometry(size, mean, std), crops=crop, min_pixels=device_min_pixels)
         return cpu
 
     # Evaluation has no randomness: 'random' interpolation means bicubic here, as in OpenCLIP.
@@ -394,7 +403,8 @@ def image_transform(
             resize = [ReducedResize(size[0], mode), T.CenterCrop(size)]
             cpu = _undecoded_ok(T.Compose([*resize, to_rgb, T.ToTensor(), normalize]))
             if decode == "device":
-                return DeviceDecodeTransform(cpu, OutputGeometry(size, mean, std, shortest=size[0]), interpolation=mode)
+                geometry = OutputGeometry(size, mean, std, shortest=size[0])
+                return DeviceDecodeTransform(cpu, geometry, interpolation=mode, min_pixels=device_min_pixels)
             return cpu
         resize = [T.Resize(size[0], interpolation=mode), T.CenterCrop(size)]
     elif resize_mode == "shortest":

@@ -1,0 +1,106 @@
+"""--image-decode auto (the default): which JPEGs a run's training device decodes and which its loader workers do.
+
+Reduced decoding in the workers (data/transforms.py) costs CPU time that grows with an image's size; decoding on
+the GPU (data/device_decode.py, nvJPEG) costs the workers almost nothing but takes a share of the GPU and the
+training process, so it pays only where the workers would otherwise be the bottleneck. The rule, per image, from
+its header's size: decode it on the device when the CPU cores this GPU has for loading could deliver fewer images
+of that size per second than the device path does (DEVICE_IMAGES_PER_S), in the workers otherwise. So with many
+cores per GPU every image is decoded by the workers, as `reduced`; with few, large photographs go to the GPU
+first, and with one or two cores every JPEG does. On a CPU, or with augmentations that need the worker's pixels
+(--aug-cfg color_jitter, gray_scale_prob, use_timm), `auto` is `reduced`.
+
+The figures are measured (docs/benchmarks.md, "--image-decode auto"); the GPU kit's `decode` part measures both
+paths at 2, 4 and 8 workers on 512- and 1024-px photographs and reports the rule's choice beside each pair.
+"""
+
+from __future__ import annotations
+
+import os
+from bisect import bisect_left
+from dataclasses import dataclass
+
+from bigclip.data.transforms import cpu_only_augmentations
+
+# One loader worker's seconds per training sample with --image-decode reduced, by the JPEG's pixel count: the
+# photographs of bench/data_throughput.py (--photos 256, 512, 1024: crops of aspect 3:4 to 4:3 resized to that long
+# side, so PHOTO_AREA x side^2 pixels on average; one worker): 552, 353 and 243 samples/s here (2-core x86-64,
+# 2026-11-26), and on the H200's 16-core host the same within 6% (2981/8 and 1417/4 at 512 px, 489/2 at 1024 px).
+# Reading the shard, the caption and the batch are in it: what a worker does per sample besides the decode. Larger
+# images: the last slope (libjpeg's 1/4 and 1/8 scales keep the decoded pixels near the output's; what grows is the
+# entropy decoding, linear in the file).
+PHOTO_AREA = 0.868  # the mean of min(r, 1/r) for an aspect r drawn uniformly from 3/4 to 4/3
+REDUCED_S_PER_IMAGE = tuple(
+    (round(PHOTO_AREA * side * side), 1 / samples_per_s)
+    for side, samples_per_s in ((256, 552), (512, 353), (1024, 243))
+)
+# Images per second one GPU takes through --image-decode device while training (nvJPEG decodes the batch, crops
+# are resized there): H200, ViT-B-32 amp batch 256, 2008 samples/s at 512 px with 8 workers; the loader alone
+# 2336 at 1024 px with 2 workers (the GPU kit, 2026-11-27).
+DEVICE_IMAGES_PER_S = 2000.0
+
+
+@dataclass(frozen=True)
+class DecodeChoice:
+    """What a run's transforms do: `mode` reduced | full | device; with device, the JPEGs of at least
+    `min_pixels` pixels are shipped to the device and smaller ones decoded by the workers (0: every JPEG)."""
+
+    mode: str
+    min_pixels: int = 0
+
+    def describe(self) -> str:
+        if self.mode != "device" or self.min_pixels == 0:
+            return f"{self.mode} decoding"
+        side = round((self.min_pixels * 4 / 3) ** 0.5)  # the long side of a 4:3 photograph of that many pixels
+        return (
+            f"JPEGs of at least {self.min_pixels / 1e6:.2f} MP (a 4:3 photo of {side} px) decoded on the device, "
+            "smaller ones reduced in the loader workers"
+        )
+
+
+def reduced_seconds(pixels: float) -> float:
+    """One worker's seconds per sample of that many pixels, interpolated in REDUCED_S_PER_IMAGE (the end slopes
+    beyond it, never below the smallest measured)."""
+    points = REDUCED_S_PER_IMAGE
+    i = min(max(bisect_left([p for p, _ in points], pixels), 1), len(points) - 1)
+    (p0, s0), (p1, s1) = points[i - 1], points[i]
+    return max(points[0][1], s0 + (s1 - s0) * (pixels - p0) / (p1 - p0))
+
+
+def device_min_pixels(cores: float) -> int | None:
+    """The smallest JPEG (pixels) that `cores` loading cores would deliver more slowly than the device decodes:
+    0 when every JPEG should go to the device, None when none should."""
+    if cores <= 0:
+        return 0  # the training process loads by itself (--workers 0): every decode it avoids is a step's time
+    budget = cores / DEVICE_IMAGES_PER_S  # seconds a worker may spend on an image and still keep up
+    points = REDUCED_S_PER_IMAGE
+    if budget < points[0][1]:
+        return 0
+    (p0, s0), (p1, s1) = points[-2], points[-1]
+    for (q0, t0), (q1, t1) in zip(points, points[1:], strict=False):
+        if t0 <= budget < t1:
+            (p0, s0), (p1, s1) = (q0, t0), (q1, t1)
+            break
+    pixels = p0 + (budget - s0) * (p1 - p0) / (s1 - s0)
+    return round(pixels) if pixels < 1e9 else None  # beyond a gigapixel: no image is decoded on the device
+
+
+def loading_cores(workers: int, local_processes: int, allowed: int | None = None, machine: int | None = None) -> float:
+    """The CPU cores one training process has for its loader: its workers, at most its share of the CPUs it may
+    run on (`allowed`, its affinity). Where that is the whole machine (`machine` CPUs), the node's training
+    processes share it; a scheduler that pins each task (Slurm's --cpus-per-task, numactl) gives each its own."""
+    allowed = len(os.sched_getaffinity(0)) if allowed is None else allowed
+    machine = (os.cpu_count() or allowed) if machine is None else machine
+    share = allowed / max(local_processes, 1) if allowed >= machine else allowed
+    return min(float(workers), max(share, 1.0)) if workers > 0 else 0.0
+
+
+def choose_image_decode(decode: str, device_type: str, aug: dict, cores: float) -> DecodeChoice:
+    """--image-decode's value as this process runs it (`aug`: the validated --aug-cfg; `cores`: loading_cores)."""
+    if decode == "device":
+        return DecodeChoice("device")
+    if decode != "auto":
+        return DecodeChoice(decode)
+    if device_type != "cuda" or cpu_only_augmentations(aug):
+        return DecodeChoice("reduced")
+    min_pixels = device_min_pixels(cores)
+    return DecodeChoice("reduced") if min_pixels is None else DecodeChoice("device", min_pixels)
