@@ -86,3 +86,26 @@ def test_the_exchanges_hold_the_same_at_every_world_size():
         single = loss_peak_bytes(cfg, batch, 1, dim, 4)
         # a quarter of the texts sent and one received per step, as many gradients (bidir: twice, half the size)
         assert at[64] - single == 4 * (batch // 4) * dim * 4, (dist_impl, at[64] - single)
+
+
+def test_a_transfer_is_counted_in_flight_only_while_it_has_posted_ops():
+    """collectives.Transfer's counters (what the overlap test bounds): a transfer with no ops (a rank with nothing
+    to send) is never in flight, so waiting on it leaves the counts as they were."""
+    import torch
+
+    from bigclip.loss import collectives
+
+    before = (collectives.transfers_in_flight(), collectives.bytes_in_flight())
+    empty = collectives.Transfer([], (), ())
+    assert (collectives.transfers_in_flight(), collectives.bytes_in_flight()) == before
+    assert empty.wait() == () and (collectives.transfers_in_flight(), collectives.bytes_in_flight()) == before
+
+    class Done:
+        def wait(self):
+            return True
+
+    sent, received = torch.zeros(4), torch.zeros(2, dtype=torch.float64)
+    posted = collectives.Transfer([Done()], (sent,), (received,))
+    assert (collectives.transfers_in_flight(), collectives.bytes_in_flight()) == (before[0] + 1, before[1] + 32)
+    assert posted.wait() == (received,) and posted.wait() == ()  # once
+    assert (collectives.transfers_in_flight(), collectives.bytes_in_flight()) == before

@@ -106,8 +106,9 @@ class Transfer:
     def __init__(self, works, sent: tuple, received: tuple):
         self.works, self.sent, self.received = works, sent, received  # the sent tensors must live until sent
         self.bytes = sum(t.numel() * t.element_size() for t in sent + received) if works else 0
-        Transfer.in_flight += 1
-        Transfer.bytes_in_flight += self.bytes
+        if works:  # counted while posted ops are outstanding: an empty transfer is never in flight
+            Transfer.in_flight += 1
+            Transfer.bytes_in_flight += self.bytes
 
     def wait(self) -> tuple:
         """The received tensors, once; the transfer lets go of them (and of the sent ones), so a ring that keeps
