@@ -51,6 +51,14 @@ def test_the_peak_is_the_backward_or_the_step_whichever_is_larger():
     lean = peak_parts("fsdp", facts, 1, lean_recipe, 1, True, "cuda")
     window = (2 * 2 + ADAMW8BIT_BYTES + 8) * PACKED_WINDOW_VALUES  # 8 bytes of temporaries with 8-bit moments
     assert lean["working"] == window and lean["step"] == 0
+    # a window spans at most what is stepped together: in the backward one unit (a block, or the root's
+    # parameters), with gradients kept the whole shard
+    per_value = window / PACKED_WINDOW_VALUES
+    small_units = dataclasses.replace(facts, block_params=10_000, root_params=30_000)
+    assert peak_parts("fsdp", small_units, 2, lean_recipe, 1, True, "cuda")["working"] == per_value * 15_000
+    kept_lean = StateRecipe("pure_bf16", "adamw8bit")
+    assert peak_parts("fsdp", small_units, 2, kept_lean, 1, True, "cuda")["working"] == window
+    assert peak_parts("ddp", small_units, 2, lean_recipe, 1, True, "cuda")["working"] == per_value * 30_000
     assert lean["peak"] == max(lean["backward"], lean["text_end"])
     image_tower = dataclasses.replace(facts, towers=facts.towers[:1])
     assert (

@@ -72,7 +72,7 @@ class DDPEngine(TorchOptimizerEngine):
         # amp: autocast keeps a 16-bit copy of every fp32 weight from its first use in the forward until the
         # backward is done with it; every rank steps every parameter
         copies = 2 * psi if recipe.mixed else 0
-        step = recipe.step_scratch_bytes(psi, size.largest_tensor, device_type)
+        step = recipe.step_scratch_bytes(psi, size.largest_tensor, device_type, size.unit_params)
         # stepped in the backward, the largest gradient and its averaged copy are in flight (beyond one block's
         # budget); else the gradients are views of the buckets, already counted
         in_flight = 2 * recipe.weight_bytes * size.largest_tensor if recipe.in_backward else 0

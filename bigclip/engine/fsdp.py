@@ -161,7 +161,7 @@ class FSDPEngine(TorchOptimizerEngine):
     @staticmethod
     def _working(psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str) -> WorkingBytes:
         # the 16-bit all-gathers are in the state (above); each rank steps its own shards
-        step = recipe.step_scratch_bytes(psi / n, size.largest_tensor / n, device_type)
+        step = recipe.step_scratch_bytes(psi / n, size.largest_tensor / n, device_type, size.unit_params / n)
         # the largest tensor's unsharded gradient and its reduce-scattered shard; the text tower's gradient shards
         text_end = recipe.weight_bytes * size.largest_tensor * (1 + 1 / n)
         text_end += recipe.grad_bytes * size.text_params / n

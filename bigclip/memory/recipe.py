@@ -72,19 +72,23 @@ class StateRecipe:
     def quantized_state(self) -> bool:
         return self._optimizer.quantized_state
 
-    def step_scratch_bytes(self, local_params: float, largest_local: float, device_type: str) -> float:
+    def step_scratch_bytes(
+        self, local_params: float, largest_local: float, device_type: str, unit_local: float | None = None
+    ) -> float:
         """Temporaries of one optimizer step beyond the state, for `local_params` parameters of which the largest
-        tensor holds `largest_local`. torch's AdamW (fp32 weights and amp's masters) on CUDA takes its multi-tensor
-        path, which builds sqrt(v) for every parameter at once: one float32 moment's bytes per parameter; stepped
-        tensor by tensor (on CPU, or in the backward) it builds two float32 temporaries of one tensor. bigclip's
-        packed update (8-bit AdamW; AdamW on bf16 weights) steps a window of values at a time: one window's packed
-        weights, gradients and state and the compiled update's temporaries (optim/packed_window.py).
-        Another optimizer rounding into 16-bit weights stochastically (StableAdamW, tensor by tensor) draws a
-        32-bit random integer per value of the tensor being updated."""
+        tensor holds `largest_local` and, stepped in the backward, one step updates at most `unit_local`. torch's
+        AdamW (fp32 weights and amp's masters) on CUDA takes its multi-tensor path, which builds sqrt(v) for every
+        parameter at once: one float32 moment's bytes per parameter; stepped tensor by tensor (on CPU, or in the
+        backward) it builds two float32 temporaries of one tensor. bigclip's packed update (8-bit AdamW; AdamW on
+        bf16 weights) steps a window of values at a time: one window's packed weights, gradients and state and the
+        compiled update's temporaries (optim/packed_window.py); the window spans at most the tensors stepped
+        together (in the backward, one unit's). Another optimizer rounding into 16-bit weights stochastically
+        (StableAdamW, tensor by tensor) draws a 32-bit random integer per value of the tensor being updated."""
         temporaries = self._optimizer.packed_update_temporaries(self.weight_bytes)
         if temporaries:
             per_value = 2 * self.weight_bytes + self.optimizer_bytes + temporaries
-            return per_value * min(PACKED_WINDOW_VALUES, local_params)
+            together = unit_local if self.in_backward and unit_local is not None else local_params
+            return per_value * min(PACKED_WINDOW_VALUES, together)
         if self.weight_bytes != 4:
             return 4 * largest_local
         if not self._optimizer.float32_step_temporaries:

@@ -20,6 +20,12 @@ class ModelSize:
     largest_tensor: int = 0  # the largest single parameter (the token embedding in CLIP's text towers)
     text_params: int = 0  # the text tower's parameters (its backward runs first: its forward runs last)
 
+    @property
+    def unit_params(self) -> int:
+        """The most parameters one step in the backward updates together: a block's, or those outside the blocks
+        (FSDP2's root unit; DDP's in-flight groups are at most that)."""
+        return max(self.block_params, self.root_params)
+
 
 @dataclass(frozen=True)
 class ModelFacts(ModelSize):

@@ -203,6 +203,9 @@ def packed_step(members: list[packed_update.Member], windows: list[packed_update
                 stochastic=stochastic,
             )  # fmt: skip
         operands.write_back()
+        # the next window's buffers are packed before `operands` would be rebound: without this, two windows'
+        # packed copies are alive at once and the update's scratch doubles
+        del operands, packed, per_block
 
 
 def _constants(group: dict) -> dict[str, torch.Tensor]:
