@@ -18,6 +18,7 @@ from bigclip.config.sections import Sections, recheck_model
 from bigclip.data import DataConfig, get_data, image_transform
 from bigclip.data.aug_cfg import validate_aug_cfg
 from bigclip.data.decode_choice import DecodeChoice, choose_image_decode, loading_cores
+from bigclip.data.device_decode import device_decodes_jpegs
 from bigclip.dist import World, raise_together
 from bigclip.engine import EngineConfig, build_engine
 from bigclip.engine import build_model as engine_build_model
@@ -220,7 +221,12 @@ def training_normalize_at(device: torch.device) -> str:
 def image_decode_choice(data: DataConfig, world: World) -> DecodeChoice:
     """--image-decode for this rank's device and its share of the node's CPUs (auto: data/decode_choice.py)."""
     cores = loading_cores(data.workers, world.local_world_size)
-    return choose_image_decode(data.image_decode, world.device.type, validate_aug_cfg(data.aug_cfg), cores)
+    aug = validate_aug_cfg(data.aug_cfg)
+    choice = choose_image_decode(data.image_decode, world.device.type, aug, cores)
+    if data.image_decode == "auto" and choice.mode == "device" and not device_decodes_jpegs(world.device):
+        logger.warning(f"--image-decode auto: torchvision cannot decode JPEGs on {world.device}; the workers decode")
+        choice = choose_image_decode(data.image_decode, world.device.type, aug, cores, device_decodes=False)
+    return choice
 
 
 def build_data(model: ModelConfig, data: DataConfig, world: World, epoch: int):

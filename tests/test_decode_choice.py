@@ -23,7 +23,13 @@ from bigclip.data.decode_choice import (
     loading_cores,
     reduced_seconds,
 )
-from bigclip.data.device_decode import DeviceDecodeTransform, EncodedImages, EncodedJpeg, collate_samples
+from bigclip.data.device_decode import (
+    DeviceDecodeTransform,
+    EncodedImages,
+    EncodedJpeg,
+    collate_samples,
+    device_decodes_jpegs,
+)
 from bigclip.data.pixels import PixelBatch
 from bigclip.data.transforms import image_transform
 from bigclip.dist import World
@@ -73,6 +79,9 @@ def test_auto_is_reduced_on_a_cpu_and_with_augmentations_on_the_workers_pixels()
         assert choose_image_decode("auto", "cuda", aug, 2) == DecodeChoice("reduced")
     assert choose_image_decode("device", "cuda", {}, 64) == DecodeChoice("device", 0)  # asked for: every JPEG
     assert choose_image_decode("full", "cuda", {}, 1) == DecodeChoice("full")
+    # a GPU whose JPEG decoder torchvision lacks (a build without nvJPEG): the workers decode
+    assert choose_image_decode("auto", "cuda", {}, 2, device_decodes=False) == DecodeChoice("reduced")
+    assert device_decodes_jpegs(torch.device("cpu"))  # the probe decodes a JPEG there
     assert "decoded on the device" in DecodeChoice("device", device_min_pixels(8)).describe()
 
 
@@ -103,10 +112,11 @@ def test_jpegs_below_the_threshold_are_decoded_by_the_worker_as_reduced_and_ride
 
 
 def test_a_run_resolves_auto_for_its_device_and_says_what_it_chose(tmp_path, caplog):
-    """build_data as a run calls it (nothing put on a GPU: the loader only reads the rank's device): on a CPU rank
-    auto trains on reduced decoding's float batches; on a GPU rank with no loader workers every JPEG is shipped
-    (EncodedImages, decoded where moved: here the CPU), the same images within resampling noise; with 8 workers
-    on 8 cores a 512-px photograph stays in the workers, a 2048-px one is shipped."""
+    """build_data as a run calls it: on a CPU rank auto trains on reduced decoding's float batches; on an
+    accelerator rank with no loader workers every JPEG is shipped (EncodedImages, decoded where moved: here the
+    CPU), the same images within resampling noise; with 8 workers on 8 cores a 512-px photograph stays in the
+    workers, a 2048-px one is shipped. The accelerator here is the meta device (a CPU machine has no GPU; the
+    loader only reads the rank's device, and torchvision's decoder answers the start-up probe for it)."""
     _photo_shards(tmp_path, shards=2, per_shard=4)
     shards = f"{tmp_path}/p-{{0..1}}.tar"
     data = dataclasses.replace(
@@ -115,20 +125,20 @@ def test_a_run_resolves_auto_for_its_device_and_says_what_it_chose(tmp_path, cap
     )  # fmt: skip
     assert data.image_decode == "auto"  # the default
     batches = {}
-    for device in ("cuda", "cpu"):
+    for device in ("meta", "cpu"):
         torch.manual_seed(0)
         with caplog.at_level(logging.INFO, logger="bigclip"):
             loaders, _ = build_data(ModelConfig(model="test-tiny"), data, World(device=torch.device(device)), 0)
         batches[device] = [images for images, _ in loaders["train"].dataloader]
     assert "--image-decode auto: reduced decoding" in caplog.text
     assert "--image-decode auto: device decoding" in caplog.text  # workers 0: every JPEG, said plainly
-    assert len(batches["cuda"]) == len(batches["cpu"]) == 2
-    for shipped, floats in zip(batches["cuda"], batches["cpu"], strict=True):
+    assert len(batches["meta"]) == len(batches["cpu"]) == 2
+    for shipped, floats in zip(batches["meta"], batches["cpu"], strict=True):
         assert isinstance(shipped, EncodedImages) and isinstance(floats, torch.Tensor)
         assert not isinstance(floats, PixelBatch)
         assert ((shipped.to("cpu") - floats).abs() * GREY_LEVELS).mean() < 3  # device vs reduced: resampling
     many = dataclasses.replace(data, workers=8)
-    choice = image_decode_choice(many, World(device=torch.device("cuda")))
+    choice = image_decode_choice(many, World(device=torch.device("meta")))
     assert choice.mode == "device" and choice.min_pixels == device_min_pixels(loading_cores(8, 1))
     eight_cores = DecodeChoice("device", device_min_pixels(8))  # as a rank with 8 workers on 8 cores chooses
     train, val, _ = build_transforms(ModelConfig(model="test-tiny"), many, "device", eight_cores)

@@ -7,7 +7,8 @@ its header's size: decode it on the device when the CPU cores this GPU has for l
 of that size per second than the device path does (DEVICE_IMAGES_PER_S), in the workers otherwise. So with many
 cores per GPU every image is decoded by the workers, as `reduced`; with few, large photographs go to the GPU
 first, and with one or two cores every JPEG does. On a CPU, or with augmentations that need the worker's pixels
-(--aug-cfg color_jitter, gray_scale_prob, use_timm), `auto` is `reduced`.
+(--aug-cfg color_jitter, gray_scale_prob, use_timm), or where torchvision cannot decode on the device (a build
+without nvJPEG, a GPU it has no JPEG decoder for), `auto` is `reduced`.
 
 The figures are measured (docs/benchmarks.md, "--image-decode auto"); the GPU kit's `decode` part measures both
 paths at 2, 4 and 8 workers on 512- and 1024-px photographs and reports the rule's choice beside each pair.
@@ -94,13 +95,16 @@ def loading_cores(workers: int, local_processes: int, allowed: int | None = None
     return min(float(workers), max(share, 1.0)) if workers > 0 else 0.0
 
 
-def choose_image_decode(decode: str, device_type: str, aug: dict, cores: float) -> DecodeChoice:
-    """--image-decode's value as this process runs it (`aug`: the validated --aug-cfg; `cores`: loading_cores)."""
+def choose_image_decode(
+    decode: str, device_type: str, aug: dict, cores: float, device_decodes: bool = True
+) -> DecodeChoice:
+    """--image-decode's value as this process runs it (`aug`: the validated --aug-cfg; `cores`: loading_cores;
+    `device_decodes`: whether the device's JPEG decoder works, device_decode.device_decodes_jpegs)."""
     if decode == "device":
         return DecodeChoice("device")
     if decode != "auto":
         return DecodeChoice(decode)
-    if device_type != "cuda" or cpu_only_augmentations(aug):
+    if device_type == "cpu" or cpu_only_augmentations(aug) or not device_decodes:
         return DecodeChoice("reduced")
     min_pixels = device_min_pixels(cores)
     return DecodeChoice("reduced") if min_pixels is None else DecodeChoice("device", min_pixels)

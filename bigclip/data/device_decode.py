@@ -20,6 +20,7 @@ the workers decode: the tests run it so).
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import random
@@ -172,6 +173,20 @@ def _say_once_if_cpu(device: torch.device) -> None:
             "--image-decode device on a CPU: every JPEG is decoded whole in the training process; on a machine "
             "without a GPU --image-decode reduced (what auto is there) is faster"
         )
+
+
+@functools.cache
+def device_decodes_jpegs(device: torch.device) -> bool:
+    """Whether torchvision decodes a JPEG batch on `device` (nvJPEG on CUDA; a build without it, or a device type
+    it has no decoder for, raises): --image-decode auto ships nothing to a device that would hand every image
+    back to the training process's CPU. One 16x16 JPEG, once per device."""
+    probe = io.BytesIO()
+    Image.new("RGB", (16, 16), (90, 120, 200)).save(probe, "JPEG")
+    try:
+        (pixels,) = decode_jpegs([jpeg_bytes(probe.getvalue())], device)
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+    return tuple(pixels.shape) == (3, 16, 16)
 
 
 def _decode_all(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
