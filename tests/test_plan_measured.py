@@ -110,6 +110,30 @@ def test_traced_activations_of_bigclips_vit_agree_with_the_formula():
     assert 1.9 < traced.kept_bytes(False, 4) / traced.kept_bytes(False, 2) <= 2
 
 
+def test_a_checkpointed_backward_peaks_where_a_block_is_recomputed_beside_what_was_kept_before_it():
+    """The backward runs in reverse: block i is recomputed when only what the forward kept before it is alive
+    (the inputs of blocks 0..i, the outside saved before block i began), or at its start, everything kept."""
+    from bigclip.memory.traced import Saved, TracedActivations
+
+    mib = float(1 << 20)
+    # a ConvNeXt-like tower: large early blocks, a downsample before block 2, a head after the last block
+    tower = TracedActivations(
+        outside=Saved(fixed=7 * mib),
+        blocks=(Saved(fixed=40 * mib), Saved(fixed=40 * mib), Saved(fixed=10 * mib)),
+        inputs=(Saved(fixed=4 * mib), Saved(fixed=4 * mib), Saved(fixed=1 * mib)),
+        outside_before=(Saved(fixed=2 * mib), Saved(), Saved(fixed=3 * mib), Saved(fixed=2 * mib)),
+    )
+    # block 1 recomputed: stem 2 + inputs 4 + 4 + its 40 (the downsample, block 2's input and the head are gone)
+    assert tower.checkpointed_peak_bytes(2) == 50 * mib < tower.kept_bytes(True, 2) + tower.largest_block_bytes(2)
+    # no order recorded (a trace from before it was kept): the conservative sum
+    unordered = dataclasses.replace(tower, outside_before=())
+    assert unordered.checkpointed_peak_bytes(2) == (7 + 9 + 40) * mib
+    # a real trace records every outside byte at one position
+    convnext = model_facts("convnext_base").traced[0]
+    assert sum(b.bytes(2) for b in convnext.outside_before) == pytest.approx(convnext.outside.bytes(2))
+    assert len(convnext.outside_before) == len(convnext.blocks) + 1
+
+
 @pytest.mark.slow  # ~2-3 s: two giant towers built and traced; the fast tier's test_giant_dry_run traces EVA02-E-14
 def test_timm_towers_are_planned_from_their_trace():
     """EVA02-E-14 (4.7B, timm's EVA) and convnext_base: every block traced on meta in seconds, a batch suggested."""

@@ -45,8 +45,11 @@ def activation_bytes(facts: ModelFacts, batch: int, checkpointing: bool, element
     if not checkpointing:
         return batch * (sum(layers * f for (layers, *_), f in zip(facts.towers, full_per_block)) + traced)
     kept = sum(layers * tokens * width * element_bytes for layers, tokens, width, _ in facts.towers)
-    recomputed = [*full_per_block, *(tower.largest_block_bytes(element_bytes) for tower in facts.traced)]
-    return batch * (kept + traced + max(recomputed, default=0.0))
+    # while one block is recomputed: a formula tower's (everything else kept), or a traced tower's at its own peak
+    recomputing = [traced + f for f in full_per_block]
+    recomputing += [traced - t.kept_bytes(True, element_bytes) + t.checkpointed_peak_bytes(element_bytes)
+                    for t in facts.traced]  # fmt: skip
+    return batch * (kept + max(recomputing, default=traced))
 
 
 def peak_parts(

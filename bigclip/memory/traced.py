@@ -10,7 +10,8 @@ the blocks (stem, downsampling, head); each block's input is recorded too.
 So the memory kept from the forward to the backward is, per sample:
 - without activation checkpointing: everything saved, blocks and outside;
 - with it (one checkpoint per block): what the outside saves, every block's input, and while a block is
-  recomputed in the backward, that block's own saved tensors (the largest block's, at worst).
+  recomputed in the backward, that block's own saved tensors beside what was kept before it (the backward runs
+  in reverse: what the forward saved after the block is gone by then).
 
 Sizes are counted in two parts, because the forward runs in bfloat16: values saved in the tower's dtype scale with
 the run's activation width (2 bytes under amp and pure bf16, 4 under fp32), values a model computes in float32 on
@@ -53,6 +54,8 @@ class TracedActivations:
     outside: Saved  # saved outside the blocks: stem, patch embedding, downsampling, pooling, head
     blocks: tuple[Saved, ...]  # each block's own saved tensors
     inputs: tuple[Saved, ...]  # each block's input (what a checkpointed block keeps)
+    # what the outside saved before each block began (the last: after the last block), in the forward's order
+    outside_before: tuple[Saved, ...] = ()
 
     def kept_bytes(self, checkpointing: bool, element_bytes: int) -> float:
         """Per sample, kept through the forward: all of it, or with checkpointing the outside and the inputs."""
@@ -62,6 +65,20 @@ class TracedActivations:
     def largest_block_bytes(self, element_bytes: int) -> float:
         """Per sample, the most one block saves: what its recomputation holds in a checkpointed backward."""
         return max((b.bytes(element_bytes) for b in self.blocks), default=0.0)
+
+    def checkpointed_peak_bytes(self, element_bytes: int) -> float:
+        """Per sample, the most a checkpointed backward holds: everything kept when it starts, or while block i is
+        recomputed, its saved tensors beside what the forward kept before it (the inputs of blocks 0..i, the
+        outside saved before block i began): the backward runs in reverse, so what was saved after block i is
+        gone by then. Uniform blocks peak at the last block (kept + one block); a ConvNeXt's large first-stage
+        blocks are recomputed when the later stages' inputs are gone."""
+        if len(self.outside_before) != len(self.blocks) + 1:  # no order recorded: at worst all kept + one block
+            return self.kept_bytes(True, element_bytes) + self.largest_block_bytes(element_bytes)
+        peak, alive = self.kept_bytes(True, element_bytes), 0.0
+        for before, block_input, block in zip(self.outside_before, self.inputs, self.blocks, strict=False):
+            alive += before.bytes(element_bytes) + block_input.bytes(element_bytes)
+            peak = max(peak, alive + block.bytes(element_bytes))
+        return peak
 
 
 class _FusedAttention(TorchFunctionMode):
@@ -109,7 +126,9 @@ def trace_activations(
     state.add(StorageWeakRef(batch.untyped_storage()))
     seen: set[StorageWeakRef] = set()
     outside, per_block, inputs = Saved(), [Saved() for _ in blocks], [Saved() for _ in blocks]
+    outside_before = [Saved() for _ in range(len(blocks) + 1)]
     running: list[int] = []  # the block being run (a stack: a block's hooks may nest inside another's)
+    entered = [0]  # blocks begun at the top level so far
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal outside
@@ -121,6 +140,7 @@ def trace_activations(
                 per_block[running[0]] += size
             else:
                 outside += size
+                outside_before[min(entered[0], len(blocks))] += size
         return t
 
     def enter(index: int):
@@ -129,6 +149,7 @@ def trace_activations(
                 first = next((a for a in args if isinstance(a, torch.Tensor)), None)
                 if first is not None:
                     inputs[index] += _size(first, first.numel() * first.element_size())
+                entered[0] += 1
             running.append(index)
 
         return hook
@@ -149,4 +170,9 @@ def trace_activations(
     def per_sample(s: Saved) -> Saved:
         return Saved(s.values / _TRACE_BATCH, s.fixed / _TRACE_BATCH)
 
-    return TracedActivations(per_sample(outside), tuple(map(per_sample, per_block)), tuple(map(per_sample, inputs)))
+    return TracedActivations(
+        per_sample(outside),
+        tuple(map(per_sample, per_block)),
+        tuple(map(per_sample, inputs)),
+        tuple(map(per_sample, outside_before)),
+    )
