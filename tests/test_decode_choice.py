@@ -58,8 +58,8 @@ def test_the_rule_ships_what_the_workers_would_deliver_more_slowly_than_the_devi
     assert thresholds == sorted(thresholds)  # more cores never ship more
     for cores in (3.5, 4, 6, 8, 12, 16, 48):
         assert device_min_pixels(cores) == pytest.approx(_crossover_by_bisection(cores), rel=1e-6, abs=1)
-    # beyond the measured sizes the cost keeps growing (a 12-megapixel photo costs a worker ~25 ms)
-    assert 0.02 < reduced_seconds(4000 * 3000) < 0.05
+    # beyond the measured sizes the cost keeps growing (a 12-megapixel photo costs a worker ~48 ms)
+    assert 0.03 < reduced_seconds(4000 * 3000) < 0.06
     assert device_min_pixels(10**7) is None  # no image that large: nothing goes to the device
 
 

@@ -23,17 +23,15 @@ from dataclasses import dataclass
 from bigclip.data.transforms import cpu_only_augmentations
 
 # One loader worker's seconds per training sample with --image-decode reduced, by the JPEG's pixel count: the
-# photographs of bench/data_throughput.py (--photos 256, 512, 1024: crops of aspect 3:4 to 4:3 resized to that long
-# side, so PHOTO_AREA x side^2 pixels on average; one worker): 552, 353 and 243 samples/s here (2-core x86-64,
-# 2026-11-26), and on the H200's 16-core host the same within 6% (2981/8 and 1417/4 at 512 px, 489/2 at 1024 px).
-# Reading the shard, the caption and the batch are in it: what a worker does per sample besides the decode. Larger
-# images: the last slope (libjpeg's 1/4 and 1/8 scales keep the decoded pixels near the output's; what grows is the
-# entropy decoding, linear in the file).
+# photographs of bench/data_throughput.py (--photos 256, 512, 1024 --workers 1: crops of aspect 3:4 to 4:3 resized
+# to that long side, so PHOTO_AREA x side^2 pixels on average): 698, 435 and 202 samples/s here (2-core x86-64,
+# 2026-11-29); the H200's 16-core host measured 373 and 354 per worker at 512 px and 245 at 1024 px (2026-11-27,
+# an older loader). Reading the shard, the caption and the batch are in it: what a worker does per sample besides
+# the decode. Larger images: the last slope (what grows is the entropy decoding, linear in the file; libjpeg's
+# 1/4 and 1/8 scales keep the decoded pixels near the output's).
 PHOTO_AREA = 0.868  # the mean of min(r, 1/r) for an aspect r drawn uniformly from 3/4 to 4/3
-REDUCED_S_PER_IMAGE = tuple(
-    (round(PHOTO_AREA * side * side), 1 / samples_per_s)
-    for side, samples_per_s in ((256, 552), (512, 353), (1024, 243))
-)
+REDUCED_SAMPLES_PER_S = ((256, 698), (512, 435), (1024, 202))  # (long side, one worker's samples/s)
+REDUCED_S_PER_IMAGE = tuple((round(PHOTO_AREA * side * side), 1 / rate) for side, rate in REDUCED_SAMPLES_PER_S)
 # Images per second one GPU takes through --image-decode device while training (nvJPEG decodes the batch, crops
 # are resized there): H200, ViT-B-32 amp batch 256, 2008 samples/s at 512 px with 8 workers; the loader alone
 # 2336 at 1024 px with 2 workers (the GPU kit, 2026-11-27).
