@@ -232,7 +232,7 @@ def image_decode_choice(data: DataConfig, world: World) -> DecodeChoice:
 def build_data(model: ModelConfig, data: DataConfig, world: World, epoch: int):
     """(the run's loaders by name, the tokenizer) for this rank."""
     decode = image_decode_choice(data, world)
-    if data.image_decode == "auto" and world.is_main:
+    if data.image_decode == "auto" and decode.mode == "device" and world.is_main:  # a CPU run's auto is reduced
         logger.info(f"--image-decode auto: {decode.describe()}")
     normalize_at = training_normalize_at(world.device)
     preprocess_train, preprocess_val, geometry = build_transforms(model, data, normalize_at, decode)

@@ -87,7 +87,11 @@ def loading_cores(workers: int, local_processes: int, allowed: int | None = None
     """The CPU cores one training process has for its loader: its workers, at most its share of the CPUs it may
     run on (`allowed`, its affinity). Where that is the whole machine (`machine` CPUs), the node's training
     processes share it; a scheduler that pins each task (Slurm's --cpus-per-task, numactl) gives each its own."""
-    allowed = len(os.sched_getaffinity(0)) if allowed is None else allowed
+    if allowed is None:
+        try:
+            allowed = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            allowed = os.cpu_count() or 1
     machine = (os.cpu_count() or allowed) if machine is None else machine
     share = allowed / max(local_processes, 1) if allowed >= machine else allowed
     return min(float(workers), max(share, 1.0)) if workers > 0 else 0.0
