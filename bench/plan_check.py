@@ -36,7 +36,7 @@ WORLD = 2
 # 2026-11-29) the leanest setup's ranks held 86-119 MiB of freed sub-MiB allocations (packed update windows'
 # pieces, FSDP2's small all-gathers) in glibc's heaps between steps: malloc_trim(0) gave them back, and the
 # resident memory at rest was then the live tensors (gc-counted, 303 MiB) plus test-tiny's runtime; measured at
-# 64 KiB, nothing was left to trim and the peak fell from 1.13x to 1.06x of the plan's.
+# 64 KiB, nothing was left to trim and the peak fell from 1.13x to 1.03-1.06x of the plan's.
 MMAP_THRESHOLD = 64 << 10
 
 
