@@ -56,13 +56,17 @@ class DecodeChoice:
         )
 
 
+def _along(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """The piecewise-linear function through `points` (x increasing) at x, extended by its end segments."""
+    i = min(max(bisect_left([p for p, _ in points], x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
 def reduced_seconds(pixels: float) -> float:
     """One worker's seconds per sample of that many pixels, interpolated in REDUCED_S_PER_IMAGE (the end slopes
     beyond it, never below the smallest measured)."""
-    points = REDUCED_S_PER_IMAGE
-    i = min(max(bisect_left([p for p, _ in points], pixels), 1), len(points) - 1)
-    (p0, s0), (p1, s1) = points[i - 1], points[i]
-    return max(points[0][1], s0 + (s1 - s0) * (pixels - p0) / (p1 - p0))
+    return max(REDUCED_S_PER_IMAGE[0][1], _along(REDUCED_S_PER_IMAGE, pixels))
 
 
 def device_min_pixels(cores: float) -> int | None:
@@ -71,15 +75,9 @@ def device_min_pixels(cores: float) -> int | None:
     if cores <= 0:
         return 0  # the training process loads by itself (--workers 0): every decode it avoids is a step's time
     budget = cores / DEVICE_IMAGES_PER_S  # seconds a worker may spend on an image and still keep up
-    points = REDUCED_S_PER_IMAGE
-    if budget < points[0][1]:
+    if budget < REDUCED_S_PER_IMAGE[0][1]:
         return 0
-    (p0, s0), (p1, s1) = points[-2], points[-1]
-    for (q0, t0), (q1, t1) in zip(points, points[1:], strict=False):
-        if t0 <= budget < t1:
-            (p0, s0), (p1, s1) = (q0, t0), (q1, t1)
-            break
-    pixels = p0 + (budget - s0) * (p1 - p0) / (s1 - s0)
+    pixels = _along(tuple((t, p) for p, t in REDUCED_S_PER_IMAGE), budget)  # reduced_seconds inverted
     return round(pixels) if pixels < 1e9 else None  # beyond a gigapixel: no image is decoded on the device
 
 
