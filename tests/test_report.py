@@ -16,7 +16,7 @@ from helpers import REPO, TINY_SYNTHETIC, python_train, read_metrics
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
 from bigclip import cli
-from bigclip.report import write_report
+from bigclip.report import MAX_DRAWING_SHARE, RunReports, write_report
 from bigclip.report.figure import build_figure
 from bigclip.report.runs import load_run
 from bigclip.run.code_version import code_version
@@ -176,6 +176,25 @@ def test_bad_report_arguments_are_one_line(runs, tmp_path, capsys):
         f"bigclip: error: -o {tmp_path / 'r.txt'}: name an .html or a .png file (both are written)"
     )
     assert not os.listdir(tmp_path)
+
+
+def test_a_runs_report_is_redrawn_between_epochs_only_within_its_share_of_time(runs, tmp_path, monkeypatch):
+    """The first epoch's end draws; a later epoch's end draws only once the time since the last draw is the draw's
+    cost over MAX_DRAWING_SHARE; the end always draws. The clock's readings are given: the draw itself is real."""
+    monkeypatch.setenv("BIGCLIP_RUN_REPORT", "1")
+    run_dir = shutil.copytree(runs["b"], tmp_path / "b")
+    wait = 1 / MAX_DRAWING_SHARE  # after a draw that cost 1 s
+    readings = iter([0, 0, 1, 1 + wait - 0.5, 30, 31, 31 + wait, 31 + wait, 32 + wait])
+    reports = RunReports(str(run_dir), active=True, disabled=False, clock=lambda: next(readings))
+    drawn = []
+    for final in (False, False, True, False):
+        page = run_dir / "report.html"
+        page.unlink(missing_ok=True)
+        reports.write(final=final)
+        drawn.append(page.is_file())
+    assert drawn == [True, False, True, True]
+    assert next(readings, None) is None  # every reading was asked for: no draw went unmeasured
+    assert reports.page == str(page)
 
 
 def test_no_run_report_and_a_missing_matplotlib_leave_training_alone(tmp_path):
