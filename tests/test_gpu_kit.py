@@ -34,6 +34,11 @@ def test_smoke_run_reports_every_part_with_its_figures(tmp_path):
     results = json.loads((out / "results.json").read_text())["parts"]
     assert {name: r["status"] for name, r in results.items()} == dict.fromkeys(PARTS, "ok")
     tables = {name: r["tables"] for name, r in results.items()}
+    # every row says when its part wrote it (seconds since the part's process started): where each budget went
+    for name, r in results.items():
+        for table in r["tables"].values():
+            stamps = [row["at_s"] for row in table]
+            assert stamps == sorted(stamps) and 0 < stamps[0] and stamps[-1] <= r["wall_s"] + 1, (name, stamps)
 
     rows = tables["losses"]["rows"]  # long form: one row per (family, n, d, dtype, impl, precision)
     assert {(r["family"], r["impl"], r["precision"]) for r in rows} == {

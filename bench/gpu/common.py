@@ -37,8 +37,17 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def seconds_since_start() -> float:
+    """Seconds since this process started (imports included): stamped on every row, so that a run's JSON shows where
+    a part's budget went (one row's cost is the difference to the row before it)."""
+    import psutil  # on the GPU machine's image and a DeepSpeed dependency here
+
+    return time.time() - psutil.Process().create_time()
+
+
 class Recorder:
-    """The part's results: tables of rows (dicts) and notes, rewritten to --out after every addition."""
+    """The part's results: tables of rows (dicts, each stamped `at_s`: seconds since the part's process started)
+    and notes, rewritten to --out after every addition."""
 
     def __init__(self, path: str):
         self.path = path
@@ -46,6 +55,7 @@ class Recorder:
         self.flush()
 
     def row(self, table: str, **fields) -> None:
+        fields["at_s"] = round(seconds_since_start(), 1)
         self.data["tables"].setdefault(table, []).append(fields)
         self.flush()
         print(table, json.dumps(fields), flush=True)
