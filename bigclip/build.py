@@ -28,6 +28,7 @@ from bigclip.model.config import ModelConfig, check_model
 from bigclip.model.fp8_linear import check_fp8_device
 from bigclip.model.pretrained import model_weights, resolve_pretrained, resolve_pretrained_image, timm_model_name
 from bigclip.model.registry import CONFIG_NAME, HF_HUB_PREFIX, check_hub_name, fetch_hub_config, is_schema_name
+from bigclip.model.switchback import speed_note as int8_speed_note
 from bigclip.model.tokenizer import variable_text_pad_id
 
 logger = logging.getLogger("bigclip")
@@ -91,6 +92,8 @@ def model_factory(cfg: ModelConfig, world: World):
     meta they are checked now and streamed into each rank's shards later."""
     if cfg.use_fp8_linear is not None:
         check_fp8_device(world.device)  # also where sharding engines build on meta
+    if cfg.use_bnb_linear is not None and (note := int8_speed_note(cfg.use_bnb_linear, world.device)):
+        logger.info(note)
     fetch_model_configs(cfg, world)
     weights = pretrained_weights(cfg, world)
     image_weights = pretrained_image_weights(cfg, world, weights)

@@ -386,6 +386,23 @@ def test_bigclip_model_trains_with_switchback_mlps():
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad and p.dim() == 2)
 
 
+@pytest.mark.slow
+def test_a_cpu_run_says_once_that_its_int8_layers_reproduce_the_numerics_not_the_speed(tmp_path):
+    """Nothing on CUDA (the GPU kit measures the speed there), nothing for StandardLinear (no int8 in it)."""
+    from helpers import TINY_SYNTHETIC
+
+    from bigclip import cli
+
+    flags = ["--epochs", "1", "--use-bnb-linear", "SwitchBackLinearGlobal", "--logs", str(tmp_path), "--name", "int8"]
+    assert cli.main([*TINY_SYNTHETIC, *flags]) == 0
+    log = open(tmp_path / "int8" / "out.log").read()
+    said = "--use-bnb-linear SwitchBackLinearGlobal on cpu: the int8 layers reproduce SwitchBack's numerics, not its"
+    assert log.count(said) == 1, log[-3000:]
+    assert sb.speed_note("SwitchBackLinearVectorwise", torch.device("cpu")).startswith("--use-bnb-linear")
+    assert sb.speed_note("SwitchBackLinearGlobal", torch.device("cuda")) is None
+    assert sb.speed_note("StandardLinear", torch.device("cpu")) is None
+
+
 # --------------------------------------------------------------------------- counting and autocast
 
 

@@ -362,6 +362,25 @@ for _cls, _help in (
 VARIANTS = tuple(SWITCHBACK_VARIANTS.names())
 VARIANT_CLASSES: dict[str, type[nn.Linear]] = dict(SWITCHBACK_VARIANTS.items())
 
+# One SwitchBack layer's forward + backward against bf16 nn.Linear's on a CPU (bench/int8_linear.py, ViT-H and
+# ViT-bigG MLP shapes, 2 cores, 2026-11-27; docs/benchmarks.md): torch._int_mm is no tuned GEMM there, and the
+# quantization passes come on top. The speed SwitchBack is for needs a GPU's int8 tensor cores.
+CPU_SPEED_VS_BF16 = (0.28, 0.80)
+
+
+def speed_note(variant: str, device: torch.device) -> str | None:
+    """What a run with `--use-bnb-linear variant` says once at start-up about its speed where its int8 layers
+    cannot be faster than floating point (every device but CUDA's), so that nobody reads an experiment's
+    slowdown there as SwitchBack's; None where there is nothing to say (a GPU; StandardLinear, which has no int8)."""
+    if device.type == "cuda" or not issubclass(VARIANT_CLASSES[variant], _SwitchBackLinear):
+        return None
+    low, high = CPU_SPEED_VS_BF16
+    return (
+        f"--use-bnb-linear {variant} on {device.type}: the int8 layers reproduce SwitchBack's numerics, not its "
+        f"speed: without a GPU's int8 tensor cores they run at {low:.2f}-{high:.2f}x bf16's speed "
+        "(docs/benchmarks.md, int8 SwitchBack linear layers)"
+    )
+
 
 def replace_linears(model: nn.Module, variant: str, names: tuple[str, ...] = MLP_LINEAR_NAMES) -> int:
     """Make every nn.Linear whose own name (last part of its qualified name) is in `names` a `variant`.
