@@ -27,6 +27,7 @@ from test_engine_multiprocess import DS, FP32_RTOL, assert_same_run, run_worker
 from tiktoken_ext.openai_public import r50k_pat_str
 from torch import nn
 
+from bigclip import cli
 from bigclip.errors import UserError
 from bigclip.memory.size import model_facts
 from bigclip.memory.traced import trace_activations
@@ -225,7 +226,81 @@ def test_a_missing_tiktoken_encoding_is_one_line_naming_what_to_fetch_and_where(
     line = str(err.value)
     assert "\n" not in line and line.startswith(f"--model {NAME}: tiktoken encoding r50k_base")
     url = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
-    assert f"fetch {url}" in line and os.path.join(str(tmp_path), hashlib.sha1(url.encode()).hexdigest()) in line
+    assert f"where {url} is reachable, or save that file as " in line
+    assert line.endswith(os.path.join(str(tmp_path), hashlib.sha1(url.encode()).hexdigest()))
+
+
+@pytest.fixture
+def served_r50k(monkeypatch):
+    """The stand-in r50k_base as a .tiktoken file served over HTTP on 127.0.0.1, in tiktoken's registry as the
+    encoding r50k_base (its constructor reads that URL with its SHA-256, as tiktoken_ext reads OpenAI's): tiktoken's
+    own download and cache path. Yields (url, file bytes, the server)."""
+    import base64
+    import http.server
+    import threading
+
+    from tiktoken.load import load_tiktoken_bpe
+
+    ranks = stand_in_r50k()._mergeable_ranks
+    data = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items()).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/r50k_base.tiktoken"
+
+    def constructor():
+        mergeable = load_tiktoken_bpe(url, expected_hash=hashlib.sha256(data).hexdigest())
+        return {"name": "r50k_base", "pat_str": r50k_pat_str, "mergeable_ranks": mergeable,
+                "special_tokens": {"<|endoftext|>": 50256}}  # fmt: skip
+
+    tiktoken.registry.list_encoding_names()  # tiktoken finds its plugins' constructors once
+    monkeypatch.setitem(tiktoken.registry.ENCODING_CONSTRUCTORS, "r50k_base", constructor)
+    monkeypatch.delitem(tiktoken.registry.ENCODINGS, "r50k_base", raising=False)
+    for variable in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+        monkeypatch.delenv(variable, raising=False)
+    try:
+        yield url, data, server
+    finally:
+        server.shutdown()
+        server.server_close()
+        tiktoken.registry.ENCODINGS.pop("r50k_base", None)
+
+
+def test_bigclip_fetch_puts_the_tiktoken_encoding_where_a_run_without_network_reads_it(served_r50k, tmp_path, capsys):
+    """`bigclip fetch --model M --cache-dir D` downloads M's tiktoken encoding into D/tiktoken (tiktoken's own
+    download, hash check and file name); then, the server gone, a run's tokenizer with the same --cache-dir reads it
+    from there; with another --cache-dir it is one line naming the command and the file."""
+    url, data, server = served_r50k
+    cache = tmp_path / "cache"
+    assert cli.main(["fetch", "--model", NAME, "--cache-dir", str(cache)]) == 0
+    saved = cache / "tiktoken" / hashlib.sha1(url.encode()).hexdigest()
+    assert saved.read_bytes() == data
+    # (the line names the file of OpenAI's URL, which tiktoken's own r50k_base reads)
+    official = hashlib.sha1(b"https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken").hexdigest()
+    assert f"--model {NAME}: tiktoken encoding r50k_base {cache / 'tiktoken' / official}" in capsys.readouterr().out
+    assert "TIKTOKEN_CACHE_DIR" not in os.environ  # set for the load only
+
+    server.shutdown()
+    server.server_close()  # connections refused from here (a listening socket nobody serves would hang them)
+    tiktoken.registry.ENCODINGS.pop("r50k_base")
+    tokens = get_tokenizer(NAME, cache_dir=str(cache))(["a photo of a cat"])[0].tolist()
+    ids = stand_in_r50k().encode_ordinary("a photo of a cat")
+    assert tokens[1 : 1 + len(ids)] == ids and len(ids) < 16  # after bos: the served encoding's merges
+    tiktoken.registry.ENCODINGS.pop("r50k_base")
+    with pytest.raises(UserError) as err:
+        get_tokenizer(NAME, cache_dir=str(tmp_path / "elsewhere"))
+    line = str(err.value)
+    assert "\n" not in line and f"run `bigclip fetch --model {NAME}` with the same --cache-dir" in line, line
 
 
 def test_a_config_whose_ids_are_not_the_tokenizers_is_refused(r50k, tmp_path):

@@ -6,8 +6,10 @@ the job will use, then start the job with HF_HUB_OFFLINE=1. It fetches what the 
 code (build.py): an hf-hub:ORG/NAME --model's open_clip_config.json, then the weights the run loads (a --pretrained
 tag's file, else the hf-hub: repository's own weights) and, for --pretrained-image, timm's trunk weights where no
 whole-model weights replace them, and the Hugging Face tokenizer the architecture's text_cfg names
-(hf_tokenizer_name: SigLIP's, CLIPA's, the worldwide models'). Every large file's SHA-256 is checked. With
-HF_HUB_OFFLINE=1 it fetches nothing and checks that the cache holds all of it. A Hugging Face text tower's model
+(hf_tokenizer_name: SigLIP's, CLIPA's, the worldwide models'), or the tiktoken encoding it names (OpenCLIP main's
+modern text models: tiktoken_name, into --cache-dir's `tiktoken/` folder, where the job's tokenizer looks unless
+TIKTOKEN_CACHE_DIR says otherwise). Every large file's SHA-256 is checked. With HF_HUB_OFFLINE=1 it fetches nothing
+from the hub and checks that the cache holds all of it. A Hugging Face text tower's model
 files (text_cfg hf_model_name) are not fetched: transformers keeps them in its own cache
 (`huggingface-cli download NAME`).
 """
@@ -22,7 +24,8 @@ from bigclip.model.config import ModelConfig, check_model
 from bigclip.model.factory import get_tokenizer
 from bigclip.model.pretrained import is_local_weights
 from bigclip.model.registry import CONFIG_NAME, HF_HUB_PREFIX, config_file, get_model_config, hub_cache_dir
-from bigclip.model.tokenizer import hub_tokenizer
+from bigclip.model.tiktoken_tokenizer import cache_path
+from bigclip.model.tokenizer import hub_tokenizer, tiktoken_encoding
 
 
 def _parser() -> OneLineErrorParser:
@@ -39,7 +42,8 @@ def fetch(cfg: ModelConfig) -> list[str]:
     hub_model = cfg.model.startswith(HF_HUB_PREFIX)
     tag = cfg.pretrained is not None and not is_local_weights(cfg.pretrained)
     # (a built-in architecture's config is at hand: whether its tokenizer comes from the hub is known now)
-    tokenizer = None if hub_model else hub_tokenizer(cfg.model, get_model_config(cfg.model, cfg.cache_dir))
+    config = None if hub_model else get_model_config(cfg.model, cfg.cache_dir)
+    tokenizer = config and (hub_tokenizer(cfg.model, config) or tiktoken_encoding(cfg.model, config))
     if not (hub_model or tag or cfg.pretrained_image or tokenizer):
         raise UserError(
             f"bigclip fetch: --model {cfg.model} reads nothing from the Hugging Face hub; name an hf-hub:ORG/NAME "
@@ -49,10 +53,14 @@ def fetch(cfg: ModelConfig) -> list[str]:
     check_model(cfg)  # the flags as a run validates them (an hf-hub: name's form; a tag --model has)
     fetch_model_configs(cfg, world)  # an hf-hub: config, then every check on it
     lines = [f"--model {cfg.model}: {CONFIG_NAME} {config_file(cfg.model, cfg.cache_dir, True)}"] if hub_model else []
-    tokenizer = hub_tokenizer(cfg.model, get_model_config(cfg.model, cfg.cache_dir, local_files_only=True))
-    if tokenizer is not None:
+    config = get_model_config(cfg.model, cfg.cache_dir, local_files_only=True)
+    tokenizer, encoding = hub_tokenizer(cfg.model, config), tiktoken_encoding(cfg.model, config)
+    if tokenizer is not None or encoding is not None:
         get_tokenizer(cfg.model, cache_dir=cfg.cache_dir)  # what the run's data pipeline loads, the same way
+    if tokenizer is not None:
         lines.append(f"--model {cfg.model}: tokenizer {tokenizer} (text_cfg hf_tokenizer_name)")
+    if encoding is not None:
+        lines.append(f"--model {cfg.model}: tiktoken encoding {encoding} {cache_path(encoding, cfg.cache_dir)}")
     weights = pretrained_weights(cfg, world)
     if weights is not None and weights != cfg.pretrained:
         lines.append(f"--{'pretrained' if cfg.pretrained else 'model'} weights {weights}")

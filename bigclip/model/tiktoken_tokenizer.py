@@ -9,14 +9,18 @@ reserved above the encoding's vocabulary, so they never collide with a caption's
 A caption is [bos] + its tokens (encode_ordinary: no special-token markup) + [eot], cut to the context length with
 eot kept last, then right-padded with the pad id; `pad=False` gives each caption unpadded, for variable-length
 batches (data/ pads a batch to its longest caption). tiktoken downloads an encoding's file on first use into its
-cache (TIKTOKEN_CACHE_DIR); where it cannot, loading is one line naming the file and where it goes.
+cache: TIKTOKEN_CACHE_DIR where set, else the run's --cache-dir's `tiktoken/` folder (so that `bigclip fetch` with
+the job's --cache-dir prepares a node without network), else its own folder in the temporary directory; where it
+cannot, loading is one line naming the file and where it goes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
+from collections.abc import Iterator
 
 import torch
 
@@ -26,27 +30,48 @@ from bigclip.errors import UserError, first_line
 OPENAI_ENCODINGS = "https://openaipublic.blob.core.windows.net/encodings/{}.tiktoken"
 
 
-def _cache_path(url: str) -> str:
-    """The file tiktoken reads `url` from before downloading it (its load.read_file_cached)."""
-    cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
-    cache = cache or os.path.join(tempfile.gettempdir(), "data-gym-cache")
-    return os.path.join(cache, hashlib.sha1(url.encode()).hexdigest())
+def tiktoken_cache_dir(cache_dir: str | None = None) -> str:
+    """The folder tiktoken keeps downloaded encodings in for a run with --cache-dir `cache_dir`."""
+    for variable in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):  # tiktoken's order ("" turns its cache off)
+        if variable in os.environ:
+            return os.environ[variable]
+    return os.path.join(cache_dir, "tiktoken") if cache_dir else os.path.join(tempfile.gettempdir(), "data-gym-cache")
 
 
-def load_encoding(name: str, model: str):
-    """tiktoken's encoding `name`; one line (UserError) naming what to fetch where it cannot be had."""
+def cache_path(name: str, cache_dir: str | None = None) -> str:
+    """The file tiktoken reads encoding `name` from before downloading it (its load.read_file_cached)."""
+    return os.path.join(tiktoken_cache_dir(cache_dir), hashlib.sha1(OPENAI_ENCODINGS.format(name).encode()).hexdigest())
+
+
+@contextlib.contextmanager
+def _tiktoken_cache(cache_dir: str | None) -> Iterator[None]:
+    """tiktoken reads its cache folder from the environment when it loads a file: --cache-dir's folder is set there
+    for the load only (and only where the user set none)."""
+    if not cache_dir or "TIKTOKEN_CACHE_DIR" in os.environ or "DATA_GYM_CACHE_DIR" in os.environ:
+        yield
+        return
+    os.environ["TIKTOKEN_CACHE_DIR"] = tiktoken_cache_dir(cache_dir)
+    try:
+        yield
+    finally:
+        del os.environ["TIKTOKEN_CACHE_DIR"]
+
+
+def load_encoding(name: str, model: str, cache_dir: str | None = None):
+    """tiktoken's encoding `name`, downloaded on first use into tiktoken_cache_dir(cache_dir); one line
+    (UserError) naming what to fetch where it cannot be had."""
     try:
         import tiktoken
     except ImportError:
         raise UserError(f"--model {model}: its tokenizer needs tiktoken; pip install 'bigclip[tiktoken]'") from None
     try:
-        return tiktoken.get_encoding(name)
+        with _tiktoken_cache(cache_dir):
+            return tiktoken.get_encoding(name)
     except (OSError, ValueError) as err:  # no network (requests' errors are OSErrors), an unknown name
-        url = OPENAI_ENCODINGS.format(name)
         raise UserError(
             f"--model {model}: tiktoken encoding {name} (text_cfg tiktoken_name) could not be loaded "
-            f"({first_line(err)}); fetch {url} where it is reachable and save it as {_cache_path(url)} "
-            f"(tiktoken's cache: TIKTOKEN_CACHE_DIR)"
+            f"({first_line(err)}); run `bigclip fetch --model {model}` with the same --cache-dir where "
+            f"{OPENAI_ENCODINGS.format(name)} is reachable, or save that file as {cache_path(name, cache_dir)}"
         ) from None
 
 
@@ -89,14 +114,17 @@ class TikTokenTokenizer:
         return out
 
 
-def tiktoken_tokenizer(name: str, text_cfg: dict, context_length: int) -> TikTokenTokenizer:
+def tiktoken_tokenizer(
+    name: str, text_cfg: dict, context_length: int, cache_dir: str | None = None
+) -> TikTokenTokenizer:
     """What OpenCLIP main's get_tokenizer gives architecture `name`: its text_cfg's encoding, add_bos/add_eos from
     its tokenizer_kwargs, and, as main checks, the text_cfg's eos_id (where pooling reads it) and pad_id the
-    tokenizer's (pooling and the pad mask would read the wrong positions otherwise)."""
+    tokenizer's (pooling and the pad mask would read the wrong positions otherwise). cache_dir: the run's
+    --cache-dir (where the encoding is downloaded)."""
     if (text_cfg.get("tokenizer_kwargs") or {}).get("clean"):
         raise UserError(f"--model {name}: text_cfg tokenizer_kwargs clean is not built for tiktoken tokenizers yet")
     kwargs = {k: v for k, v in (text_cfg.get("tokenizer_kwargs") or {}).items() if k in ("add_bos", "add_eos")}
-    encoding = load_encoding(text_cfg.get("tiktoken_name", "cl100k_base"), name)
+    encoding = load_encoding(text_cfg.get("tiktoken_name", "cl100k_base"), name, cache_dir)
     tokenizer = TikTokenTokenizer(encoding, context_length=context_length, **kwargs)
     pool = text_cfg.get("pool_type", "argmax")
     uses_eos = pool == "eos" or (text_cfg.get("text_arch") == "modern" and pool == "argmax")

@@ -118,6 +118,14 @@ def hub_tokenizer(name: str, model_cfg: dict) -> str | None:
     return None if os.path.isdir(source) else source
 
 
+def tiktoken_encoding(name: str, model_cfg: dict) -> str | None:
+    """The tiktoken encoding architecture `name` tokenizes with (its text_cfg tiktoken_name), or None."""
+    schema, _ = parse_model_name(name)
+    if tokenizer_kind(name, model_cfg, schema is not None) != "tiktoken":
+        return None
+    return model_cfg["text_cfg"].get("tiktoken_name", "cl100k_base")
+
+
 def known_vocab_size(name: str, model_cfg: dict, schema: bool = False) -> int | None:
     """The number of token ids the architecture's tokenizer gives, where it is known without the hub."""
     kind = tokenizer_kind(name, model_cfg, schema)
@@ -135,7 +143,7 @@ def openclip_tokenizer(name: str, model_cfg: dict, context_length: int | None = 
     kwargs = dict(text_cfg.get("tokenizer_kwargs") or {})
     kind = tokenizer_kind(name, model_cfg)
     if kind == "tiktoken":
-        return tiktoken_tokenizer(name, text_cfg, length)
+        return tiktoken_tokenizer(name, text_cfg, length, cache_dir)
     if kind == "bpe":
         return openclip.SimpleTokenizer(context_length=length, **kwargs)
     if kind == "siglip":  # OpenCLIP's variants by name: Gemma's for SigLIP 2, mC4's for i18n, else English C4
