@@ -139,9 +139,8 @@ def _run(cfg: TrainConfig, run: Sections, world: World) -> int:
         checkpointer.resume(state)
         NOTICE.arm()  # from here a preemption notice saves a final checkpoint at the next step
         metrics = _train(run, world, engine, loss_fn, data, tokenizer, state, checkpointer, sinks, teacher, reports)
-        checkpointer.finish(
-            before_last_copy=partial(reports.write, final=True)
-        )  # the last commit in it, and in --remote-sync's copy
+        # the last commit, and the report drawn into the run folder before --remote-sync's last copy of it
+        checkpointer.finish(before_last_copy=partial(reports.write, final=True))
         if state.nonfinite_steps:
             logger.warning(f"{state.nonfinite_steps} step(s) were skipped for a non-finite loss")
         _summarise(paths, metrics, reports.page)

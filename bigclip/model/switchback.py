@@ -370,15 +370,16 @@ CPU_SPEED_VS_BF16 = (0.28, 0.80)
 
 def speed_note(variant: str, device: torch.device) -> str | None:
     """What a run with `--use-bnb-linear variant` says once at start-up about its speed where its int8 layers
-    cannot be faster than floating point (every device but CUDA's), so that nobody reads an experiment's
-    slowdown there as SwitchBack's; None where there is nothing to say (a GPU; StandardLinear, which has no int8)."""
+    cannot be faster than floating point (off CUDA, where the Triton kernels do not run), so that nobody reads an
+    experiment's slowdown there as SwitchBack's; None where there is nothing to say (CUDA: the GPU kit measures
+    it; StandardLinear, which has no int8)."""
     if device.type == "cuda" or not issubclass(VARIANT_CLASSES[variant], _SwitchBackLinear):
         return None
     low, high = CPU_SPEED_VS_BF16
     return (
         f"--use-bnb-linear {variant} on {device.type}: the int8 layers reproduce SwitchBack's numerics, not its "
-        f"speed: without a GPU's int8 tensor cores they run at {low:.2f}-{high:.2f}x bf16's speed "
-        "(docs/benchmarks.md, int8 SwitchBack linear layers)"
+        f"speed: off CUDA they run on torch._int_mm and extra quantization passes, {low:.2f}-{high:.2f}x bf16's "
+        "speed on a CPU (docs/benchmarks.md, int8 SwitchBack linear layers)"
     )
 
 
