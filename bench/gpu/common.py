@@ -9,6 +9,7 @@ allocated before the call; on CPU it is not measured (None).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -37,12 +38,17 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@functools.cache
+def _process_started() -> float:
+    import psutil  # on the GPU machine's image and a DeepSpeed dependency here
+
+    return psutil.Process().create_time()
+
+
 def seconds_since_start() -> float:
     """Seconds since this process started (imports included): stamped on every row, so that a run's JSON shows where
     a part's budget went (one row's cost is the difference to the row before it)."""
-    import psutil  # on the GPU machine's image and a DeepSpeed dependency here
-
-    return time.time() - psutil.Process().create_time()
+    return time.time() - _process_started()
 
 
 class Recorder:

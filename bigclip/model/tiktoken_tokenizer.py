@@ -30,11 +30,18 @@ from bigclip.errors import UserError, first_line
 OPENAI_ENCODINGS = "https://openaipublic.blob.core.windows.net/encodings/{}.tiktoken"
 
 
+# Where tiktoken reads its cache folder from, in its order ("" turns its cache off); set, they win over --cache-dir
+TIKTOKEN_CACHE_VARIABLES = ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")
+
+
+def _user_cache_variable() -> str | None:
+    return next((v for v in TIKTOKEN_CACHE_VARIABLES if v in os.environ), None)
+
+
 def tiktoken_cache_dir(cache_dir: str | None = None) -> str:
     """The folder tiktoken keeps downloaded encodings in for a run with --cache-dir `cache_dir`."""
-    for variable in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):  # tiktoken's order ("" turns its cache off)
-        if variable in os.environ:
-            return os.environ[variable]
+    if variable := _user_cache_variable():
+        return os.environ[variable]
     return os.path.join(cache_dir, "tiktoken") if cache_dir else os.path.join(tempfile.gettempdir(), "data-gym-cache")
 
 
@@ -47,7 +54,7 @@ def cache_path(name: str, cache_dir: str | None = None) -> str:
 def _tiktoken_cache(cache_dir: str | None) -> Iterator[None]:
     """tiktoken reads its cache folder from the environment when it loads a file: --cache-dir's folder is set there
     for the load only (and only where the user set none)."""
-    if not cache_dir or "TIKTOKEN_CACHE_DIR" in os.environ or "DATA_GYM_CACHE_DIR" in os.environ:
+    if not cache_dir or _user_cache_variable():
         yield
         return
     os.environ["TIKTOKEN_CACHE_DIR"] = tiktoken_cache_dir(cache_dir)
