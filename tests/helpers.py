@@ -6,10 +6,13 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 
@@ -161,16 +164,184 @@ def run_training(cmd: list[str], timeout: float, **popen) -> subprocess.Complete
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def torchrun(nproc: int, args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
-    # "--" keeps torchrun's own parser off bigclip's flags: it would reject --logs as an ambiguous
+PRELOAD_SERVER = os.path.join(REPO, "tests", "preloaded.py")
+# Variables a run may set differently from the preloaded server's start without the difference mattering: none of
+# the preloaded libraries reads them when imported (each is read when a run uses it). A run whose environment
+# differs in any other variable (TRITON_INTERPRET, HF_*, PYTHONPATH, OMP_NUM_THREADS, one a library set in the test
+# process since, ...) gets a server started with its environment.
+RUN_VARIABLES = ("BIGCLIP_", "WANDB_", "AWS_", "DS_ACCELERATOR", "PYTEST_CURRENT_TEST", "MASTER_ADDR", "MASTER_PORT",
+                 "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_",
+                 "TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "SLURM_")  # fmt: skip
+TERMINATE_GRACE_S = 30  # torchrun's: a failed rank's peers get SIGTERM, then SIGKILL this long after
+
+
+class PreloadedServer:
+    """This test process's client of tests/preloaded.py: runs forked from a process that imported torch, timm,
+    wandb and open_clip once (~5 s of CPU saved per process started)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = dict(env)
+        ours, theirs = socket.socketpair()
+        self.log = tempfile.NamedTemporaryFile(prefix="bigclip-preload-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, PRELOAD_SERVER, str(theirs.fileno())], env=self.env,
+                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self.log,
+                                     stderr=self.log)  # fmt: skip
+        theirs.close()
+        self.sock = ours
+        self.request_lock = threading.Lock()
+        self.changed = threading.Condition()
+        self.started: list[int] = []
+        self.ended: dict[int, int] = {}
+        self.alive = True
+        self.reader = threading.Thread(target=self._read_replies, daemon=True, name="preloaded-replies")
+        self.reader.start()
+
+    def _read_replies(self) -> None:
+        for line in self.sock.makefile("r"):
+            message = json.loads(line)
+            with self.changed:
+                if "status" in message:
+                    self.ended[message["pid"]] = message["status"]
+                else:
+                    self.started.append(message["pid"])
+                self.changed.notify_all()
+        with self.changed:
+            self.alive = False
+            self.changed.notify_all()
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)  # both ends read the end: the server stops its runs and exits
+        self.proc.wait(timeout=60)
+        self.reader.join()
+        self.sock.close()
+        os.remove(self.log.name)
+
+    def serves(self, env: dict[str, str]) -> bool:
+        differing = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        return self.alive and all(k.startswith(RUN_VARIABLES) for k in differing)
+
+    def start(self, script: str, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> int:
+        request = {"script": script, "argv": list(argv), "env": env, "cwd": cwd, "stdout": out, "stderr": err}
+        with self.request_lock:
+            self.sock.sendall((json.dumps(request) + "\n").encode())
+            with self.changed:  # the first request waits for the server's imports
+                if not self.changed.wait_for(lambda: self.started or not self.alive, timeout=600) or not self.alive:
+                    raise RuntimeError(f"the preloaded server did not start a run; its log: {self.log.name}")
+                return self.started.pop(0)
+
+    def live(self, pids: list[int]) -> list[int]:
+        return [p for p in pids if p not in self.ended]
+
+    def wait_until(self, done, deadline: float) -> None:
+        """Until done() (read under the lock) or the monotonic `deadline`; raises if the server is gone."""
+        with self.changed:
+            self.changed.wait_for(lambda: done() or not self.alive, timeout=max(0.0, deadline - time.monotonic()))
+            if not self.alive:
+                raise RuntimeError(f"the preloaded server ended; its log: {self.log.name}")
+
+
+_server: PreloadedServer | None = None
+
+
+def preloaded_server(env: dict[str, str]) -> PreloadedServer:
+    """The server for runs in `env`: this test process's current one, or a new one started in `env` where the two
+    differ in a variable a preloaded library may read when imported (one server at a time: each holds ~0.8 GB)."""
+    global _server
+    if _server is None or not _server.serves(env):
+        if _server is not None:
+            _server.close()
+        _server = PreloadedServer(env)
+    return _server
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def torchrun_rank_env(env: dict[str, str], rank: int, nproc: int, port: int, error_file: str) -> dict[str, str]:
+    """The variables torchrun gives rank `rank` of `nproc` on one node (torch's local_elastic_agent and its static
+    rendezvous), but for one: without an agent, rank 0 hosts the store (TORCHELASTIC_USE_AGENT_STORE False).
+    tests/test_preloaded.py compares them with a real torchrun's."""
+    return {**env, "LOCAL_RANK": str(rank), "RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc),
+            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+            "TORCHELASTIC_ERROR_FILE": error_file, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}  # fmt: skip
+
+
+def preloaded_run(script: str, argv: list[str], env: dict[str, str], timeout: float, cwd: str | None = None,
+                  nproc: int | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    """`python script argv` (nproc None) or `torchrun --nproc_per_node nproc script argv`, forked from the preloaded
+    server, with subprocess.run's result: the ranks' outputs one after the other, exit status 1 when a rank failed
+    (as torchrun's). A rank that fails stops its peers as torchrun does (SIGTERM, SIGKILL 30 s later); a run still
+    going at `timeout` prints its stacks (SIGUSR2, launch/train.py) and raises RunTimedOut like run_training."""
+    server, cwd = preloaded_server(env), os.path.abspath(cwd or os.getcwd())
+    port, folder = free_port(), tempfile.mkdtemp(prefix="bigclip-run-")
+    envs = (
+        [env]
+        if nproc is None
+        else [torchrun_rank_env(env, r, nproc, port, os.path.join(folder, f"{r}.error.json")) for r in range(nproc)]
+    )
+    files = [(os.path.join(folder, f"{r}.out"), os.path.join(folder, f"{r}.err")) for r in range(len(envs))]
+    pids = [server.start(script, argv, e, cwd, out, err) for e, (out, err) in zip(envs, files)]
+    deadline = time.monotonic() + timeout
+    failed = lambda: any(server.ended.get(p) for p in pids)  # noqa: E731
+    server.wait_until(lambda: not server.live(pids) or failed(), deadline)
+    if server.live(pids) and failed():  # torchrun's answer to a failed rank: its peers are stopped
+        for p in server.live(pids):
+            _signal_group(p, signal.SIGTERM)
+        server.wait_until(lambda: not server.live(pids), min(deadline, time.monotonic() + TERMINATE_GRACE_S))
+        for p in server.live(pids):
+            _signal_group(p, signal.SIGKILL)
+        server.wait_until(lambda: not server.live(pids), deadline)
+    timed_out = bool(server.live(pids))
+    if timed_out:
+        for p in server.live(pids):
+            if os.path.basename(script) == "train.py":
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGUSR2)  # each rank prints its threads' stacks (one at a time: read apart)
+                server.wait_until(lambda p=p: p in server.ended, time.monotonic() + 2)
+        for p in server.live(pids):
+            _signal_group(p, signal.SIGKILL)
+        server.wait_until(lambda: not server.live(pids), time.monotonic() + 60)
+    outs = []
+    for out, err in files:
+        with open(out, errors="replace") as o, open(err, errors="replace") as e:
+            outs.append((o.read(), e.read()))
+    shutil.rmtree(folder)
+    cmd = ["preloaded", *([] if nproc is None else [f"--nproc_per_node={nproc}"]), script, *argv]
+    stdout, stderr = "".join(o for o, _ in outs), "".join(e for _, e in outs)
+    if timed_out:
+        raise RunTimedOut(f"{' '.join(cmd)[:400]} timed out after {timeout} s; its stderr ends:\n{stderr[-15000:]}")
+    codes = [server.ended[p] for p in pids]
+    code = codes[0] if nproc is None else int(any(codes))
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+
+def launch(script: str, args: list[str], timeout: float, nproc: int | None = None, cwd: str | None = None,
+           **env: str) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run `script` (a path, or "-m module") as one process or as torchrun's nproc ranks: forked from a preloaded
+    server, or as a fresh `python` or `torchrun` where BIGCLIP_TEST_PRELOAD is 0."""
+    full_env = subprocess_env(**env)
+    if os.environ.get("BIGCLIP_TEST_PRELOAD", "1") != "0":
+        return preloaded_run(script, args, full_env, timeout, cwd=cwd, nproc=nproc)
+    # "--" keeps torchrun's own parser off the script's flags: it would reject bigclip's --logs as an ambiguous
     # abbreviation of its --logs-specs.
-    cmd = torchrun_cmd(nproc, TRAIN_SCRIPT, "--", *args)
-    return run_training(cmd, timeout, env=subprocess_env(**env))
+    target = script.split(" ", 1) if script.startswith("-m ") else [script]  # "-m bigclip": python's -m, torchrun's
+    cmd = [sys.executable, *target, *args] if nproc is None else torchrun_cmd(nproc, *target, "--", *args)
+    return run_training(cmd, timeout, cwd=cwd, env=full_env)
+
+
+def torchrun(nproc: int, args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    return launch(TRAIN_SCRIPT, args, timeout, nproc=nproc, **env)
 
 
 def python_train(args: list[str], timeout: int = 300, cwd: str | None = None, **env: str):
-    cmd = [sys.executable, TRAIN_SCRIPT, *args]
-    return run_training(cmd, timeout, cwd=cwd, env=subprocess_env(**env))
+    return launch(TRAIN_SCRIPT, args, timeout, cwd=cwd, **env)
 
 
 def tiny_hf_clip(directory, kind: str = "roberta", embed_dim: int = 16, coca: bool = False) -> str:

@@ -16,6 +16,7 @@ from helpers import (
     TINY_SYNTHETIC,
     TRAIN_SCRIPT,
     child_pids,
+    launch,
     read_metrics,
     sigkill_job,
     subprocess_env,
@@ -348,10 +349,8 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
     }
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
-    cmd = torchrun_cmd(
-        2, str(tmp_path / "worker.py"), str(tmp_path / "spec.json"), str(tmp_path / "out.json"), str(tmp_path)
-    )
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=subprocess_env(DS_ACCELERATOR="cpu"))
+    args = [str(tmp_path / "spec.json"), str(tmp_path / "out.json"), str(tmp_path)]
+    proc = launch(str(tmp_path / "worker.py"), args, 420, nproc=2, DS_ACCELERATOR="cpu")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     results = json.loads((tmp_path / "out.json").read_text())
     for name, r in results.items():
@@ -377,12 +376,8 @@ def test_round_trips_on_two_ranks_and_resharded_load(tmp_path):
     (tmp_path / "reshard_spec.json").write_text(json.dumps({**spec, "zero2_into_zero3": mismatch}))
     for nproc in (1, 4):
         out = tmp_path / f"reshard{nproc}.json"
-        cmd = torchrun_cmd(
-            nproc, str(tmp_path / "reshard.py"), str(tmp_path / "reshard_spec.json"), str(out), str(tmp_path)
-        )
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=900, env=subprocess_env(DS_ACCELERATOR="cpu")
-        )
+        args = [str(tmp_path / "reshard_spec.json"), str(out), str(tmp_path)]
+        proc = launch(str(tmp_path / "reshard.py"), args, 900, nproc=nproc, DS_ACCELERATOR="cpu")
         assert proc.returncode == 0, (nproc, (proc.stdout + proc.stderr)[-4000:])
         said = [line for line in proc.stdout.splitlines() if "saved by 2 ranks, resumed on" in line]
         assert len(said) == len(spec) and all(f"resumed on {nproc}; rng from the same rank's file" in x for x in said)

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from helpers import TINY_SYNTHETIC, TRAIN_SCRIPT, read_metrics, subprocess_env, torchrun_cmd
+from helpers import TINY_SYNTHETIC, TRAIN_SCRIPT, launch, read_metrics, subprocess_env, torchrun_cmd
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 from tcp_proxy import TcpProxy
 
@@ -146,8 +146,7 @@ def test_the_final_save_waits_a_bounded_time_then_the_last_committed_checkpoint_
     assert max(first) == 200
     assert committed(s3.fs(), f"{s3_bucket}/runs/r") == ["step_50"]
 
-    again = subprocess.run([sys.executable, TRAIN_SCRIPT, *flags, "--resume", "latest"], env=env, text=True,
-                           capture_output=True, timeout=900)  # fmt: skip
+    again = launch(TRAIN_SCRIPT, [*flags, "--resume", "latest"], 900, **env)
     assert again.returncode == 0, again.stderr[-3000:]
     said = open(log).read()
     assert "/checkpoints/step_50 at epoch 0 (+50 batches), step 50" in said
@@ -270,9 +269,8 @@ def test_soak_a_checkpoint_every_step_through_two_outages(s3, s3_bucket, proxy, 
     assert sorted(losses) == list(range(1, 301))
 
     oldest = min((n for n in names if n.startswith("step_")), key=lambda n: int(n[5:]))
-    again = subprocess.run([sys.executable, TRAIN_SCRIPT, *flags[: flags.index("--name")], "--name", "again",
-                            "--resume", f"{remote}/soak/checkpoints/{oldest}"],
-                           env=env, text=True, capture_output=True, timeout=900)  # fmt: skip
+    again = launch(TRAIN_SCRIPT, [*flags[: flags.index("--name")], "--name", "again", "--resume",
+                                  f"{remote}/soak/checkpoints/{oldest}"], 900, **env)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = {r["step"]: r["loss"] for r in read_metrics(os.path.join(logs, "again")) if "loss" in r}
     assert sorted(resumed) == list(range(int(oldest[5:]) + 1, 301))
@@ -337,8 +335,7 @@ def test_sigkill_of_the_job_during_uploads_never_commits_a_partial_checkpoint(s3
     # The resumed job saves at its epoch's end only (a save per step would be 80 uploads more); the bound is a
     # guard against a hang, not a measurement.
     assert flags[-2:] == ["--save-every-n-steps", "1"]
-    again = subprocess.run([sys.executable, TRAIN_SCRIPT, *flags[:-2], "--resume", "latest"], env=env, text=True,
-                           capture_output=True, timeout=900)  # fmt: skip
+    again = launch(TRAIN_SCRIPT, [*flags[:-2], "--resume", "latest"], 900, **env)
     assert again.returncode == 0, again.stderr[-3000:]
     log = open(os.path.join(run_dir, "out.log")).read()
     expected = f"resumed from s3://{prefix}/step_{newest} at epoch 0 (+{newest} batches), step {newest}"

@@ -9,21 +9,14 @@ import time
 
 import pytest
 import webdataset as wds
-from helpers import REPO, TINY_SYNTHETIC, TRAIN_SCRIPT, python_train, read_metrics, subprocess_env, torchrun_cmd
+from helpers import REPO, TINY_SYNTHETIC, TRAIN_SCRIPT, launch, python_train, read_metrics, subprocess_env, torchrun_cmd
 from PIL import Image
 from tcp_proxy import TcpProxy
 
 
 @pytest.mark.slow
 def test_python_m_bigclip_help_is_grouped():
-    out = subprocess.run(
-        [sys.executable, "-m", "bigclip", "--help"],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        cwd=REPO,
-        timeout=900,
-    )
+    out = launch("-m bigclip", ["--help"], 900, cwd=REPO)
     assert out.returncode == 0
     for group in ("data:", "model:", "training:", "distributed:", "--accum-freq"):
         assert group in out.stdout

@@ -20,12 +20,11 @@ import importlib
 import json
 import os
 import re
-import subprocess
 import sys
 import typing
 
 import pytest
-from helpers import REPO, subprocess_env, torchrun_cmd
+from helpers import REPO, launch
 
 from bigclip.config import Sections, TrainConfig, config_fields, resolve
 from bigclip.config.flags import OWNERS
@@ -41,8 +40,8 @@ PACKAGE = os.path.join(REPO, "bigclip")
 @pytest.mark.slow
 def test_every_engine_round_trips_its_state_through_its_checkpoint_layout(tmp_path):
     out = tmp_path / "out.json"
-    cmd = torchrun_cmd(2, os.path.join(REPO, "tests", "layout_worker.py"), str(tmp_path / "ckpts"), str(out))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=subprocess_env(DS_ACCELERATOR="cpu"))
+    worker = os.path.join(REPO, "tests", "layout_worker.py")
+    proc = launch(worker, [str(tmp_path / "ckpts"), str(out)], 900, nproc=2, DS_ACCELERATOR="cpu")
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
     expected = {"ddp": "dcp", "fsdp": "dcp", "zero2": "deepspeed", "zero3": "deepspeed"}

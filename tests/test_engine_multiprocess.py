@@ -17,7 +17,16 @@ import sys
 import open_clip
 import pytest
 import torch
-from helpers import REPO, free_port, read_metrics, step_losses, subprocess_env, tiny_hf_clip, torchrun, torchrun_cmd
+from helpers import (
+    REPO,
+    free_port,
+    launch,
+    read_metrics,
+    step_losses,
+    subprocess_env,
+    tiny_hf_clip,
+    torchrun,
+)
 from safetensors.torch import save_file
 
 from bigclip import optim
@@ -33,10 +42,7 @@ FP32_RTOL, BF16_RTOL, INT8_RTOL = 1e-4, 3e-2, 1e-4
 def run_worker(tmp_path, runs, name="runs", timeout=900, nproc=2, **env):
     spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}_out.json"
     spec.write_text(json.dumps(runs))
-    cmd = torchrun_cmd(nproc, WORKER, str(spec), str(out))
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(DS_ACCELERATOR="cpu", **env)
-    )
+    proc = launch(WORKER, [str(spec), str(out)], timeout, nproc=nproc, DS_ACCELERATOR="cpu", **env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())
     errors = {k: v["error"] for k, v in results.items() if "error" in v}

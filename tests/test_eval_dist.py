@@ -4,12 +4,11 @@ the metrics must be those of the whole validation set, as one process computes t
 
 import json
 import math
-import subprocess
 import textwrap
 
 import pytest
 import torch
-from helpers import subprocess_env, torchrun_cmd
+from helpers import launch
 
 from bigclip.config import resolve
 from bigclip.dist import World
@@ -59,8 +58,7 @@ def _batch(i):
 def test_fsdp_validation_with_unequal_shares_runs_in_lockstep(tmp_path):
     (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
     out = tmp_path / "out.json"
-    cmd = torchrun_cmd(2, str(tmp_path / "worker.py"), str(out))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=subprocess_env())
+    proc = launch(str(tmp_path / "worker.py"), [str(out)], 900, nproc=2)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     results = json.loads(out.read_text())
 

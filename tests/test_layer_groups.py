@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import REPO, subprocess_env
+from helpers import REPO, launch
 from open_clip.model import CLIP as OpenCLIPModel
 from test_model_sources import TIMM_CFG, VIT_CFG
 
@@ -221,9 +219,8 @@ def test_bad_optimizer_flags_are_one_line():
     ],
 )
 def test_bad_flags_stop_the_run_in_one_line(tmp_path, flags, message):
-    cmd = [sys.executable, "-m", "bigclip", "--dataset-type", "synthetic", "--model", "test-tiny"]
-    cmd += ["--logs", str(tmp_path), *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=subprocess_env(), timeout=300)
+    args = ["--dataset-type", "synthetic", "--model", "test-tiny", "--logs", str(tmp_path), *flags]
+    proc = launch("-m bigclip", args, 300, cwd=REPO)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
