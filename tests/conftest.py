@@ -6,7 +6,8 @@ Memory: a test process (-n 3: three of them) runs hundreds of tests, some of whi
 in-process (GBs). glibc keeps what they free in its heaps, so a worker's resident memory only grows (measured: 3.6
 GB held after the OpenCLIP round-trip tests; two such workers beside multi-process runs reached 20 of 23 GB, and
 a smaller CI machine killed a worker). malloc_trim(0) after each test returns the free pages (milliseconds); with
-it, a whole `-n 3` run peaked at 10.5 GB in use on the machine (sampled every 20 s).
+it, a whole `-n 3` run peaked at 10.5 GB in use on the machine (sampled every 20 s); 11.6 GB with each test process's
+preloaded server (tests/preloaded.py, ~0.8 GB each).
 
 In a fresh environment DeepSpeed JIT-builds two ops bigclip's runs use on first use: CPU Adam (cpu_adam, ~45 s,
 ds_configs/zero3_offload.json) and async I/O with its pinned-memory helper (async_io + pin_memory, ~2 min,
