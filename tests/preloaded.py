@@ -7,8 +7,9 @@ those libraries once; each run is a fork of it that takes its own environment, w
 process group, then runs its script as `__main__` the way `python script args` does: an uncaught exception prints
 its traceback and exits 1, SystemExit's code is the exit status, non-daemon threads are joined and atexit handlers
 run. bigclip itself is not preloaded: each run imports it (~0.15 s), so what it reads from the environment at import
-is the run's own. Nothing here runs before the fork that a fresh process would not also run (imports only; no
-thread, no process group, no RNG draw), and the server refuses to serve if an import started a thread.
+is the run's own. Nothing here runs before the fork that a fresh process would not also run (imports, and a
+gc.freeze that each run's exit undoes; no thread, no process group, no RNG draw), and the server refuses to serve if
+an import started a thread.
 
 Protocol, one JSON line each way over a socket pair (its fd is argv[1]): a request {"script" (a path, or "-m module"),
 "argv", "env", "cwd", "stdout", "stderr"} is answered {"pid"} once forked; each run's end is told {"pid", "status"}
@@ -32,7 +33,9 @@ import threading
 # What a training process imports before it works, bigclip aside (measured with -X importtime: torch 2.8 s of
 # self time, timm 0.8, sympy 0.4, wandb 0.4, torchvision 0.3, open_clip 0.8). Not DeepSpeed (it picks its
 # accelerator from DS_ACCELERATOR when imported, which tests set per run) nor torchao (it logs a warning when
-# imported, which a run's stderr should show as a real run shows it).
+# imported, which a run's stderr should show as a real run shows it). They bring triton, huggingface_hub and
+# transformers along: the HF_* variables those read when imported are not RUN_VARIABLES (tests/helpers.py), so a
+# run that sets one gets a server of its own.
 PRELOAD = (
     "numpy",
     "PIL.Image",
