@@ -102,8 +102,15 @@ class Bench:
         `wait()` runs there too and is timed (what the loop itself waits for there: a save's staging copy).
         On CUDA the seconds include the step's kernels. A loss that is not finite skips the update, as the loop
         does (the loss returned is nan)."""
+        return self.accumulated_step([(images, texts)], wait, inspect)
+
+    def accumulated_step(
+        self, micro_batches: list[tuple], wait: Callable | None = None, inspect: Callable | None = None
+    ) -> tuple[float, float]:
+        """step() over several micro-batches (--accum-freq: the loop's feature cache, gradients synchronised in
+        the last micro-batch's backward)."""
         start = time.perf_counter()
-        loss, out = forward_backward(self.engine, self.loss_fn, [(images, texts)], self.world)
+        loss, out = forward_backward(self.engine, self.loss_fn, micro_batches, self.world)
         if inspect is not None:
             paused = time.perf_counter()
             inspect()

@@ -40,7 +40,9 @@ WORLD = 2
 MMAP_THRESHOLD = 64 << 10
 
 
-def config(model: str, batch: int, setup: str, precision: str, opt: str, in_backward: bool, checkpointing=False):
+def config(
+    model: str, batch: int, setup: str, precision: str, opt: str, in_backward: bool, checkpointing=False, accum=1
+):
     """The resolved config of one measured setup (bench/harness.py: synthetic data, no workers)."""
     return harness.config(
         model=model,
@@ -48,6 +50,7 @@ def config(model: str, batch: int, setup: str, precision: str, opt: str, in_back
         opt=opt,
         optimizer_in_backward=in_backward,
         batch_size=batch,
+        accum_freq=accum,
         grad_checkpointing=checkpointing,
         **harness.setup_flags(setup),
     )
@@ -71,16 +74,16 @@ def worker(args) -> None:
     from bigclip.engine.memory import peak_rss_bytes
 
     world = init_distributed("cpu")
-    cfg = config(
-        args.model, args.batch_size, args.engine, args.precision, args.opt, args.in_backward, args.grad_checkpointing
-    )
-    batches = list(harness.synthetic_batches(cfg, world, args.steps))  # made before the baseline: not counted
+    cfg = config(args.model, args.batch_size, args.engine, args.precision, args.opt, args.in_backward,
+                 args.grad_checkpointing, args.accum_freq)  # fmt: skip
+    # made before the baseline, not counted: on a GPU the data loader's batches are in host memory
+    batches = list(harness.synthetic_batches(cfg, world, args.steps * args.accum_freq))
     dist.barrier()
     baseline = _rss()
     _reset_peak()
     bench = harness.build(cfg, world)  # the model, engine and (tiny) loss as `bigclip train` builds them
-    for images, texts in batches:
-        bench.step(images, texts)
+    for step in range(args.steps):
+        bench.accumulated_step(batches[step * args.accum_freq : (step + 1) * args.accum_freq])
     out = {"rank": world.rank, "above_baseline": peak_rss_bytes() - baseline, "baseline": baseline}
     write_from_rank0(out, args.out, world.world_size, world.rank)
     shutdown()
@@ -91,6 +94,7 @@ def launch(engine: str, precision: str, opt: str, in_backward: bool, args, model
     worker_args = ["--engine", engine, "--precision", precision, "--opt", opt, "--model", model, "--batch-size",
                    str(args.batch_size), "--steps", str(args.steps)]  # fmt: skip
     worker_args += ["--in-backward"] if in_backward else []
+    worker_args += ["--accum-freq", str(args.accum_freq)]
     worker_args += ["--grad-checkpointing"] if args.grad_checkpointing else []
     return ranks.launch(__file__, WORLD, worker_args, args.timeout, mmap_threshold=MMAP_THRESHOLD)
 
@@ -99,13 +103,14 @@ def refusal(engine: str, precision: str, opt: str, in_backward: bool, args) -> s
     from bigclip.errors import UserError
 
     try:
-        config(args.model, args.batch_size, engine, precision, opt, in_backward, args.grad_checkpointing)
+        config(args.model, args.batch_size, engine, precision, opt, in_backward, args.grad_checkpointing,
+               args.accum_freq)  # fmt: skip
     except UserError as e:
         return str(e)
     return None
 
 
-def render(rows: list[dict], model: str, batch: int, checkpointing: bool = False) -> list[str]:
+def render(rows: list[dict], model: str, batch: int, checkpointing: bool = False, accum: int = 1) -> list[str]:
     """The table: each measured row next to the plan's prediction for it (recomputed: the arithmetic may change)."""
     from bigclip.memory import StateRecipe, model_facts, peak_parts
 
@@ -113,7 +118,8 @@ def render(rows: list[dict], model: str, batch: int, checkpointing: bool = False
     MiB = 2**20
     lines = [
         f"{model} ({facts.params / 1e6:.1f}M parameters), batch {batch} per rank, {WORLD} ranks, CPU + gloo"
-        + (", --grad-checkpointing" if checkpointing else ""),
+        + (", --grad-checkpointing" if checkpointing else "")
+        + (f", --accum-freq {accum}" if accum > 1 else ""),
         "",
         "| engine | precision | optimizer | in backward | state MiB | activations MiB | working MiB | plan peak MiB "
         "| + runtime MiB | predicted MiB | measured MiB | measured/predicted | within 10% |",
@@ -124,7 +130,7 @@ def render(rows: list[dict], model: str, batch: int, checkpointing: bool = False
         if "result" in r:
             lines.append(f"{head} {r['result']} ||||||||")
             continue
-        recipe = StateRecipe(r["precision"], r["opt"], r["in_backward"])
+        recipe = StateRecipe(r["precision"], r["opt"], r["in_backward"], accum_freq=accum)
         parts = peak_parts(r["engine"], facts, WORLD, recipe, batch, checkpointing, device_type="cpu")
         predicted = parts["peak"] + r["runtime"]
         ratio = r["measured"] / predicted
@@ -154,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stepping", nargs="+", default=["kept", "in-backward"], choices=("kept", "in-backward"),
                    help="gradients kept until the step, or the optimizer stepped in the backward")  # fmt: skip
     p.add_argument("--grad-checkpointing", action="store_true", help="recompute every block in backward")
+    p.add_argument("--accum-freq", type=int, default=1, help="micro-batches per step (the loop's feature cache)")
     p.add_argument("--json", metavar="FILE", help="also write the measurements to FILE")
     p.add_argument("--from-json", metavar="FILE", help="only print the table of measurements written before")
     p.add_argument("--timeout", type=int, default=1800)
@@ -170,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
-        print("\n".join(render(saved["rows"], saved["model"], saved["batch"], saved.get("checkpointing", False))))
+        shape = saved["model"], saved["batch"], saved.get("checkpointing", False), saved.get("accum_freq", 1)
+        print("\n".join(render(saved["rows"], *shape)))
         return 0
 
     rows = []
+    shape = args.model, args.batch_size, args.grad_checkpointing, args.accum_freq
     for engine in args.engines:
         for precision in args.precisions:
             for opt in args.opts:
@@ -193,12 +202,13 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         measured = max(r["above_baseline"] for r in result)
                         rows.append({**row, "measured": measured, "runtime": max(r["above_baseline"] for r in runtime)})
-                    print(render(rows[-1:], args.model, args.batch_size, args.grad_checkpointing)[-1], flush=True)
+                    print(render(rows[-1:], *shape)[-1], flush=True)
                     if args.json:
-                        saved = {"model": args.model, "batch": args.batch_size, "rows": rows}
+                        saved = {"model": args.model, "batch": args.batch_size, "rows": rows,
+                                 "checkpointing": args.grad_checkpointing, "accum_freq": args.accum_freq}  # fmt: skip
                         with open(args.json, "w") as f:
-                            json.dump({**saved, "checkpointing": args.grad_checkpointing}, f, indent=1)
-    print("\n".join(render(rows, args.model, args.batch_size, args.grad_checkpointing)))
+                            json.dump(saved, f, indent=1)
+    print("\n".join(render(rows, *shape)))
     return 0
 
 

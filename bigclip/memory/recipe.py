@@ -30,12 +30,14 @@ def _precision(name: str) -> Precision:
 @dataclass(frozen=True)
 class StateRecipe:
     """The weights' dtype (--precision), the optimizer's state (--opt), whether gradients are kept until the step
-    (--optimizer-in-backward) and a float32 moving average of the weights (--ema-decay)."""
+    (--optimizer-in-backward), a float32 moving average of the weights (--ema-decay) and the micro-batches whose
+    gradients are summed before each step (--accum-freq)."""
 
     precision: str = "amp"
     opt: str = "adamw"
     in_backward: bool = False
     ema: bool = False
+    accum_freq: int = 1
 
     @property
     def _optimizer(self) -> OptimizerKind:
