@@ -23,9 +23,12 @@ def _memory_lines(
     teacher_bytes: float = 0.0,
     loss: LossConfig | None = None,
 ) -> list[str]:
-    recipe = memory.StateRecipe(cfg.precision, cfg.optimizer.opt, cfg.optimizer_in_backward, cfg.ema_decay is not None)
+    recipe = memory.StateRecipe(
+        cfg.precision, cfg.optimizer.opt, cfg.optimizer_in_backward, cfg.ema_decay is not None, cfg.accum_freq
+    )
     where = (
         f"memory per GPU ({setup}, {recipe.describe()}, {world.world_size} rank(s), micro-batch {cfg.batch_size}"
+        f"{f', --accum-freq {cfg.accum_freq}' if cfg.accum_freq > 1 else ''}"
         f"{', --grad-checkpointing' if cfg.grad_checkpointing else ''})"
     )
     parts = memory.peak_parts(

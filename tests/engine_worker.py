@@ -12,7 +12,8 @@ change in the first step, over the lr set: with AdamW's first step, wd 0 and a t
 "teacher": bool (--distill-model/--distill-pretrained in config: the run's frozen teacher, placed by the engine,
 feeds the loss; records whether its weights stayed as loaded, its mode, and how many of its elements this rank
 holds), "mean_loss": bool (record the mean of the ranks' losses, not this rank's: where each rank's loss is its share
-of the global one, as SigLIP's)}.
+of the global one, as SigLIP's), "micro_grads": bool (after each micro-batch's backward: how many parameters have a
+gradient, its local bytes, and the memory blocks holding them, so accumulation is seen between micro-batches)}.
 Every run sees the same synthetic batches (seeded by step and rank) and goes through bigclip's own pieces:
 engine.build_model, build_engine, the loop's forward_backward (OpenCLIP accumulation), engine.step, and an eval
 forward through engine.module. One launch for many engines keeps the cost of process start-up and DeepSpeed
@@ -118,6 +119,7 @@ def run_one(spec: dict, world) -> dict:
     before_first_step = _all_whole(engine) if spec.get("step_sizes") else None
     ema_reference = _EMAReference(engine) if spec.get("ema_check") else None
     live_grads = _LiveGradients(engine) if spec.get("live_grads") else None
+    micro_grads = _MicroBatchGradients(engine) if spec.get("micro_grads") else None
     if spec.get("seed_per_rank"):
         torch.manual_seed(cfg.seed + world.rank)  # as train.py: each rank's own random stream from here on
     engine.train()
@@ -187,6 +189,9 @@ def run_one(spec: dict, world) -> dict:
     if spec.get("seed_per_rank"):  # do replicas that draw their own random streams still hold the same weights?
         out["weight_sums_per_rank"] = _weight_sums_per_rank(engine, world)
     out["peak_rss_bytes"] = peak_rss_bytes()
+    if micro_grads is not None:
+        out["micro_grads"] = [micro for micro in micro_grads.steps if micro]
+        out["sharded_grad_bytes"] = micro_grads.all_grads
     if live_grads is not None:
         out["live_grad_peak_bytes"] = live_grads.peak
         out["largest_block_bytes"] = live_grads.largest_block
@@ -240,6 +245,37 @@ class _LiveGradients:
 
     def measure(self) -> None:
         self.peak = max(self.peak, sum(self._bytes(p.grad) for p in self.params if p.grad is not None))
+
+
+class _MicroBatchGradients:
+    """After each micro-batch's backward (engine.backward, which the loop calls once per micro-batch): the
+    parameters with a gradient, their local bytes, and the memory blocks (storages) holding them; one list of
+    micro-batches per step, a step starting at the first micro-batch after the optimizer step cleared them."""
+
+    def __init__(self, engine):
+        self.params = [p for p in engine.model.parameters() if p.requires_grad]
+        self.all_grads = sum(_LiveGradients._bytes(p) for p in self.params)
+        self.steps: list[list[dict]] = []
+        backward, step = engine.backward, engine.step
+
+        def recorded_backward(loss):
+            backward(loss)
+            if not self.steps or self.steps[-1] is None:
+                self.steps[-1:] = [[]]
+            grads = [getattr(p.grad, "_local_tensor", p.grad) for p in self.params if p.grad is not None]
+            self.steps[-1].append(
+                {
+                    "with_grad": len(grads),
+                    "bytes": sum(g.numel() * g.element_size() for g in grads),
+                    "storages": sorted({g.untyped_storage().data_ptr() for g in grads}),
+                }
+            )
+
+        def recorded_step():
+            self.steps.append(None)  # the next backward starts a new step
+            return step()
+
+        engine.backward, engine.step = recorded_backward, recorded_step
 
 
 @torch.no_grad()

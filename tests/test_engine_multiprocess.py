@@ -78,6 +78,24 @@ def assert_same_run(run, reference, rtol, steps=None, norms=True):
             assert run["norms"][i] == pytest.approx(reference["norms"][i], rel=max(rtol, 1e-3)), f"norm {i}"
 
 
+def assert_accumulation_adds_no_gradient_memory(r: dict) -> None:
+    """--accum-freq 2, after each micro-batch's backward. DDP: every gradient accumulates in the all-reduce buckets
+    it is a view of, the same memory blocks before and after the synchronised backward (a gradient of its own
+    between them would be a second gradient's bytes). FSDP2: after the first micro-batch every gradient is
+    already its reduce-scattered shard, as after the last (no block's unsharded gradient waits on the rank), but
+    the logit scale's: detached in all but the last micro-batch (loop.forward_backward)."""
+    params = r["ddp_accum"]["num_params"]
+    for step in r["ddp_accum"]["micro_grads"]:
+        first, last = step
+        assert first["storages"] == last["storages"] and len(first["storages"]) < 5, step  # a few buckets
+        assert first["bytes"] == last["bytes"] == 4 * params, step
+    run = r["fsdp_accum"]
+    assert len(run["micro_grads"]) == len(run["losses"])
+    for first, last in run["micro_grads"]:
+        assert first["with_grad"] == last["with_grad"] - 1 > 50, (first, last)
+        assert last["bytes"] == run["sharded_grad_bytes"] and 0 <= last["bytes"] - first["bytes"] <= 4
+
+
 def test_every_engine_matches_ddp_step_by_step(tmp_path):
     """test-tiny, same seed and data, 20 steps, global loss (--gather-with-grad): ddp == fsdp == zero1/2/3,
     also with --accum-freq 2, with --grad-checkpointing (every block, and every 2nd), with per-block
@@ -93,6 +111,10 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
     for name, flags in engines().items():
         add(name, 20, **flags)
         add(f"{name}_accum", 10, **flags, accum_freq=2, batch_size=4)
+        runs[-1]["micro_grads"] = True
+    # HSDP on 2 ranks: 2 replicas of 1 shard each, so the replicas' all-reduce is what accumulation defers (FSDP2
+    # keeps the reduce-scattered sums until the last micro-batch's, not in .grad: only the losses are compared)
+    add("hsdp_accum", 10, engine="fsdp", fsdp_replicate_degree=2, accum_freq=2, batch_size=4)
     add("fsdp_ckpt", 10, engine="fsdp", grad_checkpointing=True)
     add("zero3_ckpt", 10, ds_config=DS[3], grad_checkpointing=True)
     add("zero2_ckpt_every2", 10, ds_config=DS[2], grad_checkpointing=True, grad_checkpointing_every=2)
@@ -206,8 +228,10 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
     for name in ("fsdp", "zero1", "zero2", "zero3"):
         assert_same_run(r[name], ddp, FP32_RTOL)
         assert_same_run(r[f"{name}_accum"], ddp_accum, FP32_RTOL)
+    assert_same_run(r["hsdp_accum"], ddp_accum, FP32_RTOL)
     # accumulation is a different computation (4 x 2 micro-batches) of the same global batch size
     assert ddp_accum["losses"] != ddp["losses"]
+    assert_accumulation_adds_no_gradient_memory(r)
     # AdamW's first step moves every element with a gradient by lr * lr_scale (wd 0, eps 1e-12): the largest
     # change of each parameter is its group's scale, the one bigclip's groups give it in this process
     expected = layer_decay_scales("test-tiny", image_layer_decay=0.5, text_layer_decay=0.7)

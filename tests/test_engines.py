@@ -211,7 +211,9 @@ def test_plan_arithmetic_and_printout(capsys):
     assert 38e9 < state_bytes("ddp", psi, 8) < 42e9
     for n in (2, 8, 1024):
         assert state_bytes("zero3", psi, n) == pytest.approx(16 * psi / n)
-        assert state_bytes("zero3", psi, n) < state_bytes("zero2", psi, n) < state_bytes("zero1", psi, n)
+        assert state_bytes("zero3", psi, n) < state_bytes("zero2", psi, n)
+        # ZeRO-1 keeps full gradients only between micro-batches (test_plan_measured.py's accumulation test)
+        assert state_bytes("zero1", psi, n) == state_bytes("zero2", psi, n)
     assert state_bytes("fsdp", psi, 2, "fp32") / state_bytes("ddp", psi, 2, "fp32") == 0.5
     assert cli.main(["plan", "--model", "ViT-H-14", "--gpus", "8", "1024", "--gpu-mem", "40"]) == 0
     out = capsys.readouterr().out

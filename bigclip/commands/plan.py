@@ -43,6 +43,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--opt", choices=optimizers, default="adamw", help="optimizer state to count")
     parser.add_argument("--optimizer-in-backward", action="store_true", help="gradients are not kept until the step")
     parser.add_argument("--ema", action="store_true", help="a float32 moving average of the weights (--ema-decay)")
+    parser.add_argument("--accum-freq", type=int, default=1, help="micro-batches per step (--batch-size is each one's)")
     parser.add_argument("--force-image-size", type=int, default=None)
     parser.add_argument("--siglip", action="store_true", help="count the SigLIP loss (default: CLIP's)")
     parser.add_argument("--loss-impl", choices=LOSS_IMPLS, default="auto", help="the loss whose memory counts")
@@ -50,7 +51,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--loss-dist-impl", default=None, help="the loss's exchange between ranks (its default)")
     parser.add_argument("--local-loss", action="store_true")
     args = parser.parse_args(argv)
-    recipe = StateRecipe(args.precision, args.opt, args.optimizer_in_backward, args.ema)
+    if args.accum_freq < 1:
+        parser.error(f"argument --accum-freq: {args.accum_freq} is not a positive integer")
+    recipe = StateRecipe(args.precision, args.opt, args.optimizer_in_backward, args.ema, args.accum_freq)
     loss = LossConfig(
         loss="siglip" if args.siglip else "clip",
         siglip=args.siglip,
@@ -68,10 +71,12 @@ def _gb(x: float) -> str:
     return f"{x / GiB:.1f}"
 
 
-def _fit_lines(facts: ModelFacts, n: int, gpu_mem: list[float], batch: int, loss: LossConfig) -> list[str]:
+def _fit_lines(
+    facts: ModelFacts, n: int, gpu_mem: list[float], batch: int, loss: LossConfig, accum_freq: int = 1
+) -> list[str]:
     lines = []
     for mem in gpu_mem:
-        fits = fitting_setups(facts, n, mem * 1e9, batch, loss)
+        fits = fitting_setups(facts, n, mem * 1e9, batch, loss, accum_freq)
         where = f"{batch} samples per GPU with --grad-checkpointing on {n} GPUs of {mem:g} GB"
         if facts.uncounted:
             lines.append(f"{where}: not estimated (the {facts.uncounted}'s activations are not counted)")
@@ -103,8 +108,8 @@ def render(
         act = activation_bytes(facts, batch, False, recipe.activation_bytes)
         act_ckpt = activation_bytes(facts, batch, True, recipe.activation_bytes)
         loss_line = "; ".join(
-            f"{n} GPUs: {chosen_impl(loss, batch, n, feature_bytes(recipe))} "
-            f"{contrastive_loss_bytes(loss, facts, n, recipe, batch) / GiB:.2f} GiB"
+            f"{n} GPUs: {chosen_impl(loss, batch * recipe.accum_freq, n, feature_bytes(recipe))} "
+            f"{contrastive_loss_bytes(loss, facts, n, recipe, batch * recipe.accum_freq) / GiB:.2f} GiB"
             for n in gpus
         )
         lines += [
@@ -115,7 +120,7 @@ def render(
             f"Activations for {batch} samples per GPU: {_gb(act)} GiB, with --grad-checkpointing {_gb(act_ckpt)} GiB"
             + (f" (not counting the {facts.uncounted}: no batch size is suggested)." if facts.uncounted else "."),
             "",
-            f"Contrastive loss per GPU at {batch} samples per GPU (--loss-impl {loss.loss_impl}, "
+            f"Contrastive loss per GPU at {batch * recipe.accum_freq} samples per GPU (--loss-impl {loss.loss_impl}, "
             f"{'siglip' if loss.siglip or loss.loss == 'siglip' else loss.loss}): {loss_line}.",
             "",
             "State per GPU (GiB) = parameters + gradients + optimizer state; then the largest "
@@ -143,7 +148,7 @@ def render(
                 b = max_batch(facts, engine, gpus[0], gpu_bytes, True, recipe, loss)
                 fits.append("n/a" if a is None else f"{a} / {b}")
             lines.append(f"| {engine} | " + " | ".join(_gb(x) for x in states) + " | " + " | ".join(fits) + " |")
-        lines += ["", *_fit_lines(facts, gpus[0], gpu_mem, batch, loss), ""]
+        lines += ["", *_fit_lines(facts, gpus[0], gpu_mem, batch, loss, recipe.accum_freq), ""]
     for note in memory_notes():  # what each engine says about reading its rows
         lines += [note, ""]
     return "\n".join(lines).rstrip("\n")

@@ -29,7 +29,9 @@ gradient synchronisation and the on-disk format of its state. Callers use only:
     engine.model                           the unwrapped model (named parameters, constraints, logging)
     engine.train() / engine.eval()
     with engine.autocast(): ...            the precision context for forward and loss
-    with engine.no_sync(): ...             micro-batches whose gradients are not synchronised yet
+    with engine.no_sync(): ...             micro-batches before the last of a step (--accum-freq): the engine
+                                           accumulates their gradients where it keeps them (DDP's buckets, unsynced;
+                                           FSDP2's shards, reduce-scattered; ZeRO's partitions)
     engine.backward(loss)
     engine.step() -> grad norm             unscale, clip, optimizer step, zero grads (inf/nan: step skipped)
     engine.steps_in_backward               True when backward() already updated the parameters

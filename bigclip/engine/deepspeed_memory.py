@@ -18,7 +18,7 @@ def memory_setups() -> dict[str, MemorySetup]:
     4 under fp32 (DeepSpeed keeps a separate fp32 master even then). Each setup is selected by its shipped
     config (ds_configs/)."""
 
-    def setup(stage_bytes, config: str, offloaded: bool = False) -> MemorySetup:
+    def setup(stage_bytes, config: str, offloaded: bool = False, full_gradients_between_boundaries=False):
         # stage_bytes(Ψ, N, working-copy bytes per parameter) -> bytes
         def state(psi: int, n: int, recipe: StateRecipe, size: ModelSize | None) -> float | None:
             if recipe.quantized_state or recipe.in_backward:
@@ -29,13 +29,21 @@ def memory_setups() -> dict[str, MemorySetup]:
         stage3 = config.startswith("zero3")
 
         def working(psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str) -> WorkingBytes:
-            return _working(stage3, offloaded, psi, n, recipe, device_type)
+            working = _working(stage3, offloaded, psi, n, recipe, device_type)
+            if full_gradients_between_boundaries and recipe.accum_freq > 1:
+                # ZeRO-1 reduces a gradient into its partition only at the accumulation boundary (the last
+                # micro-batch's backward): the micro-batches before it leave every full gradient in .grad, in the
+                # working dtype, alive when the last backward starts
+                working = dataclasses.replace(working, backward=working.backward + recipe.activation_bytes * psi)
+            return working
 
         return MemorySetup(state, working, flags={"ds_config": f"ds_configs/{config}.json"}, offloaded=offloaded)
 
     return {
-        "zero1": setup(lambda psi, n, w: 2 * w * psi + 12 * psi / n, "zero1"),  # full weights and gradients
-        "zero2": setup(lambda psi, n, w: w * psi + (12 + w) * psi / n, "zero2"),  # gradients partitioned too
+        # full weights; gradients reduced into partitions as the backward makes them (zero1: only in the last
+        # micro-batch's backward; see setup())
+        "zero1": setup(lambda psi, n, w: w * psi + (12 + w) * psi / n, "zero1", full_gradients_between_boundaries=True),
+        "zero2": setup(lambda psi, n, w: w * psi + (12 + w) * psi / n, "zero2"),
         "zero3": setup(lambda psi, n, w: (12 + 2 * w) * psi / n, "zero3"),  # everything partitioned
         # all of it in host memory: GPU buffers only
         "zero3_offload": setup(lambda psi, n, w: 0.0, "zero3_offload", offloaded=True),
@@ -61,7 +69,7 @@ MEMORY_NOTES = [
     "rank there); its GPU column is working buffers only.",
     "zero3_nvme (ZeRO-Infinity) swaps the 16-bit weights to NVMe files and keeps fp32 masters, gradients "
     "and Adam state in host memory (as zero3_offload); the GPU holds working buffers only.",
-    "zero1 is the ZeRO paper's stage 1 (full gradients), which DeepSpeed holds while it "
-    "accumulates over --accum-freq micro-batches; with --accum-freq 1 it reduces gradients into "
-    "partitions during backward and measures like zero2.",
+    "zero1 keeps full gradients only between --accum-freq's micro-batches (DeepSpeed reduces them into "
+    "partitions in the backward that ends the accumulation), so its state is zero2's; with --accum-freq > 1 the "
+    "last micro-batch's backward starts with every full gradient beside the activations.",
 ]

@@ -82,7 +82,9 @@ def peak_parts(
     if not working.gradients_persist:  # the state with one block's gradients instead of all of them
         at_backward = state_bytes(setup, psi, n, dataclasses.replace(recipe, in_backward=True), facts)
     activations = activation_bytes(facts, batch, checkpointing, recipe.activation_bytes)
-    loss_bytes = contrastive_loss_bytes(loss or LossConfig(), facts, n, recipe, batch, device_type)
+    # --accum-freq: the activations are one micro-batch's; the loss runs over the features of all of them (the
+    # others' cached without gradients, bigclip.loop.forward_backward)
+    loss_bytes = contrastive_loss_bytes(loss or LossConfig(), facts, n, recipe, batch * recipe.accum_freq, device_type)
     backward = at_backward + activations + working.backward + loss_bytes
     step = kept + working.step
     # When the text tower's backward ends (it runs first: its forward ran last) the image tower's activations are
@@ -150,17 +152,18 @@ def max_batch(
 
 
 def fitting_setups(
-    facts: ModelFacts, n: int, gpu_bytes: float, batch: int, loss: LossConfig | None = None
+    facts: ModelFacts, n: int, gpu_bytes: float, batch: int, loss: LossConfig | None = None, accum_freq: int = 1
 ) -> list[tuple[float, str, StateRecipe]]:
-    """(state bytes, setup, recipe) of every setup on the GPU that fits `batch` samples per GPU with
-    --grad-checkpointing, most state first; offload setups (whose GPU holds buffers only) are left out."""
+    """(state bytes, setup, recipe) of every setup on the GPU that fits `batch` samples per GPU (each of
+    `accum_freq` micro-batches) with --grad-checkpointing, most state first; offload setups (whose GPU holds
+    buffers only) are left out."""
     if facts.uncounted:
         return []
     fits = []
     for setup, memory in memory_setups().items():
         if memory.offloaded:
             continue
-        for recipe in recipes():
+        for recipe in (dataclasses.replace(r, accum_freq=accum_freq) for r in recipes()):
             parts = peak_parts(setup, facts, n, recipe, batch, True, loss=loss)
             if parts is not None and parts["peak"] + OVERHEAD_BYTES <= gpu_bytes:
                 state = parts["state"]
