@@ -102,6 +102,14 @@ def test_accumulation_in_the_plan(capsys):
     assert "Contrastive loss per GPU at 128 samples per GPU" in capsys.readouterr().out
     assert cli.main(["plan", "--model", "ViT-L-14", "--accum-freq", "0"]) == 2
     assert "--accum-freq: 0 is not a positive integer" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "ViT-L-14", "--accum-freq", "2", "--optimizer-in-backward"]) == 2
+    assert "--optimizer-in-backward cannot accumulate micro-batches" in capsys.readouterr().err
+    # what fits with accumulation never steps the optimizer in the backward
+    from bigclip.memory import fitting_setups
+
+    fits = fitting_setups(facts, n, 80e9, batch, naive, accum_freq=4)
+    assert fits and not any(recipe.in_backward for _, _, recipe in fits)
+    assert any(recipe.in_backward for _, _, recipe in fitting_setups(facts, n, 80e9, batch, naive))
     # --dry-run's memory line plans the run's accumulation
     from bigclip import dry_run
     from bigclip.config import resolve

@@ -53,6 +53,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.accum_freq < 1:
         parser.error(f"argument --accum-freq: {args.accum_freq} is not a positive integer")
+    if args.accum_freq > 1 and args.optimizer_in_backward:
+        parser.error("--optimizer-in-backward cannot accumulate micro-batches (--accum-freq); plan one or the other")
     recipe = StateRecipe(args.precision, args.opt, args.optimizer_in_backward, args.ema, args.accum_freq)
     loss = LossConfig(
         loss="siglip" if args.siglip else "clip",

@@ -156,7 +156,8 @@ def fitting_setups(
 ) -> list[tuple[float, str, StateRecipe]]:
     """(state bytes, setup, recipe) of every setup on the GPU that fits `batch` samples per GPU (each of
     `accum_freq` micro-batches) with --grad-checkpointing, most state first; offload setups (whose GPU holds
-    buffers only) are left out."""
+    buffers only) are left out, and with accumulation the optimizer stepped in the backward (which cannot
+    accumulate)."""
     if facts.uncounted:
         return []
     fits = []
@@ -164,6 +165,8 @@ def fitting_setups(
         if memory.offloaded:
             continue
         for recipe in (dataclasses.replace(r, accum_freq=accum_freq) for r in recipes()):
+            if recipe.in_backward and accum_freq > 1:
+                continue
             parts = peak_parts(setup, facts, n, recipe, batch, True, loss=loss)
             if parts is not None and parts["peak"] + OVERHEAD_BYTES <= gpu_bytes:
                 state = parts["state"]
