@@ -5,7 +5,8 @@
 For each engine: train 2 steps, then save through nothing but the CheckpointLayout interface the engine
 names (stage -> wait -> write into a folder, files handed to a sink), build a fresh engine from another seed,
 load through its layout, and record whether the weights equal the saved ones exactly, whether the next step
-gives the same loss on both (the optimizer state came back too), what read_model_state gives in one
+gives the same loss on both and so does the one after an update (the optimizer state came back too), what
+read_model_state gives in one
 process, and which files each rank handed over. Also records what raise_together does when one rank fails.
 """
 
@@ -109,7 +110,8 @@ def round_trip(name: str, flags: dict, root: str, world: World, group) -> dict:
     b_layout = b.checkpoint_layout(group, "thread")
     b_layout.load(directory, world.world_size, extra)
     loaded = full_model(b)
-    next_a, next_b = train(a, loss_fn, world, [2]), train(b, loss_fn, world, [2])
+    # step 2's loss reads the weights only; step 3's comes after an update from the loaded optimizer state
+    next_a, next_b = train(a, loss_fn, world, [2, 3]), train(b, loss_fn, world, [2, 3])
 
     out = {
         "is_layout": isinstance(layout, CheckpointLayout),
@@ -118,6 +120,7 @@ def round_trip(name: str, flags: dict, root: str, world: World, group) -> dict:
         "differs_before": differs_before,
         "weights_equal": all(torch.equal(saved[k], loaded[k]) for k in saved),
         "next_loss": [next_a[0], next_b[0]],
+        "loss_after_update": [next_a[1], next_b[1]],
         "files": sorted(os.path.relpath(p, directory) for p in sink.paths),
     }
     if world.is_main:  # what `bigclip export` reads: one process, no group, no engine

@@ -51,6 +51,8 @@ def test_every_engine_round_trips_its_state_through_its_checkpoint_layout(tmp_pa
         assert run["differs_before"], name  # the fresh engine really started elsewhere
         assert run["weights_equal"] and run["export_equal"], name
         assert run["next_loss"][0] == pytest.approx(run["next_loss"][1], rel=1e-6, abs=1e-7), name
+        after = run["loss_after_update"]
+        assert after[0] == pytest.approx(after[1], rel=1e-6, abs=1e-7), (name, "the optimizer state", after)
     assert r["zero2"]["extra"] == {"zero_stage": 2} and r["zero3"]["extra"] == {"zero_stage": 3}
     rank0, rank1 = r["files_by_rank"]
     # DCP: DDP's replicated state is written half by each rank; FSDP's shards by their owners.

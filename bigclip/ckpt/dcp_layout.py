@@ -61,7 +61,17 @@ def training_state(
 ) -> dict[str, Any]:
     """FQN-keyed model and optimizer state (DTensor shards under FSDP) plus the grad scaler and the sharded
     checkpoint participants (`extra`: name -> Stateful, e.g. the EMA; ckpt/participants.py)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # get_state_dict initialises an optimizer that has not stepped yet (a fresh one about to load) with a step of
+    # zero gradients, so the state to fill has its entries, but only while no parameter holds a gradient: an
+    # engine that keeps zeroed gradients (DDP's bucket views) would otherwise load no optimizer state at all.
+    held = {p: p.grad for p in model.parameters() if p.grad is not None}
+    for p in held:
+        p.grad = None
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+    finally:
+        for p, grad in held.items():
+            p.grad = grad
     # Optimizers that are several (one per parameter, stepped in the backward) save as the one they stand for.
     optim_sd = getattr(optimizer, "saved_state_dict", lambda sd: sd)(optim_sd)
     state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
