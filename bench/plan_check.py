@@ -41,10 +41,20 @@ MMAP_THRESHOLD = 64 << 10
 
 
 def config(
-    model: str, batch: int, setup: str, precision: str, opt: str, in_backward: bool, checkpointing=False, accum=1
+    model: str,
+    batch: int,
+    setup: str,
+    precision: str,
+    opt: str,
+    in_backward: bool,
+    checkpointing=False,
+    accum=1,
+    locks: tuple[str, ...] = (),
 ):
-    """The resolved config of one measured setup (bench/harness.py: synthetic data, no workers)."""
+    """The resolved config of one measured setup (bench/harness.py: synthetic data, no workers); `locks`: the
+    towers locked whole ("image": --lock-image, "text": --lock-text)."""
     return harness.config(
+        **{f"lock_{tower}": True for tower in locks},
         model=model,
         precision=precision,
         opt=opt,
@@ -75,7 +85,7 @@ def worker(args) -> None:
 
     world = init_distributed("cpu")
     cfg = config(args.model, args.batch_size, args.engine, args.precision, args.opt, args.in_backward,
-                 args.grad_checkpointing, args.accum_freq)  # fmt: skip
+                 args.grad_checkpointing, args.accum_freq, args.lock)  # fmt: skip
     # made before the baseline, not counted: on a GPU the data loader's batches are in host memory
     batches = list(harness.synthetic_batches(cfg, world, args.steps * args.accum_freq))
     dist.barrier()
@@ -95,6 +105,7 @@ def launch(engine: str, precision: str, opt: str, in_backward: bool, args, model
                    str(args.batch_size), "--steps", str(args.steps)]  # fmt: skip
     worker_args += ["--in-backward"] if in_backward else []
     worker_args += ["--accum-freq", str(args.accum_freq)]
+    worker_args += ["--lock", *args.lock] if args.lock else []
     worker_args += ["--grad-checkpointing"] if args.grad_checkpointing else []
     return ranks.launch(__file__, WORLD, worker_args, args.timeout, mmap_threshold=MMAP_THRESHOLD)
 
@@ -104,22 +115,26 @@ def refusal(engine: str, precision: str, opt: str, in_backward: bool, args) -> s
 
     try:
         config(args.model, args.batch_size, engine, precision, opt, in_backward, args.grad_checkpointing,
-               args.accum_freq)  # fmt: skip
+               args.accum_freq, args.lock)  # fmt: skip
     except UserError as e:
         return str(e)
     return None
 
 
-def render(rows: list[dict], model: str, batch: int, checkpointing: bool = False, accum: int = 1) -> list[str]:
+def render(
+    rows: list[dict], model: str, batch: int, checkpointing: bool = False, accum: int = 1, locks: tuple = ()
+) -> list[str]:
     """The table: each measured row next to the plan's prediction for it (recomputed: the arithmetic may change)."""
-    from bigclip.memory import StateRecipe, model_facts, peak_parts
+    from bigclip.memory import Locks, StateRecipe, model_facts, peak_parts
 
-    facts = model_facts(model)
+    locked = Locks(0 if "image" in locks else None, 0 if "text" in locks else None) if locks else None
+    facts = model_facts(model, None, locked)
     MiB = 2**20
     lines = [
         f"{model} ({facts.params / 1e6:.1f}M parameters), batch {batch} per rank, {WORLD} ranks, CPU + gloo"
         + (", --grad-checkpointing" if checkpointing else "")
-        + (f", --accum-freq {accum}" if accum > 1 else ""),
+        + (f", --accum-freq {accum}" if accum > 1 else "")
+        + "".join(f", --lock-{tower}" for tower in locks),
         "",
         "| engine | precision | optimizer | in backward | state MiB | activations MiB | working MiB | plan peak MiB "
         "| + runtime MiB | predicted MiB | measured MiB | measured/predicted | within 10% |",
@@ -161,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="gradients kept until the step, or the optimizer stepped in the backward")  # fmt: skip
     p.add_argument("--grad-checkpointing", action="store_true", help="recompute every block in backward")
     p.add_argument("--accum-freq", type=int, default=1, help="micro-batches per step (the loop's feature cache)")
+    p.add_argument("--lock", nargs="+", default=[], choices=("image", "text"), help="towers locked whole (LiT)")
     p.add_argument("--json", metavar="FILE", help="also write the measurements to FILE")
     p.add_argument("--from-json", metavar="FILE", help="only print the table of measurements written before")
     p.add_argument("--timeout", type=int, default=1800)
@@ -177,12 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
-        shape = saved["model"], saved["batch"], saved.get("checkpointing", False), saved.get("accum_freq", 1)
+        shape = (saved["model"], saved["batch"], saved.get("checkpointing", False), saved.get("accum_freq", 1),
+                 tuple(saved.get("locks", ())))  # fmt: skip
         print("\n".join(render(saved["rows"], *shape)))
         return 0
 
     rows = []
-    shape = args.model, args.batch_size, args.grad_checkpointing, args.accum_freq
+    shape = args.model, args.batch_size, args.grad_checkpointing, args.accum_freq, tuple(args.lock)
     for engine in args.engines:
         for precision in args.precisions:
             for opt in args.opts:
@@ -205,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(render(rows[-1:], *shape)[-1], flush=True)
                     if args.json:
                         saved = {"model": args.model, "batch": args.batch_size, "rows": rows,
-                                 "checkpointing": args.grad_checkpointing, "accum_freq": args.accum_freq}  # fmt: skip
+                                 "checkpointing": args.grad_checkpointing, "accum_freq": args.accum_freq,
+                                 "locks": list(args.lock)}  # fmt: skip
                         with open(args.json, "w") as f:
                             json.dump(saved, f, indent=1)
     print("\n".join(render(rows, *shape)))

@@ -58,9 +58,11 @@ def report(model: ModelConfig, engine: EngineConfig, world: World, loss: LossCon
         size = model.force_image_size[0] if model.force_image_size else None
         say_idle_batchnorm_flags(engine, create_model(model.model, device="meta", image_size=size))
     # Every architecture bigclip builds has facts (towers without an activation formula say so themselves).
-    facts = memory.model_facts(model.model, model.force_image_size[0] if model.force_image_size else None)
+    image_size = model.force_image_size[0] if model.force_image_size else None
+    facts = memory.model_facts(model.model, image_size, memory.Locks.of(engine))
     setup, layout = describe_plan(engine, world, facts.params)
-    lines.append(f"model {model.model}: {facts.params / 1e6:.1f}M parameters")
+    locked = f" ({facts.frozen_params / 1e6:.1f}M of them locked)" if facts.frozen_params else ""
+    lines.append(f"model {model.model}: {facts.params / 1e6:.1f}M parameters{locked}")
     lines.append(f"engine {layout}")
     teacher_bytes = 0.0
     if model.distill_model is not None:  # --distill-model: its weights, placed as the engine places the model

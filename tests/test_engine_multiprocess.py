@@ -96,6 +96,23 @@ def assert_accumulation_adds_no_gradient_memory(r: dict) -> None:
         assert last["bytes"] == run["sharded_grad_bytes"] and 0 <= last["bytes"] - first["bytes"] <= 4
 
 
+def assert_locked_state_as_planned(r: dict) -> None:
+    """The plan's state of the locked runs' model (--lock-image with one group unlocked, --lock-text: the frozen
+    parameters as weights only, each engine's placement and dtype) against what each engine holds (its
+    state_bytes(): parameters, gradients and optimizer state, rank 0), without the plan's gathered blocks. Measured
+    1.00 (DDP), 0.99 (FSDP2: the trainable gradients are freed after the step), 1.03 (ZeRO-3)."""
+    import bigclip.engine  # noqa: F401  (the engines list their memory setups)
+    from bigclip.memory import Locks, StateRecipe, locked_weight_bytes, model_facts, state_bytes
+
+    facts = model_facts("test-tiny", None, Locks(image_unlocked_groups=1, text_unlocked_layers=0))
+    assert facts.frozen_params > facts.trainable_params / 2
+    fp32 = StateRecipe("fp32")  # the matrix's precision (engine_worker.py)
+    for name, setup in (("ddp_locked", "ddp"), ("fsdp_locked", "fsdp"), ("zero3_locked", "zero3")):
+        planned = state_bytes(setup, facts.trainable_params, 2, fp32)
+        planned += locked_weight_bytes(setup, facts.frozen_params, 2, fp32)
+        assert r[name]["state_bytes"]["total"] == pytest.approx(planned, rel=0.05), (name, r[name]["state_bytes"])
+
+
 def test_every_engine_matches_ddp_step_by_step(tmp_path):
     """test-tiny, same seed and data, 20 steps, global loss (--gather-with-grad): ddp == fsdp == zero1/2/3,
     also with --accum-freq 2, with --grad-checkpointing (every block, and every 2nd), with per-block
@@ -260,6 +277,7 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
     assert r["zero3_offload_torch_adamw"]["optimizer"] == r["ddp"]["optimizer"] == "AdamW"
     for name in ("fsdp_locked", "zero3_locked"):
         assert_same_run(r[name], r["ddp_locked"], FP32_RTOL)
+    assert_locked_state_as_planned(r)
     for name in ("ddp_locked", "fsdp_locked", "zero3_locked"):  # frozen weights untouched, bit for bit
         assert r[name]["frozen"]["count"] >= 40 and r[name]["frozen"]["changed"] == [], (name, r[name]["frozen"])
     for name in ("ddp_pure_bf16", "fsdp_pure_bf16"):

@@ -143,6 +143,50 @@ def test_the_predicted_peak_of_the_leanest_setup_is_within_10_percent_of_the_mea
     assert row["runtime"] < 0.3 * row["measured"]  # the model, not the runtime, is what was measured
 
 
+def test_locked_towers_in_the_plan(capsys):
+    """--lock-image / --lock-text: the model's own lock methods freeze the meta model; frozen parameters count as
+    weights only, placed and typed as each engine holds the model's weights, and the blocks below the first
+    trainable one save no activations (a meta forward says which run under autograd)."""
+    from bigclip import cli, dry_run
+    from bigclip.config import resolve
+    from bigclip.dist import World
+    from bigclip.memory import Locks, locked_weight_bytes, model_state_bytes
+    from bigclip.model import create_model
+
+    model = create_model("ViT-B-32", device="meta")
+    image_params = sum(p.numel() for p in model.visual.parameters())
+    whole = model_facts("ViT-B-32")
+    lit = model_facts("ViT-B-32", None, Locks(image_unlocked_groups=0))
+    assert lit.frozen_params == image_params and lit.trainable_params == whole.params - image_params
+    assert lit.towers[0][0] == 0 and lit.towers[1] == whole.towers[1]  # the image tower keeps nothing
+    assert model_facts("ViT-B-32", None, Locks(image_unlocked_groups=2)).towers[0][0] == 1  # the last block + head
+    # --lock-text leaves the LayerNorms trainable unless --lock-text-freeze-layer-norm: every block still saves
+    assert model_facts("ViT-B-32", None, Locks(text_unlocked_layers=0)).towers[1][0] == 12
+    assert model_facts("ViT-B-32", None, Locks(text_unlocked_layers=0, text_freeze_layer_norm=True)).towers[1][0] == 0
+    # a ResNet image tower (traced, no formula) wholly locked: nothing traced, nothing uncounted
+    rn50 = model_facts("RN50", None, Locks(image_unlocked_groups=0))
+    assert rn50.traced == () and rn50.uncounted is None and len(rn50.towers) == 1
+    amp, n, f = StateRecipe("amp"), 8, lit.frozen_params
+    # frozen weights: fp32 under amp, whole (DDP, ZeRO-1/2: DeepSpeed's working bf16) or sharded (FSDP2, ZeRO-3)
+    expected = {"ddp": 4 * f, "fsdp": 4 * f / n, "zero1": 2 * f, "zero2": 2 * f, "zero3": 2 * f / n}
+    for setup, locked in expected.items():
+        assert locked_weight_bytes(setup, f, n, amp) == locked, setup
+        assert model_state_bytes(setup, lit, n, amp) == state_bytes(setup, lit.trainable_params, n, amp, lit) + locked
+        assert model_state_bytes(setup, lit, n, amp) < model_state_bytes(setup, whole, n, amp)
+    assert locked_weight_bytes("zero3_offload", f, n, amp) == 0
+    parts = peak_parts("ddp", lit, n, amp, 32, False, "cpu")
+    assert parts["activations"] == activation_bytes(lit, 32, False, 2) < activation_bytes(whole, 32, False, 2)
+    # DDP amp: autocast caches 16-bit copies of trainable weights only
+    assert parts["working"] - peak_parts("ddp", whole, n, amp, 32, False, "cpu")["working"] == -2 * image_params
+    assert cli.main(["plan", "--model", "ViT-B-32", "--gpus", "8", "--gpu-mem", "80", "--lock-image"]) == 0
+    assert "0.09B locked" in capsys.readouterr().out
+    assert cli.main(["plan", "--model", "ViT-B-32", "--lock-text-unlocked-layers", "2"]) == 2
+    assert "--lock-text-unlocked-layers: acts only with --lock-text" in capsys.readouterr().err
+    cfg = resolve({"model": "ViT-B-32", "dataset_type": "synthetic", "batch_size": 16, "lock_image": True})
+    lines = dry_run.report(cfg.sections.model, cfg.sections.engine, World())
+    assert f"model ViT-B-32: 151.3M parameters ({image_params / 1e6:.1f}M of them locked)" in lines
+
+
 @pytest.mark.extended  # 4-7 min of measured steps; in CI the plan's accumulation arithmetic (above) and the
 @pytest.mark.slow  # engine matrix's gradient memory between micro-batches (test_engine_multiprocess.py)
 def test_the_predicted_peak_with_accumulation_is_within_10_percent_of_the_measured(tmp_path):
@@ -161,6 +205,29 @@ def test_the_predicted_peak_with_accumulation_is_within_10_percent_of_the_measur
     facts = model_facts("ViT-B-32")
     for row in rows:
         parts = peak_parts(row["engine"], facts, 2, StateRecipe("amp", accum_freq=2), 8, False, "cpu")
+        assert row["measured"] == pytest.approx(parts["peak"] + row["runtime"], rel=0.10), (row, parts)
+    assert [row["engine"] for row in rows] == ["ddp", "fsdp"]
+
+
+@pytest.mark.extended  # 4-7 min of measured steps; in CI the plan's lock arithmetic (above) against the engines'
+@pytest.mark.slow  # own state of a locked model (test_engine_multiprocess.py)
+def test_the_predicted_peak_of_a_locked_image_tower_is_within_10_percent_of_the_measured(tmp_path):
+    """bench/plan_check.py --lock image (LiT) on DDP and FSDP2 (amp, AdamW, ViT-B-32): the plan without locks
+    counted the image tower's gradients, optimizer state and activations."""
+    from bigclip.memory import Locks
+
+    rows_file = tmp_path / "rows.json"
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "plan_check.py"), "--model", "ViT-B-32", "--batch-size", "8",
+         "--steps", "2", "--lock", "image", "--engines", "ddp", "fsdp", "--precisions", "amp", "--opts", "adamw",
+         "--stepping", "kept", "--json", str(rows_file)],
+        capture_output=True, text=True, timeout=1200, env=subprocess_env(),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(rows_file.read_text())["rows"]
+    facts = model_facts("ViT-B-32", None, Locks(image_unlocked_groups=0))
+    for row in rows:
+        parts = peak_parts(row["engine"], facts, 2, StateRecipe("amp"), 8, False, "cpu")
         assert row["measured"] == pytest.approx(parts["peak"] + row["runtime"], rel=0.10), (row, parts)
     assert [row["engine"] for row in rows] == ["ddp", "fsdp"]
 

@@ -17,6 +17,7 @@ from bigclip.loss.memory import chosen_impl
 from bigclip.memory import (
     OVERHEAD_BYTES,
     GiB,
+    Locks,
     ModelFacts,
     StateRecipe,
     activation_bytes,
@@ -26,7 +27,7 @@ from bigclip.memory import (
     max_batch,
     memory_setups,
     model_facts,
-    state_bytes,
+    model_state_bytes,
 )
 from bigclip.optim import OPTIMIZERS
 from bigclip.precision import PRECISIONS
@@ -45,6 +46,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ema", action="store_true", help="a float32 moving average of the weights (--ema-decay)")
     parser.add_argument("--accum-freq", type=int, default=1, help="micro-batches per step (--batch-size is each one's)")
     parser.add_argument("--force-image-size", type=int, default=None)
+    parser.add_argument("--lock-image", action="store_true", help="the image tower frozen (LiT): weights only")
+    parser.add_argument("--lock-image-unlocked-groups", type=int, default=0, help="with --lock-image")
+    parser.add_argument("--lock-text", action="store_true", help="the text tower frozen: weights only")
+    parser.add_argument("--lock-text-unlocked-layers", type=int, default=0, help="with --lock-text")
+    parser.add_argument("--lock-text-freeze-layer-norm", action="store_true", help="with --lock-text")
     parser.add_argument("--siglip", action="store_true", help="count the SigLIP loss (default: CLIP's)")
     parser.add_argument("--loss-impl", choices=LOSS_IMPLS, default="auto", help="the loss whose memory counts")
     parser.add_argument("--loss-precision", choices=LOSS_PRECISIONS, default="exact")
@@ -65,7 +71,16 @@ def main(argv: list[str]) -> int:
         local_loss=args.local_loss,
     )
     check_loss(loss)
-    print(render(args.model, args.gpus, args.gpu_mem, args.batch_size, recipe, args.force_image_size, loss))
+    for refinement, lock in (
+        ("lock_image_unlocked_groups", "lock_image"),
+        ("lock_text_unlocked_layers", "lock_text"),
+        ("lock_text_freeze_layer_norm", "lock_text"),
+    ):
+        if getattr(args, refinement) and not getattr(args, lock):
+            flag = "--" + refinement.replace("_", "-")
+            parser.error(f"{flag}: acts only with --{lock.replace('_', '-')}; add it or drop {flag}")
+    locks = Locks.of(args)
+    print(render(args.model, args.gpus, args.gpu_mem, args.batch_size, recipe, args.force_image_size, loss, locks))
     return 0
 
 
@@ -101,12 +116,13 @@ def render(
     recipe: StateRecipe | str,
     image_size: int | None = None,
     loss: LossConfig | None = None,
+    locks: Locks | None = None,
 ) -> str:
     recipe = StateRecipe(recipe) if isinstance(recipe, str) else recipe
     loss = loss or LossConfig()
     lines = []
     for name in models:
-        facts = model_facts(name, image_size)
+        facts = model_facts(name, image_size, locks)
         act = activation_bytes(facts, batch, False, recipe.activation_bytes)
         act_ckpt = activation_bytes(facts, batch, True, recipe.activation_bytes)
         loss_line = "; ".join(
@@ -116,8 +132,9 @@ def render(
         )
         lines += [
             f"## {name}: {facts.params / 1e9:.2f}B parameters (largest block "
-            f"{facts.block_params / 1e6:.0f}M, outside blocks {facts.root_params / 1e6:.0f}M), "
-            f"{recipe.describe()}",
+            f"{facts.block_params / 1e6:.0f}M, outside blocks {facts.root_params / 1e6:.0f}M"
+            + (f"; {facts.frozen_params / 1e9:.2f}B locked" if facts.frozen_params else "")
+            + f"), {recipe.describe()}",
             "",
             f"Activations for {batch} samples per GPU: {_gb(act)} GiB, with --grad-checkpointing {_gb(act_ckpt)} GiB"
             + (f" (not counting the {facts.uncounted}: no batch size is suggested)." if facts.uncounted else "."),
@@ -139,7 +156,7 @@ def render(
         )
         lines += [header, "|" + "---|" * (1 + len(gpus) + len(gpu_mem))]
         for engine in memory_setups():
-            states = [state_bytes(engine, facts.params, n, recipe, facts) for n in gpus]
+            states = [model_state_bytes(engine, facts, n, recipe) for n in gpus]
             if states[0] is None:
                 lines.append(f"| {engine} | " + " | ".join("cannot" for _ in gpus + gpu_mem) + " |")
                 continue

@@ -29,7 +29,7 @@ def memory_setups() -> dict[str, MemorySetup]:
         stage3 = config.startswith("zero3")
 
         def working(psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str) -> WorkingBytes:
-            working = _working(stage3, offloaded, psi, n, recipe, device_type)
+            working = _working(stage3, offloaded, psi, n, recipe, device_type, size.params)
             if full_gradients_between_boundaries and recipe.accum_freq > 1:
                 # ZeRO-1 reduces a gradient into its partition only at the accumulation boundary (the last
                 # micro-batch's backward): the micro-batches before it leave every full gradient in .grad, in the
@@ -37,7 +37,20 @@ def memory_setups() -> dict[str, MemorySetup]:
                 working = dataclasses.replace(working, backward=working.backward + recipe.activation_bytes * psi)
             return working
 
-        return MemorySetup(state, working, flags={"ds_config": f"ds_configs/{config}.json"}, offloaded=offloaded)
+        def locked(frozen: int, n: int, recipe: StateRecipe) -> float:
+            # DeepSpeed casts the whole module to its working dtype and keeps fp32 masters of what it optimizes
+            # only; ZeRO-3 partitions the locked weights too (offloaded: in host memory)
+            if offloaded:
+                return 0.0
+            return recipe.activation_bytes * frozen / (n if stage3 else 1)
+
+        return MemorySetup(
+            state,
+            working,
+            flags={"ds_config": f"ds_configs/{config}.json"},
+            offloaded=offloaded,
+            locked_weights=locked,
+        )
 
     return {
         # full weights; gradients reduced into partitions as the backward makes them (zero1: only in the last
@@ -52,10 +65,11 @@ def memory_setups() -> dict[str, MemorySetup]:
     }
 
 
-def _working(stage3: bool, offloaded: bool, psi: int, n: int, recipe: StateRecipe, device_type: str):
+def _working(stage3: bool, offloaded: bool, psi: int, n: int, recipe: StateRecipe, device_type: str, whole: int):
     # ZeRO-3 keeps the parameters it gathered in the forward for the backward, up to stage3_max_live_parameters
-    # (DeepSpeed's default, 1e9; bigclip's configs leave it), in the working dtype
-    gathered = recipe.activation_bytes * min(psi, STAGE3_MAX_LIVE_PARAMETERS) if stage3 else 0.0
+    # (DeepSpeed's default, 1e9; bigclip's configs leave it), in the working dtype: all `whole` of them, locked
+    # towers' too (measured: ViT-B-32 with --lock-image peaked their bf16 copies above a plan without them)
+    gathered = recipe.activation_bytes * min(whole, STAGE3_MAX_LIVE_PARAMETERS) if stage3 else 0.0
     if offloaded:
         return WorkingBytes(backward=gathered)  # the step runs in host memory (DeepSpeed's CPU Adam)
     # ZeRO's step flattens the rank's gradient partition into a new float32 tensor (the .grad of its fp32

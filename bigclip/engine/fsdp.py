@@ -156,7 +156,10 @@ class FSDPEngine(TorchOptimizerEngine):
                 state += recipe.weight_bytes * size.block_params / n
             return state
 
-        return {cls.name: MemorySetup(fsdp, cls._working, flags={"engine": cls.name})}
+        def locked(frozen: int, n: int, recipe: StateRecipe) -> float:
+            return recipe.weight_bytes * frozen / n  # locked towers are sharded like the rest of the model
+
+        return {cls.name: MemorySetup(fsdp, cls._working, flags={"engine": cls.name}, locked_weights=locked)}
 
     @staticmethod
     def _working(psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str) -> WorkingBytes:

@@ -1,6 +1,7 @@
 """The memory model: what a training run holds per GPU, predicted before any GPU is rented, and measured.
 
-    size.py      ModelSize / ModelFacts: a model's parameters, largest block and tensor, towers' activation shapes
+    size.py      ModelSize / ModelFacts: a model's parameters, largest block and tensor, towers' activation shapes,
+                 what locked towers (Locks: --lock-image, --lock-text) freeze
     traced.py    TracedActivations: what an image tower no formula describes (timm, ResNet) saves per block,
                  its forward traced on the meta device
     recipe.py    StateRecipe: bytes per parameter from the precision and optimizer registries; recipes(): every
@@ -23,6 +24,7 @@ from bigclip.memory.peak import (
     feature_bytes,
     fitting_setups,
     max_batch,
+    model_state_bytes,
     peak_parts,
 )
 from bigclip.memory.recipe import StateRecipe, distinct_optimizers, distinct_precisions, recipes
@@ -32,15 +34,17 @@ from bigclip.memory.setups import (
     WorkingBytes,
     WorkingBytesOf,
     add_setup_source,
+    locked_weight_bytes,
     memory_setup,
     memory_setups,
     state_bytes,
     working_bytes,
 )
-from bigclip.memory.size import ModelFacts, ModelSize, model_facts, parameter_count
+from bigclip.memory.size import Locks, ModelFacts, ModelSize, model_facts, parameter_count
 
 __all__ = [
     "GiB",
+    "Locks",
     "OVERHEAD_BYTES",
     "MemorySetup",
     "ModelFacts",
@@ -58,8 +62,10 @@ __all__ = [
     "distinct_precisions",
     "feature_bytes",
     "fitting_setups",
+    "locked_weight_bytes",
     "max_batch",
     "model_facts",
+    "model_state_bytes",
     "parameter_count",
     "peak_parts",
     "recipes",

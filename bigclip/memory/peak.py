@@ -29,7 +29,7 @@ import dataclasses
 from bigclip.loss import LossConfig
 from bigclip.loss.memory import loss_peak_bytes
 from bigclip.memory.recipe import StateRecipe, recipes
-from bigclip.memory.setups import memory_setups, state_bytes, working_bytes
+from bigclip.memory.setups import locked_weight_bytes, memory_setups, state_bytes, working_bytes
 from bigclip.memory.size import ModelFacts
 
 GiB = 1024**3
@@ -46,10 +46,17 @@ def activation_bytes(facts: ModelFacts, batch: int, checkpointing: bool, element
         return batch * (sum(layers * f for (layers, *_), f in zip(facts.towers, full_per_block)) + traced)
     kept = sum(layers * tokens * width * element_bytes for layers, tokens, width, _ in facts.towers)
     # while one block is recomputed: a formula tower's (everything else kept), or a traced tower's at its own peak
-    recomputing = [traced + f for f in full_per_block]
+    recomputing = [traced + f for (layers, *_), f in zip(facts.towers, full_per_block) if layers]
     recomputing += [traced - t.kept_bytes(True, element_bytes) + t.checkpointed_peak_bytes(element_bytes)
                     for t in facts.traced]  # fmt: skip
     return batch * (kept + max(recomputing, default=traced))
+
+
+def model_state_bytes(setup: str, facts: ModelFacts, n: int, recipe: StateRecipe) -> float | None:
+    """The training state per GPU of this model under `setup`: the trainable parameters' weights, gradients and
+    optimizer state, and the locked towers' weights; None where the setup cannot keep the state as `recipe` says."""
+    kept = state_bytes(setup, facts.trainable_params, n, recipe, facts)
+    return None if kept is None else kept + locked_weight_bytes(setup, facts.frozen_params, n, recipe)
 
 
 def peak_parts(
@@ -73,14 +80,15 @@ def peak_parts(
     - the optimizer step: the whole state, gradients included, and the step's temporaries (stepped in the
       backward: at the end of the text tower's backward, for its largest tensor).
     """
-    psi = facts.params
-    kept = state_bytes(setup, psi, n, recipe, facts)
+    psi = facts.trainable_params  # the state and the step are the trainable parameters'; locked ones are weights
+    kept = model_state_bytes(setup, facts, n, recipe)
     if kept is None:
         return None
+    frozen = locked_weight_bytes(setup, facts.frozen_params, n, recipe)
     working = working_bytes(setup, psi, n, recipe, facts, device_type)
     at_backward = kept
     if not working.gradients_persist:  # the state with one block's gradients instead of all of them
-        at_backward = state_bytes(setup, psi, n, dataclasses.replace(recipe, in_backward=True), facts)
+        at_backward = frozen + state_bytes(setup, psi, n, dataclasses.replace(recipe, in_backward=True), facts)
     activations = activation_bytes(facts, batch, checkpointing, recipe.activation_bytes)
     # --accum-freq: the activations are one micro-batch's; the loss runs over the features of all of them (the
     # others' cached without gradients, bigclip.loop.forward_backward)

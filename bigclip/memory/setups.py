@@ -39,6 +39,14 @@ class WorkingBytes:
 
 # (Ψ, N, recipe, the model's sizes, device type) -> what the setup allocates beyond the state
 WorkingBytesOf = Callable[[int, int, StateRecipe, ModelSize, str], WorkingBytes]
+# (frozen parameters, N, recipe) -> bytes per GPU of the weights --lock-image/--lock-text freeze: no gradients and no
+# optimizer state, placed and typed as the engine places and types the model's weights
+LockedWeightBytes = Callable[[int, int, StateRecipe], float]
+
+
+def whole_locked_weights(frozen: int, n: int, recipe: StateRecipe) -> float:
+    """Every rank holds the frozen weights whole, in the weights' dtype (DDP)."""
+    return recipe.weight_bytes * frozen
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,7 @@ class MemorySetup:
 
     state: StateBytes
     working: WorkingBytesOf | None = None  # None: nothing beyond the state
+    locked_weights: LockedWeightBytes = whole_locked_weights
     flags: Mapping[str, Any] = field(default_factory=dict)
     offloaded: bool = False  # the state lives in host memory or on NVMe: the GPU holds working buffers only
 
@@ -86,3 +95,10 @@ def working_bytes(
     """What `setup` allocates per GPU beyond the state (its engine's own arithmetic, Engine.working_bytes)."""
     working = memory_setup(setup).working
     return working(psi, n, recipe, size, device_type) if working else WorkingBytes()
+
+
+def locked_weight_bytes(setup: str, frozen: int, n: int, recipe: StateRecipe | str = "amp") -> float:
+    """Bytes per GPU of `frozen` locked parameters' weights under `setup` (0 when nothing is locked)."""
+    if not frozen:
+        return 0.0
+    return memory_setup(setup).locked_weights(frozen, n, StateRecipe(recipe) if isinstance(recipe, str) else recipe)
