@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from bigclip import memory
 from bigclip.dist import World, describe_world
-from bigclip.engine import EngineConfig, batchnorm_flags_set, describe_plan, frozen_bytes, say_idle_batchnorm_flags
+from bigclip.engine import (
+    EngineConfig,
+    batchnorm_flags_set,
+    describe_plan,
+    frozen_bytes,
+    say_idle_batchnorm_flags,
+    state_ranks,
+)
 from bigclip.loss import LossConfig
 from bigclip.model.config import ModelConfig
 
@@ -26,13 +33,16 @@ def _memory_lines(
     recipe = memory.StateRecipe(
         cfg.precision, cfg.optimizer.opt, cfg.optimizer_in_backward, cfg.ema_decay is not None, cfg.accum_freq
     )
+    shards = state_ranks(cfg, world)
+    spread = f" (the state over {shards} of them)" if shards != world.world_size else ""
     where = (
-        f"memory per GPU ({setup}, {recipe.describe()}, {world.world_size} rank(s), micro-batch {cfg.batch_size}"
+        f"memory per GPU ({setup}, {recipe.describe()}, {world.world_size} rank(s){spread}, micro-batch "
+        f"{cfg.batch_size}"
         f"{f', --accum-freq {cfg.accum_freq}' if cfg.accum_freq > 1 else ''}"
         f"{', --grad-checkpointing' if cfg.grad_checkpointing else ''})"
     )
     parts = memory.peak_parts(
-        setup, facts, world.world_size, recipe, cfg.batch_size, cfg.grad_checkpointing, world.device.type, loss
+        setup, facts, world.world_size, recipe, cfg.batch_size, cfg.grad_checkpointing, world.device.type, loss, shards
     )
     if parts is None:
         return [f"{where}: this engine cannot keep the state so"]

@@ -220,6 +220,29 @@ def test_plan_arithmetic_and_printout(capsys):
     assert "ViT-H-14" in out and "| zero3 |" in out and "| fsdp |" in out and "max batch @ 40 GB" in out
 
 
+def test_dry_run_counts_hsdp_state_per_replica_group():
+    """--fsdp-replicate-degree R: each replica group of world/R ranks holds one copy of the state, so --dry-run's
+    state per GPU is FSDP2's over world/R ranks (counted over all of them it was R times too little)."""
+    from bigclip import dry_run, memory
+    from bigclip.config import resolve
+    from bigclip.dist import World
+    from bigclip.engine import state_ranks
+
+    base = {"model": "ViT-B-32", "dataset_type": "synthetic", "batch_size": 16, "engine": "fsdp"}
+    hsdp, fsdp = resolve({**base, "fsdp_replicate_degree": 2}).sections.engine, resolve(base).sections.engine
+    assert state_ranks(hsdp, World(world_size=8)) == 4 and state_ranks(fsdp, World(world_size=8)) == 8
+    facts = memory.model_facts("ViT-B-32")
+
+    def line(cfg, n):
+        return dry_run._memory_lines(cfg, World(world_size=n), "fsdp", facts)[0]
+
+    def state(text):
+        return text.split(": state ")[1].split(" GiB")[0]
+
+    assert "8 rank(s) (the state over 4 of them)" in line(hsdp, 8) and "of them" not in line(fsdp, 8)
+    assert state(line(hsdp, 8)) == state(line(fsdp, 4)) != state(line(fsdp, 8))
+
+
 def test_plan_for_towers_without_an_activation_formula(capsys, tmp_path):
     """ResNet and timm image towers: the state rows hold (parameter count as OpenCLIP's model), the activations are
     traced on meta (memory/traced.py), so a batch size is suggested; a tower that cannot be traced says so."""

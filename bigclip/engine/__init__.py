@@ -125,6 +125,11 @@ def describe_plan(cfg: EngineConfig, world: World, num_params: int) -> tuple[str
     return ENGINES.get(cfg.engine).describe_plan(cfg, world, num_params)
 
 
+def state_ranks(cfg: EngineConfig, world: World) -> int:
+    """For --dry-run: over how many ranks one copy of the training state is spread (HSDP: a replica group's)."""
+    return ENGINES.get(cfg.engine).state_ranks(cfg, world)
+
+
 def frozen_bytes(cfg: EngineConfig, world: World, num_params: int) -> float:
     """For --dry-run: bytes per GPU of a forward-only module's weights (a distillation teacher) as the engine
     places it."""

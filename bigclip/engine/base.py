@@ -110,6 +110,12 @@ class Engine(abc.ABC):
         return cls.name, cls.name
 
     @classmethod
+    def state_ranks(cls, cfg: EngineConfig, world: World) -> int:
+        """For --dry-run: over how many ranks one copy of the training state is spread (the N of this engine's
+        memory setups); every rank here, fewer where copies are replicated (HSDP)."""
+        return world.world_size
+
+    @classmethod
     def frozen_bytes(cls, cfg: EngineConfig, world: World, num_params: int) -> float:
         """Bytes per GPU of the weights of a forward-only module of `num_params` parameters as `frozen()` places it
         (a distillation teacher): here whole, in the weights' dtype."""

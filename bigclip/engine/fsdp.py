@@ -140,6 +140,10 @@ class FSDPEngine(TorchOptimizerEngine):
         return build_for_sharding(cfg, factory, shards_params=True)
 
     @classmethod
+    def state_ranks(cls, cfg: EngineConfig, world: World) -> int:
+        return world.world_size // replicate_degree(cfg, world)  # HSDP: each replica group holds one copy
+
+    @classmethod
     def frozen_bytes(cls, cfg: EngineConfig, world: World, num_params: int) -> float:
         return super().frozen_bytes(cfg, world, num_params) / world.world_size  # sharded like the model
 

@@ -68,9 +68,12 @@ def peak_parts(
     checkpointing: bool,
     device_type: str = "cuda",
     loss: LossConfig | None = None,
+    state_ranks: int | None = None,
 ) -> dict[str, float] | None:
     """The predicted peak per GPU (bytes; the fixed reserve not included) and its parts, or None where the setup
-    cannot keep the state as `recipe` says. The peak is the largest of three moments:
+    cannot keep the state as `recipe` says. `n` ranks share the data (the contrastive loss's global batch); the
+    state is spread over `state_ranks` of them (default n; HSDP: a replica group). The peak is the largest of
+    three moments:
 
     - the start of the backward: weights, optimizer state, the gradients' memory where the engine keeps it between
       steps (else one block's), all activations, what the engine keeps from forward to backward (autocast's
@@ -81,14 +84,15 @@ def peak_parts(
       backward: at the end of the text tower's backward, for its largest tensor).
     """
     psi = facts.trainable_params  # the state and the step are the trainable parameters'; locked ones are weights
-    kept = model_state_bytes(setup, facts, n, recipe)
+    shards = state_ranks or n  # the state is spread over n ranks, or over a replica group's (HSDP)
+    kept = model_state_bytes(setup, facts, shards, recipe)
     if kept is None:
         return None
-    frozen = locked_weight_bytes(setup, facts.frozen_params, n, recipe)
-    working = working_bytes(setup, psi, n, recipe, facts, device_type)
+    frozen = locked_weight_bytes(setup, facts.frozen_params, shards, recipe)
+    working = working_bytes(setup, psi, shards, recipe, facts, device_type)
     at_backward = kept
     if not working.gradients_persist:  # the state with one block's gradients instead of all of them
-        at_backward = frozen + state_bytes(setup, psi, n, dataclasses.replace(recipe, in_backward=True), facts)
+        at_backward = frozen + state_bytes(setup, psi, shards, dataclasses.replace(recipe, in_backward=True), facts)
     activations = activation_bytes(facts, batch, checkpointing, recipe.activation_bytes)
     # --accum-freq: the activations are one micro-batch's; the loss runs over the features of all of them (the
     # others' cached without gradients, bigclip.loop.forward_backward)
