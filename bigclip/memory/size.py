@@ -97,7 +97,7 @@ def blocks_kept_for_backward(tower: nn.Module, example: torch.Tensor) -> int:
     hooks = [
         block.register_forward_pre_hook(
             lambda m, args, kwargs: seen.append(_requires_grad(m, (args, kwargs))), with_kwargs=True
-        )  # fmt: skip
+        )
         for block in tower.blocks
     ]
     try:
