@@ -122,20 +122,27 @@ def test_accumulation_in_the_plan(capsys):
     assert "--accum-freq 4" in lines[4] and "--accum-freq" not in lines[1]
 
 
+def plan_check_rows(tmp_path, args: list[str], timeout: float = 900) -> list[dict]:
+    """bench/plan_check.py with `args` in a fresh process; the rows it measured (its --json file)."""
+    rows_file = tmp_path / "rows.json"
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "plan_check.py"), *args, "--json", str(rows_file)],
+        capture_output=True, text=True, timeout=timeout, env=subprocess_env(),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(rows_file.read_text())["rows"]
+
+
 @pytest.mark.extended  # 2-5 min of measured steps; in CI the planner's peak rule on its own (above)
 @pytest.mark.slow
 def test_the_predicted_peak_of_the_leanest_setup_is_within_10_percent_of_the_measured(tmp_path):
     """bench/plan_check.py on one setup: 2 FSDP2 ranks, bf16 weights, 8-bit AdamW stepped in the backward, ViT-B-32;
     the rank's resident memory above its baseline against the plan's peak plus the runtime measured on test-tiny."""
-    rows_file = tmp_path / "rows.json"
-    out = subprocess.run(
-        [sys.executable, os.path.join(REPO, "bench", "plan_check.py"), "--model", "ViT-B-32", "--batch-size", "4",
-         "--steps", "2", "--engines", "fsdp", "--precisions", "pure_bf16", "--opts", "adamw8bit", "--stepping",
-         "in-backward", "--json", str(rows_file)],
-        capture_output=True, text=True, timeout=900, env=subprocess_env(),
+    (row,) = plan_check_rows(
+        tmp_path,
+        ["--model", "ViT-B-32", "--batch-size", "4", "--steps", "2", "--engines", "fsdp", "--precisions",
+         "pure_bf16", "--opts", "adamw8bit", "--stepping", "in-backward"],
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    (row,) = json.loads(rows_file.read_text())["rows"]
     facts = model_facts("ViT-B-32")
     parts = peak_parts("fsdp", facts, 2, StateRecipe("pure_bf16", "adamw8bit", True), 4, False, "cpu")
     predicted = parts["peak"] + row["runtime"]
@@ -193,15 +200,12 @@ def test_the_predicted_peak_with_accumulation_is_within_10_percent_of_the_measur
     """bench/plan_check.py --accum-freq 2 on DDP and FSDP2 (amp, AdamW, ViT-B-32): before bigclip kept DDP's
     gradients in its buckets across micro-batches and reduce-scattered FSDP2's every micro-batch, they measured
     1.20x and 1.32x of this plan (a whole float32 gradient, and every block's unsharded one, beside it)."""
-    rows_file = tmp_path / "rows.json"
-    out = subprocess.run(
-        [sys.executable, os.path.join(REPO, "bench", "plan_check.py"), "--model", "ViT-B-32", "--batch-size", "8",
-         "--steps", "2", "--accum-freq", "2", "--engines", "ddp", "fsdp", "--precisions", "amp", "--opts", "adamw",
-         "--stepping", "kept", "--json", str(rows_file)],
-        capture_output=True, text=True, timeout=1200, env=subprocess_env(),
+    rows = plan_check_rows(
+        tmp_path,
+        ["--model", "ViT-B-32", "--batch-size", "8", "--steps", "2", "--accum-freq", "2", "--engines", "ddp",
+         "fsdp", "--precisions", "amp", "--opts", "adamw", "--stepping", "kept"],
+        timeout=1200,
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads(rows_file.read_text())["rows"]
     facts = model_facts("ViT-B-32")
     for row in rows:
         parts = peak_parts(row["engine"], facts, 2, StateRecipe("amp", accum_freq=2), 8, False, "cpu")
@@ -216,15 +220,12 @@ def test_the_predicted_peak_of_a_locked_image_tower_is_within_10_percent_of_the_
     counted the image tower's gradients, optimizer state and activations."""
     from bigclip.memory import Locks
 
-    rows_file = tmp_path / "rows.json"
-    out = subprocess.run(
-        [sys.executable, os.path.join(REPO, "bench", "plan_check.py"), "--model", "ViT-B-32", "--batch-size", "8",
-         "--steps", "2", "--lock", "image", "--engines", "ddp", "fsdp", "--precisions", "amp", "--opts", "adamw",
-         "--stepping", "kept", "--json", str(rows_file)],
-        capture_output=True, text=True, timeout=1200, env=subprocess_env(),
+    rows = plan_check_rows(
+        tmp_path,
+        ["--model", "ViT-B-32", "--batch-size", "8", "--steps", "2", "--lock", "image", "--engines", "ddp", "fsdp",
+         "--precisions", "amp", "--opts", "adamw", "--stepping", "kept"],
+        timeout=1200,
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads(rows_file.read_text())["rows"]
     facts = model_facts("ViT-B-32", None, Locks(image_unlocked_groups=0))
     for row in rows:
         parts = peak_parts(row["engine"], facts, 2, StateRecipe("amp"), 8, False, "cpu")
@@ -310,15 +311,11 @@ def test_traced_activations_of_tiny_timm_towers_against_the_measured_peak(tmp_pa
     """bench/plan_check.py on a tiny EVA and a tiny ConvNeXt, batch 16 (activations most of the peak): the
     predicted peak, its image tower's activations traced on meta, within 10% of the rank's measured memory."""
     model = tiny_timm_model(tmp_path / family, family)
-    rows_file = tmp_path / "rows.json"
-    out = subprocess.run(
-        [sys.executable, os.path.join(REPO, "bench", "plan_check.py"), "--model", model, "--batch-size", "16",
-         "--steps", "2", "--engines", "fsdp", "--precisions", "pure_bf16", "--opts", "adamw8bit", "--stepping",
-         "in-backward", "--json", str(rows_file)] + (["--grad-checkpointing"] if checkpointing else []),
-        capture_output=True, text=True, timeout=900, env=subprocess_env(),
+    (row,) = plan_check_rows(
+        tmp_path,
+        ["--model", model, "--batch-size", "16", "--steps", "2", "--engines", "fsdp", "--precisions", "pure_bf16",
+         "--opts", "adamw8bit", "--stepping", "in-backward"] + (["--grad-checkpointing"] if checkpointing else []),
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    (row,) = json.loads(rows_file.read_text())["rows"]
     facts = model_facts(model)
     parts = peak_parts("fsdp", facts, 2, StateRecipe("pure_bf16", "adamw8bit", True), 16, checkpointing, "cpu")
     assert parts["activations"] > 0.5 * parts["peak"]  # the activations are what is checked
