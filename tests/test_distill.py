@@ -17,8 +17,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import free_port, read_metrics
+from helpers import fork_ranks, free_port, read_metrics
 from open_clip.loss import DistillClipLoss as OpenCLIPDistillClipLoss
 from test_loss_chunked import LargestTensor
 from test_loss_reference import unit_features
@@ -82,7 +81,7 @@ def test_loss_and_gradients_equal_openclips_distill_clip_loss(impl):
 
 
 def _two_rank_worker(rank: int, world: int, port: int, result_dir: str) -> None:
-    distill.ROW_BLOCK_ELEMENTS = 20  # a spawned process: the fixture's patch is not here
+    distill.ROW_BLOCK_ELEMENTS = 20  # each rank sets it: the fixture patches the test process alone
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=90),
@@ -115,7 +114,7 @@ def _two_rank_worker(rank: int, world: int, port: int, result_dir: str) -> None:
 
 @pytest.mark.slow
 def test_loss_and_gradients_equal_openclips_on_two_ranks(tmp_path):
-    mp.spawn(_two_rank_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    fork_ranks(_two_rank_worker, (2, free_port(), str(tmp_path)), 2)
     for rank in range(2):
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(errors) == 2 * len(FLAGS) * 4

@@ -10,8 +10,7 @@ import open_clip
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import free_port
+from helpers import fork_ranks, free_port
 from torch import nn
 from torch.distributed.tensor import DTensor, init_device_mesh
 
@@ -106,7 +105,7 @@ def _sharded_init_worker(rank: int, world_size: int, port: int) -> None:
 
 @pytest.mark.slow
 def test_sharded_init_sets_the_value_on_every_shard():
-    mp.spawn(_sharded_init_worker, args=(2, free_port()), nprocs=2, join=True)
+    fork_ranks(_sharded_init_worker, (2, free_port()), 2)
 
 
 def openclip_tiny(ls_init_value: float) -> nn.Module:

@@ -1,4 +1,4 @@
-"""Distributed losses on real gloo process groups (spawned processes, free port).
+"""Distributed losses on real gloo process groups (processes forked from the test, free port).
 
 Conventions asserted here (see bigclip/loss/distributed.py and collectives.py):
 - fused paths vs OpenCLIP's naive path, any flags, any per-rank grad_output: the same loss on
@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import fork_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -36,7 +37,10 @@ def _free_port() -> int:
 
 
 def _run(world: int, mode: str) -> None:
-    mp.spawn(_worker, args=(world, _free_port(), mode), nprocs=world, join=True)
+    if mode == "triton":  # a fresh interpreter: TRITON_INTERPRET must be set before triton is imported
+        mp.spawn(_worker, args=(world, _free_port(), mode), nprocs=world, join=True)
+    else:
+        fork_ranks(_worker, (world, _free_port(), mode), world)
 
 
 def _close(got, want, what, rounding=0.0, natural=0.0):

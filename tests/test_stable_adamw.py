@@ -9,8 +9,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import free_port, python_train, read_metrics
+from helpers import fork_ranks, free_port, python_train, read_metrics
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 from bigclip.config import resolve
@@ -144,7 +143,7 @@ def test_sharded_parameters_clip_by_the_whole_tensor():
     _, rank0_alone = reference([params0[0][:2]], [[g[0][:2]] for g in grads])
     assert rank1_alone[3][0] < 1 < rms_log[3][0] < rank0_alone[3][0]
     assert rms_log[3][2] > 1
-    mp.spawn(_sharded_worker, args=(2, free_port(), params0, grads, expected), nprocs=2, join=True)
+    fork_ranks(_sharded_worker, (2, free_port(), params0, grads, expected), 2)
 
 
 def test_flag_rules():

@@ -14,6 +14,7 @@ import pickle
 import pytest
 import torch
 import webdataset as wds
+from helpers import fork_ranks, free_port
 from PIL import Image
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -314,15 +315,8 @@ def _uneven_worker(rank, port, shards, out):
 def test_ranks_take_equal_steps_and_every_sample_is_read_or_counted(tmp_path):
     """2 ranks, shards of very different sizes: the ranks stop together when the first runs out, and the
     other reads the rest of its shards, counted as dropped: trained + dropped = every sample, once."""
-    import socket
-
-    import torch.multiprocessing as mp
-
     write_shards(tmp_path, [6, 30, 5, 40])  # each rank reads two; however they pair up, one has 9+ more
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_uneven_worker, args=(port, str(tmp_path / "s-{000..003}.tar"), str(tmp_path)), nprocs=2, join=True)
+    fork_ranks(_uneven_worker, (free_port(), str(tmp_path / "s-{000..003}.tar"), str(tmp_path)), 2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["steps"] == ranks[1]["steps"] > 0
     seen = ranks[0]["seen"] + ranks[1]["seen"]
