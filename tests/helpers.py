@@ -103,7 +103,11 @@ def child_pids(pid: int) -> list[int]:
 def sigkill_job(proc) -> None:
     """SIGKILL a launched job whole, as a lost node would: the launcher (started with start_new_session) and, as
     torchrun starts each rank in a session of its own, every rank's session (the rank and its loader workers).
-    Killing the launcher's group alone leaves the ranks training on."""
+    Killing the launcher's group alone leaves the ranks training on. A PreloadedJob: every rank's session."""
+    if hasattr(proc, "signal_groups"):
+        proc.signal_groups(signal.SIGKILL)
+        proc.wait()
+        return
     ranks = child_pids(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)
     for pid in ranks:
@@ -213,7 +217,8 @@ class PreloadedServer:
             with self.changed:
                 if "status" in message:
                     self.ended[message["pid"]] = message["status"]
-                else:
+                else:  # a pid the system gave again: the earlier run's end is no longer this pid's
+                    self.ended.pop(message["pid"], None)
                     self.started.append(message["pid"])
                 self.changed.notify_all()
         with self.changed:
@@ -284,53 +289,139 @@ def torchrun_rank_env(env: dict[str, str], rank: int, nproc: int, port: int, err
             "TORCHELASTIC_ERROR_FILE": error_file, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}  # fmt: skip
 
 
+class PreloadedJob:
+    """What the tests use of subprocess.Popen (args, poll, wait, communicate, send_signal, kill, returncode; pid for
+    one process), for `python script argv` (nproc None) or `torchrun --nproc_per_node nproc script argv` forked from
+    the preloaded server. A job of ranks ends as torchrun's does: a rank that fails stops its peers (SIGTERM, SIGKILL
+    TERMINATE_GRACE_S later) and the status is 1; its output is the ranks' one after the other. Each process is a
+    session of its own (as torchrun starts each rank): signal_groups reaches a rank's loader workers too."""
+
+    def __init__(self, script: str, argv: list[str], env: dict[str, str], cwd: str | None = None,
+                 nproc: int | None = None, merge_stderr: bool = False) -> None:  # fmt: skip
+        self.server, cwd = preloaded_server(env), os.path.abspath(cwd or os.getcwd())
+        self.script, self.nproc, self.merge_stderr = script, nproc, merge_stderr
+        self.args = ["preloaded", *([] if nproc is None else [f"--nproc_per_node={nproc}"]), script, *argv]
+        self.folder = tempfile.mkdtemp(prefix="bigclip-run-")
+        port = free_port()
+        envs = (
+            [env]
+            if nproc is None
+            else [torchrun_rank_env(env, r, nproc, port, os.path.join(self.folder, f"{r}.error.json"))
+                  for r in range(nproc)]
+        )  # fmt: skip
+        self.files = [(os.path.join(self.folder, f"{r}.out"), os.path.join(self.folder, f"{r}.err"))
+                      for r in range(len(envs))]  # fmt: skip
+        if merge_stderr:  # stderr=subprocess.STDOUT: one file, written through one descriptor
+            self.files = [(out, out) for out, _ in self.files]
+        self.pids = [self.server.start(script, argv, e, cwd, out, err) for e, (out, err) in zip(envs, self.files)]
+        self.pid = self.pids[0] if nproc is None else None
+        self.returncode: int | None = None
+        self.outputs: tuple[str, str | None] | None = None
+        self.stopping_at: float | None = None  # when a failed rank's peers were sent SIGTERM
+
+    def _failed(self) -> bool:
+        return any(self.server.ended.get(p) for p in self.pids)
+
+    def _ended_or_failed_anew(self) -> bool:
+        return not self.server.live(self.pids) or (self._failed() and self.stopping_at is None)
+
+    def _advance(self) -> None:
+        """torchrun's rule for a failed rank's peers, then the job's status once every process has ended."""
+        live = self.server.live(self.pids)
+        if live and self.nproc is not None and self._failed():
+            if self.stopping_at is None:
+                self.stopping_at = time.monotonic()
+                for p in live:
+                    _signal_group(p, signal.SIGTERM)
+            elif time.monotonic() > self.stopping_at + TERMINATE_GRACE_S:
+                for p in live:
+                    _signal_group(p, signal.SIGKILL)
+        if not live and self.returncode is None:
+            codes = [self.server.ended[p] for p in self.pids]
+            self.returncode = codes[0] if self.nproc is None else int(any(codes))
+            self._read_outputs()
+
+    def _read_outputs(self) -> None:
+        outs = []
+        for out, err in self.files:
+            with open(out, errors="replace") as o:
+                text = o.read()
+            if err == out:
+                outs.append((text, ""))
+                continue
+            with open(err, errors="replace") as e:
+                outs.append((text, e.read()))
+        shutil.rmtree(self.folder)
+        stdout, stderr = "".join(o for o, _ in outs), "".join(e for _, e in outs)
+        self.outputs = (stdout, None if self.merge_stderr else stderr)
+
+    def poll(self) -> int | None:
+        self._advance()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout if timeout is not None else 10**9)
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            wake = deadline if self.stopping_at is None else min(deadline, self.stopping_at + TERMINATE_GRACE_S)
+            self.server.wait_until(self._ended_or_failed_anew, max(time.monotonic() + 0.01, wake))
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        self.wait(timeout)
+        return self.outputs
+
+    def send_signal(self, sig: int) -> None:
+        """To each process (Popen's: the process, not its group); one that has ended is left alone."""
+        for p in self.server.live(self.pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def signal_groups(self, sig: int) -> None:
+        """To every process's session: the ranks and the loader workers they started."""
+        for p in self.server.live(self.pids):
+            _signal_group(p, sig)
+
+
+def start_job(script: str, argv: list[str], nproc: int | None = None, cwd: str | None = None,
+              merge_stderr: bool = False, **env: str):  # fmt: skip
+    """A running `python script argv` (nproc None) or torchrun job of nproc ranks, with Popen's surface
+    (PreloadedJob): forked from the preloaded server, or a fresh `python` / `torchrun` in its own session where
+    BIGCLIP_TEST_PRELOAD is 0. For tests that act on a job while it runs (signals, kills, held stores)."""
+    full_env = subprocess_env(**env)
+    if os.environ.get("BIGCLIP_TEST_PRELOAD", "1") != "0":
+        return PreloadedJob(script, argv, full_env, cwd=cwd, nproc=nproc, merge_stderr=merge_stderr)
+    target = script.split(" ", 1) if script.startswith("-m ") else [script]
+    cmd = [sys.executable, *target, *argv] if nproc is None else torchrun_cmd(nproc, *target, "--", *argv)
+    return subprocess.Popen(cmd, cwd=cwd, env=full_env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                            start_new_session=True)  # fmt: skip
+
+
 def preloaded_run(script: str, argv: list[str], env: dict[str, str], timeout: float, cwd: str | None = None,
                   nproc: int | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     """`python script argv` (nproc None) or `torchrun --nproc_per_node nproc script argv`, forked from the preloaded
-    server, with subprocess.run's result: the ranks' outputs one after the other, exit status 1 when a rank failed
-    (as torchrun's). A rank that fails stops its peers as torchrun does (SIGTERM, SIGKILL 30 s later); a run still
-    going at `timeout` prints its stacks (SIGUSR2, launch/train.py) and raises RunTimedOut like run_training."""
-    server, cwd = preloaded_server(env), os.path.abspath(cwd or os.getcwd())
-    port, folder = free_port(), tempfile.mkdtemp(prefix="bigclip-run-")
-    envs = (
-        [env]
-        if nproc is None
-        else [torchrun_rank_env(env, r, nproc, port, os.path.join(folder, f"{r}.error.json")) for r in range(nproc)]
-    )
-    files = [(os.path.join(folder, f"{r}.out"), os.path.join(folder, f"{r}.err")) for r in range(len(envs))]
-    pids = [server.start(script, argv, e, cwd, out, err) for e, (out, err) in zip(envs, files)]
-    deadline = time.monotonic() + timeout
-    failed = lambda: any(server.ended.get(p) for p in pids)  # noqa: E731
-    server.wait_until(lambda: not server.live(pids) or failed(), deadline)
-    if server.live(pids) and failed():  # torchrun's answer to a failed rank: its peers are stopped
-        for p in server.live(pids):
-            _signal_group(p, signal.SIGTERM)
-        server.wait_until(lambda: not server.live(pids), min(deadline, time.monotonic() + TERMINATE_GRACE_S))
-        for p in server.live(pids):
-            _signal_group(p, signal.SIGKILL)
-        server.wait_until(lambda: not server.live(pids), deadline)
-    timed_out = bool(server.live(pids))
-    if timed_out:
-        for p in server.live(pids):
+    server, with subprocess.run's result (PreloadedJob's status and output); a run still going at `timeout` prints
+    its stacks (SIGUSR2, launch/train.py) and raises RunTimedOut like run_training."""
+    job = PreloadedJob(script, argv, env, cwd=cwd, nproc=nproc)
+    try:
+        stdout, stderr = job.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        server = job.server
+        for p in server.live(job.pids):
             if os.path.basename(script) == "train.py":
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p, signal.SIGUSR2)  # each rank prints its threads' stacks (one at a time: read apart)
                 server.wait_until(lambda p=p: p in server.ended, time.monotonic() + 2)
-        for p in server.live(pids):
-            _signal_group(p, signal.SIGKILL)
-        server.wait_until(lambda: not server.live(pids), time.monotonic() + 60)
-    outs = []
-    for out, err in files:
-        with open(out, errors="replace") as o, open(err, errors="replace") as e:
-            outs.append((o.read(), e.read()))
-    shutil.rmtree(folder)
-    cmd = ["preloaded", *([] if nproc is None else [f"--nproc_per_node={nproc}"]), script, *argv]
-    stdout, stderr = "".join(o for o, _ in outs), "".join(e for _, e in outs)
-    if timed_out:
-        raise RunTimedOut(f"{' '.join(cmd)[:400]} timed out after {timeout} s; its stderr ends:\n{stderr[-15000:]}")
-    codes = [server.ended[p] for p in pids]
-    code = codes[0] if nproc is None else int(any(codes))
-    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+        job.signal_groups(signal.SIGKILL)
+        _, stderr = job.communicate(60)
+        raise RunTimedOut(f"{' '.join(job.args)[:400]} timed out after {timeout} s; its stderr ends:\n"
+                          f"{stderr[-15000:]}") from None  # fmt: skip
+    return subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
 
 
 def launch(script: str, args: list[str], timeout: float, nproc: int | None = None, cwd: str | None = None,

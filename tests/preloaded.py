@@ -12,8 +12,9 @@ gc.freeze that each run's exit undoes; no thread, no process group, no RNG draw)
 an import started a thread.
 
 Protocol, one JSON line each way over a socket pair (its fd is argv[1]): a request {"script" (a path, or "-m module"),
-"argv", "env", "cwd", "stdout", "stderr"} is answered {"pid"} once forked; each run's end is told {"pid", "status"}
-(the exit code as subprocess gives it: negative for a signal). The server exits when the socket closes.
+"argv", "env", "cwd", "stdout", "stderr" (stdout's path for 2>&1)} is answered {"pid"} once forked; each run's end is
+told {"pid", "status"} (the exit code as subprocess gives it: negative for a signal). The server exits when the socket
+closes.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def _become_the_run(request: dict, sock: socket.socket, wakeup: tuple[int, int])
     os.chdir(request["cwd"])
     for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):  # fmt: skip
+        if fd == 2 and path == request["stdout"]:  # stderr into stdout (2>&1): one descriptor, one file offset
+            os.dup2(1, 2)
+            continue
         opened = os.open(path, mode, 0o644)
         os.dup2(opened, fd)
         os.close(opened)

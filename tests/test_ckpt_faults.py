@@ -8,12 +8,10 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from helpers import TINY_SYNTHETIC, TRAIN_SCRIPT, launch, read_metrics, subprocess_env, torchrun_cmd
+from helpers import TINY_SYNTHETIC, TRAIN_SCRIPT, launch, read_metrics, start_job, subprocess_env
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 from tcp_proxy import TcpProxy
 
@@ -63,8 +61,7 @@ def store_hangs_after_step_50(flags, env, proxy):
     The job is held at that point of its own progress (step_50 has committed, the next save never can) however
     fast or slow the machine is."""
     proxy.freeze_on(AFTER_STEP_50)
-    proc = subprocess.Popen([sys.executable, TRAIN_SCRIPT, *flags], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = start_job(TRAIN_SCRIPT, flags, **env)
     try:
         yield proc
     finally:
@@ -89,8 +86,7 @@ def test_training_goes_on_while_the_store_hangs(s3, s3_bucket, proxy, tmp_path):
              "--logs", str(tmp_path / "logs"), "--name", "frozen", "--remote-sync", f"s3://{s3_bucket}/runs",
              "--save-every-n-steps", "5", "--log-every-n-steps", "1"]  # fmt: skip
     env = subprocess_env(**s3.env(AWS_ENDPOINT_URL=proxy.endpoint))
-    proc = subprocess.Popen(torchrun_cmd(2, TRAIN_SCRIPT, "--", *flags), env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = start_job(TRAIN_SCRIPT, flags, nproc=2, **env)
     try:
         wait_for(lambda: last_step(run_dir) >= 12, proc, 180, "step 12")
         proxy.freeze()
@@ -210,8 +206,7 @@ def test_soak_a_checkpoint_every_step_through_two_outages(s3, s3_bucket, proxy, 
              "--checkpoint-upload-timeout", "120"]  # fmt: skip
     env = subprocess_env(**s3.env(AWS_ENDPOINT_URL=proxy.endpoint))
     run_dir = os.path.join(logs, "soak")
-    proc = subprocess.Popen([sys.executable, TRAIN_SCRIPT, *flags], env=env, text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    proc = start_job(TRAIN_SCRIPT, flags, **env)
     timeline, usage = {}, {}
 
     def hold(seconds: float) -> None:
@@ -302,13 +297,12 @@ def test_sigkill_of_the_job_during_uploads_never_commits_a_partial_checkpoint(s3
     from_step_20 = "([2-9][0-9]|[1-9][0-9][0-9])"
     proxy.freeze_on(re.compile(f"PUT /{prefix}/(step_{from_step_20}|epoch_1)/{MANIFEST}".encode()))
     env = subprocess_env(**s3.env(AWS_ENDPOINT_URL=proxy.endpoint))
-    proc = subprocess.Popen([sys.executable, TRAIN_SCRIPT, *flags], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = start_job(TRAIN_SCRIPT, flags, **env)
     try:
         wait_for(proxy.gate_closed.is_set, proc, 600, "a commit from step 20 on to reach the store")
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.signal_groups(signal.SIGKILL)
         proc.wait()
         # The job's connections die with it: what the frozen proxy still holds (step_25's manifest PUT) must not
         # reach the server after the kill.

@@ -3,13 +3,19 @@
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import webdataset as wds
-from helpers import REPO, TINY_SYNTHETIC, TRAIN_SCRIPT, launch, python_train, read_metrics, subprocess_env, torchrun_cmd
+from helpers import (
+    REPO,
+    TINY_SYNTHETIC,
+    TRAIN_SCRIPT,
+    launch,
+    python_train,
+    read_metrics,
+    start_job,
+)
 from PIL import Image
 from tcp_proxy import TcpProxy
 
@@ -195,11 +201,10 @@ def test_sigterm_during_setup_stops_at_once_with_one_line(tmp_path):
     process within seconds (nothing was trained, nothing to save)."""
     resume = "s3://bucket/runs/r/checkpoints/step_1"
     # The resume alone would retry for --storage-timeout (10 minutes here) and then stop with its own line.
-    cmd = [sys.executable, os.path.join(REPO, "launch", "train.py"), "--model", "test-tiny", "--dataset-type",
-           "synthetic", "--logs", str(tmp_path), "--name", "r", "--resume", resume,
-           "--storage-timeout", "600"]  # fmt: skip
-    env = subprocess_env(AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    args = ["--model", "test-tiny", "--dataset-type", "synthetic", "--logs", str(tmp_path), "--name", "r",
+            "--resume", resume, "--storage-timeout", "600"]  # fmt: skip
+    proc = start_job(TRAIN_SCRIPT, args, AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_ACCESS_KEY_ID="x",
+                     AWS_SECRET_ACCESS_KEY="x")  # fmt: skip
     log = tmp_path / "r" / "out.log"
     deadline = time.monotonic() + 600  # a guard: the run is waited for, not timed
     while time.monotonic() < deadline and not (log.exists() and "retrying with backoff" in log.read_text()):
@@ -222,16 +227,10 @@ def test_an_unanswering_store_stops_every_rank_within_storage_timeout(tmp_path):
     the SIGTERM line, or none once its handlers are restored): CI stop 49 saw rank 0's line alone."""
     url = "s3://bucket/runs/r/checkpoints/step_1"
     with TcpProxy.hanging() as endpoint:
-        env = subprocess_env(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x")
-        train = subprocess.run(
-            torchrun_cmd(2, TRAIN_SCRIPT, "--", *TINY_SYNTHETIC, "--logs", str(tmp_path), "--name", "r",
-                         "--resume", url, "--storage-timeout", "4"),
-            capture_output=True, text=True, env=env, timeout=900,
-        )  # fmt: skip
-        export = subprocess.run(
-            [sys.executable, "-m", "bigclip", "export", url, str(tmp_path / "w.pt"), "--storage-timeout", "4"],
-            capture_output=True, text=True, env=env, timeout=900,
-        )  # fmt: skip
+        env = dict(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x")
+        train = launch(TRAIN_SCRIPT, [*TINY_SYNTHETIC, "--logs", str(tmp_path), "--name", "r", "--resume", url,
+                                      "--storage-timeout", "4"], 900, nproc=2, **env)  # fmt: skip
+        export = launch("-m bigclip", ["export", url, str(tmp_path / "w.pt"), "--storage-timeout", "4"], 900, **env)
     assert train.returncode != 0 and export.returncode == 2
     said = [line for line in train.stderr.splitlines() if line.startswith("bigclip: error: ")]
     stopped = [line for line in train.stderr.splitlines() if "SIGTERM received before training started" in line]

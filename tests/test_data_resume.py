@@ -8,11 +8,10 @@ samples' keys; tests/data_keys_worker.py records each step's captions per rank.
 import io
 import json
 import os
-import subprocess
 
 import pytest
 import webdataset as wds
-from helpers import read_metrics, sigkill_job, subprocess_env, torchrun_cmd, wait_for_step
+from helpers import read_metrics, sigkill_job, start_job, wait_for_step
 from PIL import Image
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
@@ -43,9 +42,7 @@ def flags(shards: str, name: str, *extra: str) -> list[str]:
 
 def launch(tmp_path, out_dir, args):
     os.makedirs(out_dir, exist_ok=True)
-    cmd = torchrun_cmd(2, WORKER, out_dir, "--", *args)
-    return subprocess.Popen(cmd, cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    return start_job(WORKER, [out_dir, "--", *args], nproc=2, cwd=str(tmp_path), merge_stderr=True)
 
 
 def keys_by_step(out_dir) -> dict[tuple[int, int], list]:
@@ -77,7 +74,7 @@ def test_sigkill_mid_epoch_then_resume_trains_on_the_same_samples(tmp_path, wher
     killed_dir = str(tmp_path / "killed")
     run_dir = os.path.join(tmp_path, "logs", "killed")
     proc = launch(tmp_path, killed_dir, flags(shards, "killed", *extra))
-    assert wait_for_step(run_dir, 8, proc, timeout=900), proc.stdout.read()[-3000:] if proc.poll() else ""
+    assert wait_for_step(run_dir, 8, proc, timeout=900), proc.communicate()[0][-3000:] if proc.poll() else ""
     sigkill_job(proc)
     killed_at = max(r["step"] for r in read_metrics(run_dir) if "loss" in r)
 

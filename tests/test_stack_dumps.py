@@ -10,16 +10,14 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from helpers import TRAIN_SCRIPT, read_metrics, subprocess_env
+from helpers import TRAIN_SCRIPT, read_metrics, start_job
 from test_wds_stream import write_shards
 
 
-def wait_for_reader(fifo: str, proc: subprocess.Popen, limit_s: float = 600) -> int:
+def wait_for_reader(fifo: str, proc, limit_s: float = 600) -> int:
     """A write end of `fifo` once some process has opened it for reading (ENXIO until then)."""
     deadline = time.monotonic() + limit_s
     while True:
@@ -41,8 +39,7 @@ def test_sigusr2_prints_the_stacks_of_a_waiting_run_which_then_trains_on(tmp_pat
             "--train-num-samples", "8", "--batch-size", "4", "--epochs", "1", "--workers", "0",
             "--precision", "fp32", "--lr", "1e-3", "--log-every-n-steps", "1", "--logs", str(tmp_path),
             "--name", "held"]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, TRAIN_SCRIPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=subprocess_env())  # fmt: skip
+    proc = start_job(TRAIN_SCRIPT, args)
     try:
         fd = wait_for_reader(fifo, proc)
         proc.send_signal(signal.SIGUSR2)
