@@ -25,24 +25,27 @@ def test_the_peak_is_the_backward_or_the_step_whichever_is_larger():
     # DDP keeps its gradient buckets between steps: the backward starts with the whole state beside the activations
     ddp = peak_parts("ddp", facts, 8, fp32, batch, False, "cpu")
     assert ddp["backward"] == (
-        state_bytes("ddp", psi, 8, fp32, facts) + activation_bytes(facts, batch, False, 4) + ddp["loss"]
+        state_bytes("ddp", psi, 8, fp32, facts) + ddp["inputs"] + activation_bytes(facts, batch, False, 4) + ddp["loss"]
     )
+    # the batch on the device: float32 images (the weights' dtype) and int64 token ids
+    assert ddp["inputs"] == batch * (3 * 224 * 224 * 4 + 77 * 8)
     # fp32 activations are twice the 16-bit ones; amp keeps a bf16 copy of every weight through the backward
     assert activation_bytes(facts, batch, False, 4) == 2 * activation_bytes(facts, batch, False, 2)
     amp_ddp = peak_parts("ddp", facts, 8, amp, batch, False, "cpu")
     assert amp_ddp["backward"] == (
-        state_bytes("ddp", psi, 8, amp, facts) + amp_ddp["activations"] + 2 * psi + amp_ddp["loss"]
+        state_bytes("ddp", psi, 8, amp, facts) + amp_ddp["inputs"] + amp_ddp["activations"] + 2 * psi + amp_ddp["loss"]
     )
     # FSDP2 frees the gradients after each step: its backward starts with one block's gradient shards
     fsdp = peak_parts("fsdp", facts, 8, fp32, batch, False, "cpu")
     one_block = state_bytes("fsdp", psi, 8, dataclasses.replace(fp32, in_backward=True), facts)
-    assert fsdp["backward"] == one_block + fsdp["activations"] + fsdp["loss"]
+    assert fsdp["backward"] == one_block + fsdp["inputs"] + fsdp["activations"] + fsdp["loss"]
     # torch's AdamW on CUDA (multi-tensor) builds a float32 temporary per parameter in the step: with few
     # activations (checkpointing) the step is the peak; on CPU (tensor by tensor) two of the largest tensor
     cuda = peak_parts("fsdp", facts, 1, amp, 1, True, "cuda")
-    assert cuda["step"] == state_bytes("fsdp", psi, 1, amp, facts) + 4 * psi and cuda["peak"] == cuda["step"]
+    assert cuda["step"] == state_bytes("fsdp", psi, 1, amp, facts) + cuda["inputs"] + 4 * psi
+    assert cuda["peak"] == cuda["step"]
     cpu = peak_parts("fsdp", facts, 1, amp, 1, True, "cpu")
-    assert cpu["step"] == state_bytes("fsdp", psi, 1, amp, facts) + 2 * 4 * facts.largest_tensor
+    assert cpu["step"] == state_bytes("fsdp", psi, 1, amp, facts) + cpu["inputs"] + 2 * 4 * facts.largest_tensor
     # the packed 8-bit update steps a window of values at a time: the window's packed bf16 weights and gradients,
     # 8-bit moments and the compiled update's temporaries; stepped in the backward there is no step of its own:
     # the token embedding is updated at the end of the text tower, its unsharded gradient and its shard in flight,
@@ -64,6 +67,7 @@ def test_the_peak_is_the_backward_or_the_step_whichever_is_larger():
     assert (
         lean["text_end"]
         == state_bytes("fsdp", psi, 1, lean_recipe, facts)
+        + (3 * 224 * 224 * 2 + 77 * 8)  # one sample; its image in bfloat16, as the weights
         + activation_bytes(image_tower, 1, True, 2)
         + 2 * 2 * facts.largest_tensor
         + window
@@ -92,7 +96,13 @@ def test_accumulation_in_the_plan(capsys):
             == peak_parts(engine, facts, n, StateRecipe("amp"), 4 * batch, True, loss=naive)["loss"]
         )
         assert accum[engine]["loss"] > 4 * once[engine]["loss"]  # the naive loss's logits grow with the square
-    extra = {e: accum[e]["backward"] - accum[e]["loss"] - (once[e]["backward"] - once[e]["loss"]) for e in once}
+    # every micro-batch's inputs stay on the device for the whole step
+    assert all(accum[e]["inputs"] == 4 * once[e]["inputs"] for e in once)
+    extra = {
+        e: accum[e]["backward"] - accum[e]["loss"] - accum[e]["inputs"] - (once[e]["backward"] - once[e]["loss"]
+                                                                          - once[e]["inputs"])
+        for e in once
+    }  # fmt: skip
     assert extra["ddp"] == 0
     assert extra["zero1"] == 2 * psi  # every bf16 gradient, whole
     kept = state_bytes("fsdp", psi, n, StateRecipe("amp"), facts)

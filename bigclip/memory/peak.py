@@ -52,6 +52,13 @@ def activation_bytes(facts: ModelFacts, batch: int, checkpointing: bool, element
     return batch * (kept + max(recomputing, default=traced))
 
 
+def input_bytes(facts: ModelFacts, samples: int, recipe: StateRecipe) -> float:
+    """The step's input batches on the device: images in the weights' dtype (the loop casts them; float32 under amp
+    and fp32, bfloat16 under pure bf16) and int64 token ids. With --accum-freq every micro-batch's are there for the
+    whole step (bigclip.loop.forward_backward recomputes each after caching all their features)."""
+    return samples * (facts.input_pixels * recipe.weight_bytes + facts.input_tokens * 8)
+
+
 def model_state_bytes(setup: str, facts: ModelFacts, n: int, recipe: StateRecipe) -> float | None:
     """The training state per GPU of this model under `setup`: the trainable parameters' weights, gradients and
     optimizer state, and the locked towers' weights; None where the setup cannot keep the state as `recipe` says."""
@@ -76,12 +83,12 @@ def peak_parts(
     three moments:
 
     - the start of the backward: weights, optimizer state, the gradients' memory where the engine keeps it between
-      steps (else one block's), all activations, what the engine keeps from forward to backward (autocast's
-      weight copies, ZeRO-3's gathered parameters) and the contrastive loss's peak (`loss`: the flags; default
-      --loss-impl auto, CLIP);
+      steps (else one block's), the step's input batches (input_bytes), all activations, what the engine keeps
+      from forward to backward (autocast's weight copies, ZeRO-3's gathered parameters) and the contrastive loss's
+      peak (`loss`: the flags; default --loss-impl auto, CLIP);
     - the end of the text tower's backward (below);
-    - the optimizer step: the whole state, gradients included, and the step's temporaries (stepped in the
-      backward: at the end of the text tower's backward, for its largest tensor).
+    - the optimizer step: the whole state, gradients included, the inputs and the step's temporaries (stepped in
+      the backward: at the end of the text tower's backward, for its largest tensor).
     """
     psi = facts.trainable_params  # the state and the step are the trainable parameters'; locked ones are weights
     shards = state_ranks or n  # the state is spread over n ranks, or over a replica group's (HSDP)
@@ -97,18 +104,20 @@ def peak_parts(
     # --accum-freq: the activations are one micro-batch's; the loss runs over the features of all of them (the
     # others' cached without gradients, bigclip.loop.forward_backward)
     loss_bytes = contrastive_loss_bytes(loss or LossConfig(), facts, n, recipe, batch * recipe.accum_freq, device_type)
-    backward = at_backward + activations + working.backward + loss_bytes
-    step = kept + working.step
+    inputs = input_bytes(facts, batch * recipe.accum_freq, recipe)
+    backward = at_backward + inputs + activations + working.backward + loss_bytes
+    step = kept + inputs + working.step
     # When the text tower's backward ends (it runs first: its forward ran last) the image tower's activations are
     # alive, and its largest tensor's gradient (the token embedding's) is in flight; stepped in the backward, that
     # tensor is updated then, with the step's temporaries.
     image_first = dataclasses.replace(facts, towers=facts.towers[:-1])  # a traced tower is an image tower
     image_activations = activation_bytes(image_first, batch, checkpointing, recipe.activation_bytes)
-    text_end = at_backward + image_activations + working.backward + working.text_end
+    text_end = at_backward + inputs + image_activations + working.backward + working.text_end
     if recipe.in_backward:
         text_end, step = text_end + working.step, 0.0
     return {
         "state": kept,
+        "inputs": inputs,
         "activations": activations,
         "loss": loss_bytes,
         "working": working.backward + working.step,

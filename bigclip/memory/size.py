@@ -53,6 +53,9 @@ class ModelFacts(ModelSize):
     # count, its activations do not, so a batch size that "fits" would be a guess.
     uncounted: str | None = None
     embed_dim: int = 0  # the features' width, which the contrastive loss's memory grows with
+    # One sample's input on the device: its image's values (3 x H x W) and its text's token ids (the context)
+    input_pixels: int = 0
+    input_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -128,13 +131,13 @@ def model_facts(name: str, image_size: int | None = None, locks: Locks | None = 
     vision, text = model.visual.activation_shape(), model.text.activation_shape()
     image_trains = any(p.requires_grad for p in model.visual.parameters())
     if locks is not None and locks.image_unlocked_groups is not None and vision is not None:
-        size = model.visual.image_size
-        size = (size, size) if isinstance(size, int) else tuple(size)
+        size = _pair(model.visual.image_size)
         vision = replace_layers(vision, blocks_kept_for_backward(model.visual, torch.zeros(1, 3, *size, device="meta")))
     if locks is not None and locks.text_unlocked_layers is not None and text is not None:
         tokens = torch.zeros(1, text[1], dtype=torch.long, device="meta")
         text = replace_layers(text, blocks_kept_for_backward(model.text, tokens))
     towers = tuple(shape for shape in (vision, text) if shape is not None)
+    height, width = _pair(model.visual.image_size)
     traced, uncounted = (), None
     if vision is None and image_trains:  # a wholly frozen image tower keeps nothing for the backward
         try:
@@ -154,7 +157,13 @@ def model_facts(name: str, image_size: int | None = None, locks: Locks | None = 
         traced=traced,
         uncounted=uncounted,
         embed_dim=model.embed_dim,
+        input_pixels=3 * height * width,
+        input_tokens=model.text.context_length,
     )
+
+
+def _pair(size: int | tuple[int, int]) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else tuple(size)
 
 
 def replace_layers(shape: tuple[int, int, int, float], layers: int) -> tuple[int, int, int, float]:
