@@ -86,14 +86,15 @@ def worker(args) -> None:
     world = init_distributed("cpu")
     cfg = config(args.model, args.batch_size, args.engine, args.precision, args.opt, args.in_backward,
                  args.grad_checkpointing, args.accum_freq, args.lock)  # fmt: skip
-    # made before the baseline, not counted: on a GPU the data loader's batches are in host memory
-    batches = list(harness.synthetic_batches(cfg, world, args.steps * args.accum_freq))
     dist.barrier()
     baseline = _rss()
     _reset_peak()
     bench = harness.build(cfg, world)  # the model, engine and (tiny) loss as `bigclip train` builds them
-    for step in range(args.steps):
-        bench.accumulated_step(batches[step * args.accum_freq : (step + 1) * args.accum_freq])
+    # Each step's micro-batches made for it, after the baseline: on a GPU the loop copies them to the device for
+    # the step (the loader's are in host memory), and the plan counts them (input_bytes)
+    batches = harness.synthetic_batches(cfg, world, args.steps * args.accum_freq)
+    for _ in range(args.steps):
+        bench.accumulated_step([next(batches) for _ in range(args.accum_freq)])
     out = {"rank": world.rank, "above_baseline": peak_rss_bytes() - baseline, "baseline": baseline}
     write_from_rank0(out, args.out, world.world_size, world.rank)
     shutdown()
