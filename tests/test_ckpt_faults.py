@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from helpers import TINY_SYNTHETIC, TRAIN_SCRIPT, launch, read_metrics, start_job, subprocess_env
+from helpers import TINY_SYNTHETIC, TRAIN_SCRIPT, launch, read_metrics, sigkill_job, start_job, subprocess_env
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 from tcp_proxy import TcpProxy
 
@@ -302,7 +302,7 @@ def test_sigkill_of_the_job_during_uploads_never_commits_a_partial_checkpoint(s3
         wait_for(proxy.gate_closed.is_set, proc, 600, "a commit from step 20 on to reach the store")
     finally:
         if proc.poll() is None:
-            proc.signal_groups(signal.SIGKILL)
+            sigkill_job(proc)  # the process and its loader workers
         proc.wait()
         # The job's connections die with it: what the frozen proxy still holds (step_25's manifest PUT) must not
         # reach the server after the kill.
