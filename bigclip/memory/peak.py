@@ -15,11 +15,11 @@ same rule for checkpointing applied to what each block saves. The contrastive lo
 OpenCLIP's naive loss holds four B_global x B_global logit matrices, the fused path a chunk of logits and O(B d)).
 
 The peak (peak_parts) is the larger of the start of the backward (weights, optimizer state, the gradients'
-memory where the engine keeps it between steps, activations, autocast's weight copies) and the optimizer step
-(the whole state and the step's temporaries: torch's multi-tensor AdamW builds one float32 moment-sized
-temporary on CUDA). Checked against measurement by bench/plan_check.py (CPU, every setup) and the GPU kit.
-A tower whose forward cannot be traced on meta (an operation without a meta kernel) is not estimated, and no
-batch size is suggested for it.
+memory where the engine keeps it between steps, the step's input batches, activations, autocast's weight copies)
+and the optimizer step (the whole state, the inputs and the step's temporaries: torch's multi-tensor AdamW builds
+one float32 moment-sized temporary on CUDA). Checked against measurement by bench/plan_check.py (CPU, every
+setup) and the GPU kit. A tower whose forward cannot be traced on meta (an operation without a meta kernel) is not
+estimated, and no batch size is suggested for it.
 """
 
 from __future__ import annotations
