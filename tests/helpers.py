@@ -299,7 +299,7 @@ class PreloadedJob:
     def __init__(self, script: str, argv: list[str], env: dict[str, str], cwd: str | None = None,
                  nproc: int | None = None, merge_stderr: bool = False) -> None:  # fmt: skip
         self.server, cwd = preloaded_server(env), os.path.abspath(cwd or os.getcwd())
-        self.script, self.nproc, self.merge_stderr = script, nproc, merge_stderr
+        self.nproc, self.merge_stderr = nproc, merge_stderr
         self.args = ["preloaded", *([] if nproc is None else [f"--nproc_per_node={nproc}"]), script, *argv]
         self.folder = tempfile.mkdtemp(prefix="bigclip-run-")
         port = free_port()
@@ -387,6 +387,14 @@ class PreloadedJob:
             _signal_group(p, sig)
 
 
+def fresh_cmd(script: str, argv: list[str], nproc: int | None = None) -> list[str]:
+    """`python script argv` (nproc None) or torchrun's nproc ranks of it, as a fresh process; `script` a path or
+    "-m module" (python's -m, torchrun's too). "--" keeps torchrun's own parser off the script's flags: it would
+    reject bigclip's --logs as an ambiguous abbreviation of its --logs-specs."""
+    target = script.split(" ", 1) if script.startswith("-m ") else [script]
+    return [sys.executable, *target, *argv] if nproc is None else torchrun_cmd(nproc, *target, "--", *argv)
+
+
 def start_job(script: str, argv: list[str], nproc: int | None = None, cwd: str | None = None,
               merge_stderr: bool = False, **env: str):  # fmt: skip
     """A running `python script argv` (nproc None) or torchrun job of nproc ranks, with Popen's surface
@@ -395,9 +403,7 @@ def start_job(script: str, argv: list[str], nproc: int | None = None, cwd: str |
     full_env = subprocess_env(**env)
     if os.environ.get("BIGCLIP_TEST_PRELOAD", "1") != "0":
         return PreloadedJob(script, argv, full_env, cwd=cwd, nproc=nproc, merge_stderr=merge_stderr)
-    target = script.split(" ", 1) if script.startswith("-m ") else [script]
-    cmd = [sys.executable, *target, *argv] if nproc is None else torchrun_cmd(nproc, *target, "--", *argv)
-    return subprocess.Popen(cmd, cwd=cwd, env=full_env, text=True, stdout=subprocess.PIPE,
+    return subprocess.Popen(fresh_cmd(script, argv, nproc), cwd=cwd, env=full_env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
                             start_new_session=True)  # fmt: skip
 
@@ -431,11 +437,7 @@ def launch(script: str, args: list[str], timeout: float, nproc: int | None = Non
     full_env = subprocess_env(**env)
     if os.environ.get("BIGCLIP_TEST_PRELOAD", "1") != "0":
         return preloaded_run(script, args, full_env, timeout, cwd=cwd, nproc=nproc)
-    # "--" keeps torchrun's own parser off the script's flags: it would reject bigclip's --logs as an ambiguous
-    # abbreviation of its --logs-specs.
-    target = script.split(" ", 1) if script.startswith("-m ") else [script]  # "-m bigclip": python's -m, torchrun's
-    cmd = [sys.executable, *target, *args] if nproc is None else torchrun_cmd(nproc, *target, "--", *args)
-    return run_training(cmd, timeout, cwd=cwd, env=full_env)
+    return run_training(fresh_cmd(script, args, nproc), timeout, cwd=cwd, env=full_env)
 
 
 def torchrun(nproc: int, args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from timm.layers import to_2tuple
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
@@ -131,13 +132,13 @@ def model_facts(name: str, image_size: int | None = None, locks: Locks | None = 
     vision, text = model.visual.activation_shape(), model.text.activation_shape()
     image_trains = any(p.requires_grad for p in model.visual.parameters())
     if locks is not None and locks.image_unlocked_groups is not None and vision is not None:
-        size = _pair(model.visual.image_size)
+        size = to_2tuple(model.visual.image_size)
         vision = replace_layers(vision, blocks_kept_for_backward(model.visual, torch.zeros(1, 3, *size, device="meta")))
     if locks is not None and locks.text_unlocked_layers is not None and text is not None:
         tokens = torch.zeros(1, text[1], dtype=torch.long, device="meta")
         text = replace_layers(text, blocks_kept_for_backward(model.text, tokens))
     towers = tuple(shape for shape in (vision, text) if shape is not None)
-    height, width = _pair(model.visual.image_size)
+    height, width = to_2tuple(model.visual.image_size)
     traced, uncounted = (), None
     if vision is None and image_trains:  # a wholly frozen image tower keeps nothing for the backward
         try:
@@ -160,10 +161,6 @@ def model_facts(name: str, image_size: int | None = None, locks: Locks | None = 
         input_pixels=3 * height * width,
         input_tokens=model.text.context_length,
     )
-
-
-def _pair(size: int | tuple[int, int]) -> tuple[int, int]:
-    return (size, size) if isinstance(size, int) else tuple(size)
 
 
 def replace_layers(shape: tuple[int, int, int, float], layers: int) -> tuple[int, int, int, float]:
