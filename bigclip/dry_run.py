@@ -21,6 +21,14 @@ from bigclip.engine import (
 from bigclip.loss import LossConfig
 from bigclip.model.config import ModelConfig
 
+# memory.peak_parts' moments, as the memory line names the one where the peak is
+MOMENTS = {
+    "backward": "the start of the backward",
+    "text_end": "the end of the text tower's backward",
+    "step": "the optimizer step",
+    "rebucket": "the second step's start (DDP rebuilds its gradient buckets)",
+}
+
 
 def _memory_lines(
     cfg: EngineConfig,
@@ -47,7 +55,7 @@ def _memory_lines(
     if parts is None:
         return [f"{where}: this engine cannot keep the state so"]
     gib = memory.GiB
-    moment = "the optimizer step" if parts["step"] > parts["backward"] else "the start of the backward"
+    moment = MOMENTS[max(MOMENTS, key=lambda name: parts[name])]
     total = parts["peak"] + memory.OVERHEAD_BYTES + teacher_bytes
     teacher = f" + the teacher's weights {teacher_bytes / gib:.1f} GiB" if teacher_bytes else ""
     return [

@@ -35,6 +35,10 @@ class WorkingBytes:
     # held when the text tower's backward ends, beyond the state at the backward's start: its largest tensor's (the
     # token embedding's) gradient in flight, and the text tower's kept gradients where they were freed at the step
     text_end: float = 0.0
+    # allocated once beside the whole state and a step's inputs, at the second step's start: DDP's reducer re-buckets
+    # the gradients in the order the first backward produced them, building the new buckets while the old still
+    # hold every gradient
+    rebucket: float = 0.0
 
 
 # (Ψ, N, recipe, the model's sizes, device type) -> what the setup allocates beyond the state
