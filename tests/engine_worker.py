@@ -13,7 +13,8 @@ change in the first step, over the lr set: with AdamW's first step, wd 0 and a t
 feeds the loss; records whether its weights stayed as loaded, its mode, and how many of its elements this rank
 holds), "mean_loss": bool (record the mean of the ranks' losses, not this rank's: where each rank's loss is its share
 of the global one, as SigLIP's), "micro_grads": bool (after each micro-batch's backward: how many parameters have a
-gradient, its local bytes, and the memory blocks holding them, so accumulation is seen between micro-batches)}.
+gradient, its local bytes, and the memory blocks holding them, so accumulation is seen between micro-batches; and
+how many gradients each step left allocated)}.
 Every run sees the same synthetic batches (seeded by step and rank) and goes through bigclip's own pieces:
 engine.build_model, build_engine, the loop's forward_backward (OpenCLIP accumulation), engine.step, and an eval
 forward through engine.module. One launch for many engines keeps the cost of process start-up and DeepSpeed
@@ -192,6 +193,7 @@ def run_one(spec: dict, world) -> dict:
     if micro_grads is not None:
         out["micro_grads"] = [micro for micro in micro_grads.steps if micro]
         out["sharded_grad_bytes"] = micro_grads.all_grads
+        out["grads_kept_after_step"] = micro_grads.kept_after_step
     if live_grads is not None:
         out["live_grad_peak_bytes"] = live_grads.peak
         out["largest_block_bytes"] = live_grads.largest_block
@@ -256,6 +258,7 @@ class _MicroBatchGradients:
         self.params = [p for p in engine.model.parameters() if p.requires_grad]
         self.all_grads = sum(_LiveGradients._bytes(p) for p in self.params)
         self.steps: list[list[dict]] = []
+        self.kept_after_step: list[int] = []  # how many gradients the step left allocated
         backward, step = engine.backward, engine.step
 
         def recorded_backward(loss):
@@ -273,7 +276,9 @@ class _MicroBatchGradients:
 
         def recorded_step():
             self.steps.append(None)  # the next backward starts a new step
-            return step()
+            norm = step()
+            self.kept_after_step.append(sum(p.grad is not None for p in self.params))
+            return norm
 
         engine.backward, engine.step = recorded_backward, recorded_step
 

@@ -104,6 +104,13 @@ def assert_ddp_rebuckets_once_at_the_second_step(r: dict) -> None:
     steps = [step[-1]["storages"] for step in r["ddp_accum"]["micro_grads"]]
     assert steps[0] != steps[1] and not set(steps[0]) & set(steps[1]), steps[:2]
     assert all(later == steps[1] for later in steps[2:]), steps
+    # Accumulating, the gradients stay the buckets' views between steps (zeroed in place), so the old bucket is
+    # alive at the rebuild and the plan counts it; without accumulation the step frees them, and DDP frees the old
+    # bucket before it allocates the new ones (engine/ddp.py)
+    assert r["ddp_accum"]["grads_kept_after_step"] == [step[-1]["with_grad"] for step in r["ddp_accum"]["micro_grads"]]
+    assert r["ddp"]["grads_kept_after_step"] == [0] * len(r["ddp"]["losses"])
+    ddp_steps = [step[-1]["storages"] for step in r["ddp"]["micro_grads"]]
+    assert ddp_steps[0] != ddp_steps[1] and all(later == ddp_steps[1] for later in ddp_steps[2:]), ddp_steps
 
 
 def assert_locked_state_as_planned(r: dict) -> None:
@@ -137,6 +144,7 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
 
     for name, flags in engines().items():
         add(name, 20, **flags)
+        runs[-1]["micro_grads"] = name == "ddp"  # DDP's buckets and its gradients between steps
         add(f"{name}_accum", 10, **flags, accum_freq=2, batch_size=4)
         runs[-1]["micro_grads"] = True
     # HSDP on 2 ranks: 2 replicas of 1 shard each, so the replicas' all-reduce is what accumulation defers (FSDP2

@@ -76,12 +76,11 @@ class DDPEngine(TorchOptimizerEngine):
         # stepped in the backward, the largest gradient and its averaged copy are in flight (beyond one block's
         # budget); else the gradients are views of the buckets, already counted
         in_flight = 2 * recipe.weight_bytes * size.largest_tensor if recipe.in_backward else 0
-        # DistributedDataParallel starts with one bucket of every gradient and rebuilds its buckets once, at the
-        # second forward, in the order the first backward produced the gradients: the new buckets are allocated
-        # while the old one still holds them, beside the optimizer state (measured, ViT-B-32 fp32 on 2 ranks: +577
-        # MiB, the whole gradient, 15% above the step's peak under --grad-checkpointing). Stepped in the backward,
-        # or on one rank, no DistributedDataParallel is built.
-        rebucket = recipe.grad_bytes * psi if n > 1 and not recipe.in_backward else 0
+        # Accumulating, the gradients view DistributedDataParallel's first bucket when it rebuilds its buckets at
+        # the second forward, so the new buckets are allocated while the old one still holds every gradient,
+        # beside the optimizer state (see __init__; measured, ViT-B-32 amp --accum-freq 4 on 2 ranks: +577 MiB).
+        # Stepped in the backward, or on one rank, no DistributedDataParallel is built.
+        rebucket = recipe.grad_bytes * psi if n > 1 and recipe.accum_freq > 1 and not recipe.in_backward else 0
         return WorkingBytes(copies, step, text_end=in_flight, rebucket=rebucket)
 
     def __init__(self, cfg: EngineConfig, model: nn.Module, world: World):
@@ -92,6 +91,7 @@ class DDPEngine(TorchOptimizerEngine):
         if cfg.engine_flags.use_bn_sync and world.distributed:
             self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
         self.module = self.model
+        self._accumulates = cfg.accum_freq > 1
         if world.distributed and cfg.optimizer_in_backward:
             # DDP's reducer would keep a bucket copy of every gradient: the gradients are averaged by the
             # in-backward hooks instead (engine/in_backward.py), and what DDP does besides is done here.
@@ -102,16 +102,23 @@ class DDPEngine(TorchOptimizerEngine):
         else:
             if world.distributed:
                 # Gradients as views of the all-reduce buckets: otherwise the reducer keeps its bucket copy of
-                # every gradient beside .grad for the whole run (one more gradient's bytes per parameter).
-                # The reducer makes a gradient that exists when it builds its buckets a view of them; one that
-                # is None until the first backward stays a tensor of its own in a backward without sync
-                # (--accum-freq's first micro-batches), copied in and freed only by the synchronised backward.
-                # Given zeros now and zeroed in place after each step (zero_grad), every micro-batch
-                # accumulates into the buckets: measured, ViT-B-32 amp --accum-freq 2 peaked a whole float32
-                # gradient (577 MiB) above the plan without this.
-                for param in self.model.parameters():
-                    if param.requires_grad:
-                        param.grad = torch.zeros_like(param)
+                # every gradient beside .grad for the whole run (one more gradient's bytes per parameter). A
+                # synchronised backward makes every gradient a view of its bucket; so does building the buckets,
+                # for a gradient that exists then. Which one bigclip relies on depends on --accum-freq:
+                # - accumulating, a gradient that is None when a step starts stays a tensor of its own through the
+                #   micro-batches without sync, copied in and freed only by the synchronised backward (measured,
+                #   ViT-B-32 amp --accum-freq 2: a whole float32 gradient, 577 MiB, above the plan). Given zeros
+                #   now and zeroed in place after each step, every micro-batch accumulates into the buckets.
+                # - else the gradients are None between steps (zero_grad), views again after each backward. DDP
+                #   starts with one bucket of every gradient and rebuilds its buckets once, at the second forward
+                #   (in the order the first backward produced the gradients), freeing the old bucket first: a
+                #   gradient still viewing it would keep it beside the new ones (measured, ViT-B-32 fp32: +577
+                #   MiB at the second step, 15% above the step's peak with --grad-checkpointing). Accumulating,
+                #   the plan counts that moment (memory/peak.py's rebucket).
+                if self._accumulates:
+                    for param in self.model.parameters():
+                        if param.requires_grad:
+                            param.grad = torch.zeros_like(param)
                 ddp_kwargs: dict[str, Any] = {
                     "static_graph": cfg.engine_flags.ddp_static_graph,
                     "gradient_as_bucket_view": True,
@@ -128,7 +135,7 @@ class DDPEngine(TorchOptimizerEngine):
         return super().no_sync()
 
     def zero_grad(self) -> None:
-        if isinstance(self.module, DistributedDataParallel):
+        if isinstance(self.module, DistributedDataParallel) and self._accumulates:
             # the gradients are views of the buckets, which stay allocated whatever .grad says (see __init__)
             self.optimizer.zero_grad(set_to_none=False)
         else:
