@@ -50,11 +50,14 @@ def config(
     checkpointing=False,
     accum=1,
     locks: tuple[str, ...] = (),
+    ema=False,
 ):
     """The resolved config of one measured setup (bench/harness.py: synthetic data, no workers); `locks`: the
-    towers locked whole ("image": --lock-image, "text": --lock-text)."""
+    towers locked whole ("image": --lock-image, "text": --lock-text); `ema`: a moving average of the weights
+    (--ema-decay)."""
     return harness.config(
         **{f"lock_{tower}": True for tower in locks},
+        **({"ema_decay": 0.999} if ema else {}),
         model=model,
         precision=precision,
         opt=opt,
@@ -85,7 +88,7 @@ def worker(args) -> None:
 
     world = init_distributed("cpu")
     cfg = config(args.model, args.batch_size, args.engine, args.precision, args.opt, args.in_backward,
-                 args.grad_checkpointing, args.accum_freq, args.lock)  # fmt: skip
+                 args.grad_checkpointing, args.accum_freq, args.lock, args.ema)  # fmt: skip
     dist.barrier()
     baseline = _rss()
     _reset_peak()
@@ -108,6 +111,7 @@ def launch(engine: str, precision: str, opt: str, in_backward: bool, args, model
     worker_args += ["--accum-freq", str(args.accum_freq)]
     worker_args += ["--lock", *args.lock] if args.lock else []
     worker_args += ["--grad-checkpointing"] if args.grad_checkpointing else []
+    worker_args += ["--ema"] if args.ema else []
     return ranks.launch(__file__, WORLD, worker_args, args.timeout, mmap_threshold=MMAP_THRESHOLD)
 
 
@@ -116,14 +120,20 @@ def refusal(engine: str, precision: str, opt: str, in_backward: bool, args) -> s
 
     try:
         config(args.model, args.batch_size, engine, precision, opt, in_backward, args.grad_checkpointing,
-               args.accum_freq, args.lock)  # fmt: skip
+               args.accum_freq, args.lock, args.ema)  # fmt: skip
     except UserError as e:
         return str(e)
     return None
 
 
 def render(
-    rows: list[dict], model: str, batch: int, checkpointing: bool = False, accum: int = 1, locks: tuple = ()
+    rows: list[dict],
+    model: str,
+    batch: int,
+    checkpointing: bool = False,
+    accum: int = 1,
+    locks: tuple = (),
+    ema: bool = False,
 ) -> list[str]:
     """The table: each measured row next to the plan's prediction for it (recomputed: the arithmetic may change)."""
     from bigclip.memory import Locks, StateRecipe, model_facts, peak_parts
@@ -135,7 +145,8 @@ def render(
         f"{model} ({facts.params / 1e6:.1f}M parameters), batch {batch} per rank, {WORLD} ranks, CPU + gloo"
         + (", --grad-checkpointing" if checkpointing else "")
         + (f", --accum-freq {accum}" if accum > 1 else "")
-        + "".join(f", --lock-{tower}" for tower in locks),
+        + "".join(f", --lock-{tower}" for tower in locks)
+        + (", --ema-decay" if ema else ""),
         "",
         "| engine | precision | optimizer | in backward | state MiB | activations MiB | working MiB | plan peak MiB "
         "| + runtime MiB | predicted MiB | measured MiB | measured/predicted | within 10% |",
@@ -146,7 +157,7 @@ def render(
         if "result" in r:
             lines.append(f"{head} {r['result']} ||||||||")
             continue
-        recipe = StateRecipe(r["precision"], r["opt"], r["in_backward"], accum_freq=accum)
+        recipe = StateRecipe(r["precision"], r["opt"], r["in_backward"], ema=ema, accum_freq=accum)
         parts = peak_parts(r["engine"], facts, WORLD, recipe, batch, checkpointing, device_type="cpu")
         predicted = parts["peak"] + r["runtime"]
         ratio = r["measured"] / predicted
@@ -178,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-checkpointing", action="store_true", help="recompute every block in backward")
     p.add_argument("--accum-freq", type=int, default=1, help="micro-batches per step (the loop's feature cache)")
     p.add_argument("--lock", nargs="+", default=[], choices=("image", "text"), help="towers locked whole (LiT)")
+    p.add_argument("--ema", action="store_true", help="a float32 moving average of the weights (--ema-decay)")
     p.add_argument("--json", metavar="FILE", help="also write the measurements to FILE")
     p.add_argument("--from-json", metavar="FILE", help="only print the table of measurements written before")
     p.add_argument("--timeout", type=int, default=1800)
@@ -195,12 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.from_json) as f:
             saved = json.load(f)
         shape = (saved["model"], saved["batch"], saved.get("checkpointing", False), saved.get("accum_freq", 1),
-                 tuple(saved.get("locks", ())))  # fmt: skip
+                 tuple(saved.get("locks", ())), saved.get("ema", False))  # fmt: skip
         print("\n".join(render(saved["rows"], *shape)))
         return 0
 
     rows = []
-    shape = args.model, args.batch_size, args.grad_checkpointing, args.accum_freq, tuple(args.lock)
+    shape = args.model, args.batch_size, args.grad_checkpointing, args.accum_freq, tuple(args.lock), args.ema
     for engine in args.engines:
         for precision in args.precisions:
             for opt in args.opts:
@@ -224,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                     if args.json:
                         saved = {"model": args.model, "batch": args.batch_size, "rows": rows,
                                  "checkpointing": args.grad_checkpointing, "accum_freq": args.accum_freq,
-                                 "locks": list(args.lock)}  # fmt: skip
+                                 "locks": list(args.lock), "ema": args.ema}  # fmt: skip
                         with open(args.json, "w") as f:
                             json.dump(saved, f, indent=1)
     print("\n".join(render(rows, *shape)))

@@ -27,6 +27,7 @@ MOMENTS = {
     "text_end": "the end of the text tower's backward",
     "step": "the optimizer step",
     "rebucket": "the second step's start (DDP rebuilds its gradient buckets)",
+    "ema_update": "the moving average's update (--ema-decay)",
 }
 
 

@@ -172,3 +172,58 @@ def test_the_plan_counts_the_average_where_the_engine_keeps_it():
         plain = state_bytes(setup, psi, n, StateRecipe("amp"))
         averaged = state_bytes(setup, psi, n, StateRecipe("amp", ema=True))
         assert averaged - plain == pytest.approx(4 * per_rank)
+
+
+def test_the_update_converts_bf16_weights_a_window_at_a_time_with_the_same_result():
+    """Pure bf16 weights: the float32 copies the update reads are made a window of tensors at a time and freed
+    before the next window's (a float32 copy of every weight at once was 4 bytes per parameter beside the state);
+    the average is bit for bit the one update over all tensors at once. float32 weights are read as they are."""
+    import weakref
+
+    from bigclip.engine.ema import float32_windows
+
+    torch.manual_seed(0)
+    shapes = [(40, 10), (300,), (7, 9), (500, 2), (3,), (250,)]
+    weights = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+    averages = [torch.randn(s) for s in shapes]
+    pairs = list(zip(averages, weights))
+    windows, alive, seen = [], [], []
+    for window_averages, window_weights in float32_windows(pairs, limit=450):
+        assert all(ref() is None for ref in alive), "the previous window's copies are still alive"
+        assert all(w.dtype == torch.float32 for w in window_weights)
+        windows.append([int(w.numel()) for w in window_weights])
+        alive = [weakref.ref(w) for w in window_weights]
+        seen += window_averages
+    assert [a is b for a, b in zip(seen, averages)] == [True] * len(averages)
+    # consecutive, in order, at most 450 values each but a larger tensor on its own
+    assert windows == [[400], [300, 63], [1000], [3, 250]]
+    expected = [a.clone() for a in averages]
+    torch._foreach_lerp_(expected, [w.float() for w in weights], 0.25)
+    for window_averages, window_weights in float32_windows(pairs, limit=450):
+        torch._foreach_lerp_(window_averages, window_weights, 0.25)
+    assert all(torch.equal(a, e) for a, e in zip(averages, expected))
+    # float32 weights cost nothing to read: one window, the weights themselves
+    fp32 = [w.float() for w in weights]
+    ((_, read),) = list(float32_windows(list(zip(averages, fp32)), limit=450))
+    assert all(r is w for r, w in zip(read, fp32))
+
+
+def test_the_plan_counts_the_updates_float32_window_beside_the_state():
+    """--ema-decay with pure bf16 weights: after the optimizer step, beside the whole state and the inputs, one
+    window of float32 copies (or the largest tensor's); none with float32 weights (amp) or under DeepSpeed (its
+    fp32 masters)."""
+    from bigclip.engine.ema import UPDATE_WINDOW_VALUES
+    from bigclip.memory import StateRecipe, model_facts, peak_parts
+
+    facts = model_facts("ViT-L-14")
+    lean = StateRecipe("pure_bf16", "adamw8bit", ema=True)
+    ddp = peak_parts("ddp", facts, 8, lean, 4, True)
+    window = max(UPDATE_WINDOW_VALUES, facts.largest_tensor)
+    assert ddp["ema_update"] == ddp["state"] + ddp["inputs"] + 4 * window
+    fsdp = peak_parts("fsdp", facts, 8, lean, 4, True)
+    assert fsdp["ema_update"] == fsdp["state"] + fsdp["inputs"] + 4 * max(
+        UPDATE_WINDOW_VALUES, facts.largest_tensor / 8
+    )
+    assert peak_parts("ddp", facts, 8, StateRecipe("amp", ema=True), 4, True)["ema_update"] == 0
+    assert peak_parts("zero2", facts, 8, StateRecipe("pure_bf16", ema=True), 4, True)["ema_update"] == 0
+    assert ddp["peak"] >= ddp["ema_update"]

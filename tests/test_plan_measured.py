@@ -268,6 +268,24 @@ def test_the_predicted_peak_of_ddp_with_checkpointing_is_within_10_percent_of_th
     assert row["measured"] == pytest.approx(parts["peak"] + row["runtime"], rel=0.10), (row, parts)
 
 
+@pytest.mark.extended  # ~4 min of measured steps; in CI the update's windows and the plan's arithmetic (test_ema.py)
+@pytest.mark.slow
+def test_the_predicted_peak_with_a_moving_average_of_bf16_weights_is_within_10_percent_of_the_measured(tmp_path):
+    """bench/plan_check.py --ema (--ema-decay) with pure bf16 weights on DDP and FSDP2 (AdamW, checkpointed,
+    ViT-B-32): the average's update made a float32 copy of every weight at once, beside the whole state."""
+    rows = plan_check_rows(
+        tmp_path,
+        ["--model", "ViT-B-32", "--batch-size", "8", "--steps", "2", "--grad-checkpointing", "--ema", "--engines",
+         "ddp", "fsdp", "--precisions", "pure_bf16", "--opts", "adamw", "--stepping", "kept"],
+        timeout=1200,
+    )  # fmt: skip
+    facts = model_facts("ViT-B-32")
+    for row in rows:
+        parts = peak_parts(row["engine"], facts, 2, StateRecipe("pure_bf16", ema=True), 8, True, "cpu")
+        assert row["measured"] == pytest.approx(parts["peak"] + row["runtime"], rel=0.10), (row, parts)
+    assert [row["engine"] for row in rows] == ["ddp", "fsdp"]
+
+
 @pytest.mark.extended  # 4-7 min of measured steps; in CI the plan's lock arithmetic (above) against the engines'
 @pytest.mark.slow  # own state of a locked model (test_engine_multiprocess.py)
 def test_the_predicted_peak_of_a_locked_image_tower_is_within_10_percent_of_the_measured(tmp_path):

@@ -18,6 +18,7 @@ from bigclip.dist import World
 from bigclip.engine import in_backward
 from bigclip.engine.base import NO_BATCHNORM, TorchOptimizerEngine, has_batchnorm
 from bigclip.engine.config import EngineConfig
+from bigclip.engine.ema import update_scratch_bytes as ema_update_bytes
 from bigclip.errors import UserError
 from bigclip.flag_fields import DIST, flag, idle
 from bigclip.memory import MemorySetup, ModelSize, StateRecipe, WorkingBytes
@@ -81,7 +82,8 @@ class DDPEngine(TorchOptimizerEngine):
         # beside the optimizer state (see __init__; measured, ViT-B-32 amp --accum-freq 4 on 2 ranks: +577 MiB).
         # Stepped in the backward, or on one rank, no DistributedDataParallel is built.
         rebucket = recipe.grad_bytes * psi if n > 1 and recipe.accum_freq > 1 and not recipe.in_backward else 0
-        return WorkingBytes(copies, step, text_end=in_flight, rebucket=rebucket)
+        ema = ema_update_bytes(recipe.weight_bytes, psi, size.largest_tensor) if recipe.ema else 0
+        return WorkingBytes(copies, step, text_end=in_flight, rebucket=rebucket, ema_update=ema)
 
     def __init__(self, cfg: EngineConfig, model: nn.Module, world: World):
         super().__init__(cfg, model, world)

@@ -29,7 +29,7 @@ from torch import nn
 
 from bigclip.ckpt.fragments import fill_range
 from bigclip.dist import World
-from bigclip.engine.ema import WeightsEMA
+from bigclip.engine.ema import WeightsEMA, float32_windows
 
 
 def _zero3_fragment(p: nn.Parameter, rank: int) -> tuple[torch.Tensor, int]:
@@ -88,7 +88,8 @@ class PartitionEMA(WeightsEMA):
         self.updates += 1
         pairs = self._pairs()
         weight = 1.0 - self.decay_at(self.updates)
-        torch._foreach_lerp_([a for a, _ in pairs], [f.to(torch.float32) for _, f in pairs], weight)
+        for averages, masters in float32_windows(pairs):  # float32 masters are used as they are
+            torch._foreach_lerp_(averages, masters, weight)
         for name, buffer in self.model.named_buffers():
             self.buffers[name].copy_(buffer)
 

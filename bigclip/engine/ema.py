@@ -25,6 +25,36 @@ from torch import nn
 from bigclip.dist import local_shard
 
 WARMUP_POWER = 2 / 3  # timm ModelEmaV3's warmup_power (its warmup_gamma: 1)
+# Weights that are not float32 (pure bf16) are converted for the update this many values at a time: 64 MiB of
+# float32 copies, not a float32 copy of every weight at once (4 bytes per parameter, measured below in
+# docs/benchmarks.md), in few enough multi-tensor calls (a ViT-bigG-14 in ~40).
+UPDATE_WINDOW_VALUES = 1 << 24
+
+
+def float32_windows(pairs: list[tuple[torch.Tensor, torch.Tensor]], limit: int = UPDATE_WINDOW_VALUES):
+    """(averages, the weights as float32) in consecutive windows of at most `limit` converted values (a larger
+    tensor alone); float32 weights are used as they are, at no cost, so they never close a window. A window's
+    copies are freed before the next window's are made (the lists handed out are emptied)."""
+    averages, weights, converted = [], [], 0
+    for average, weight in pairs:
+        cost = 0 if weight.dtype == torch.float32 else weight.numel()
+        if converted and converted + cost > limit:
+            yield averages, weights
+            weights.clear()
+            averages, weights, converted = [], [], 0
+        averages.append(average)
+        weights.append(weight.to(torch.float32))
+        converted += cost
+    if averages:
+        yield averages, weights
+
+
+def update_scratch_bytes(weight_bytes: int, params: float, largest_tensor: float) -> float:
+    """The update's float32 copies of weights of `weight_bytes` bytes each, `params` of them (the largest tensor
+    `largest_tensor` values): at most one window, or that tensor."""
+    if weight_bytes == 4:
+        return 0.0
+    return 4.0 * min(params, max(UPDATE_WINDOW_VALUES, largest_tensor))
 
 
 class WeightsEMA:
@@ -60,7 +90,8 @@ class WeightsEMA:
         weight = 1.0 - self.decay_at(self.updates)
         # the parameters as registered now (FSDP2 registers its sharded DTensors again after each backward)
         pairs = [(local_shard(self.params[n]), local_shard(p)) for n, p in self.model.named_parameters()]
-        torch._foreach_lerp_([a for a, _ in pairs], [p.to(torch.float32) for _, p in pairs], weight)
+        for averages, weights in float32_windows(pairs):
+            torch._foreach_lerp_(averages, weights, weight)
         for name, buffer in self.model.named_buffers():
             self.buffers[name].copy_(buffer)
 

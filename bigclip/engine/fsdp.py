@@ -31,6 +31,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from bigclip.dist import World
 from bigclip.engine.base import TorchOptimizerEngine
 from bigclip.engine.config import EngineConfig
+from bigclip.engine.ema import update_scratch_bytes as ema_update_bytes
 from bigclip.engine.memory import tensor_bytes
 from bigclip.engine.sharded_init import build_for_sharding, is_meta, materialise, wants_sharded_init
 from bigclip.engine.single import ensure_process_group
@@ -176,7 +177,8 @@ class FSDPEngine(TorchOptimizerEngine):
         accumulating = recipe.accum_freq > 1
         if not accumulating:
             text_end += recipe.grad_bytes * size.text_params / n
-        return WorkingBytes(step=step, gradients_persist=accumulating, text_end=text_end)
+        ema = ema_update_bytes(recipe.weight_bytes, psi / n, size.largest_tensor / n) if recipe.ema else 0
+        return WorkingBytes(step=step, gradients_persist=accumulating, text_end=text_end, ema_update=ema)
 
     @classmethod
     def describe_plan(cls, cfg: EngineConfig, world: World, num_params: int) -> tuple[str, str]:

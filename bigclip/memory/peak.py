@@ -1,5 +1,5 @@
 """The predicted peak memory per GPU of a training step: the engine's state (memory/setups.py), activations, the
-contrastive loss and the engine's working buffers, at the four moments that can be the peak.
+contrastive loss and the engine's working buffers, at the five moments that can be the peak.
 
 Training state per GPU (Ψ parameters, N data-parallel ranks; ZeRO paper arithmetic, Rajbhandari et al. 2020):
 each engine states its own memory model (one MemorySetup per way it keeps the state, in engine/ddp.py, fsdp.py,
@@ -80,7 +80,7 @@ def peak_parts(
     """The predicted peak per GPU (bytes; the fixed reserve not included) and its parts, or None where the setup
     cannot keep the state as `recipe` says. `n` ranks share the data (the contrastive loss's global batch); the
     state is spread over `state_ranks` of them (default n; HSDP: a replica group). The peak is the largest of
-    four moments:
+    five moments:
 
     - the start of the backward: weights, optimizer state, the gradients' memory where the engine keeps it between
       steps (else one block's), the step's input batches (input_bytes), all activations, what the engine keeps
@@ -90,7 +90,8 @@ def peak_parts(
     - the optimizer step: the whole state, gradients included, the inputs and the step's temporaries (stepped in
       the backward: at the end of the text tower's backward, for its largest tensor);
     - where the engine allocates once beside the whole state and a step's inputs (WorkingBytes.rebucket: DDP's
-      reducer rebuilding its gradient buckets at the second step's start).
+      reducer rebuilding its gradient buckets at the second step's start, when accumulating);
+    - the moving average's update after the step (--ema-decay: WorkingBytes.ema_update).
     """
     psi = facts.trainable_params  # the state and the step are the trainable parameters'; locked ones are weights
     shards = state_ranks or n  # the state is spread over n ranks, or over a replica group's (HSDP)
@@ -118,6 +119,7 @@ def peak_parts(
     if recipe.in_backward:
         text_end, step = text_end + working.step, 0.0
     rebucket = kept + inputs + working.rebucket if working.rebucket else 0.0
+    ema_update = kept + inputs + working.ema_update if working.ema_update else 0.0
     return {
         "state": kept,
         "inputs": inputs,
@@ -128,7 +130,8 @@ def peak_parts(
         "text_end": text_end,
         "step": step,
         "rebucket": rebucket,
-        "peak": max(backward, text_end, step, rebucket),
+        "ema_update": ema_update,
+        "peak": max(backward, text_end, step, rebucket, ema_update),
     }
 
 

@@ -39,6 +39,9 @@ class WorkingBytes:
     # the gradients in the order the first backward produced them, building the new buckets while the old still
     # hold every gradient
     rebucket: float = 0.0
+    # allocated beside the whole state and a step's inputs after the optimizer step: the moving average's update
+    # (--ema-decay) converting weights that are not float32, a window at a time (engine/ema.py)
+    ema_update: float = 0.0
 
 
 # (Ψ, N, recipe, the model's sizes, device type) -> what the setup allocates beyond the state
