@@ -143,8 +143,8 @@ def render(
             f"{'siglip' if loss.siglip or loss.loss == 'siglip' else loss.loss}): {loss_line}.",
             "",
             "State per GPU (GiB) = parameters + gradients + optimizer state; then the largest "
-            "micro-batch per GPU whose peak (peak_parts: the backward's, the optimizer step's or DDP's re-bucketing, "
-            f"whichever is largest) fits ({_gb(OVERHEAD_BYTES)} GiB reserved), without / with checkpointing.",
+            "micro-batch per GPU whose peak (peak_parts: the largest of the backward's, the optimizer step's and the "
+            f"engine's one-off moments) fits ({_gb(OVERHEAD_BYTES)} GiB reserved), without / with checkpointing.",
             "",
         ]
         header = (

@@ -26,8 +26,8 @@ from bigclip.dist import local_shard
 
 WARMUP_POWER = 2 / 3  # timm ModelEmaV3's warmup_power (its warmup_gamma: 1)
 # Weights that are not float32 (pure bf16) are converted for the update this many values at a time: 64 MiB of
-# float32 copies, not a float32 copy of every weight at once (4 bytes per parameter, measured below in
-# docs/benchmarks.md), in few enough multi-tensor calls (a ViT-bigG-14 in ~40).
+# float32 copies, not a float32 copy of every weight at once (4 bytes per parameter; measured in
+# docs/benchmarks.md), in few enough multi-tensor calls (a whole ViT-bigG-14 in ~150).
 UPDATE_WINDOW_VALUES = 1 << 24
 
 

@@ -37,7 +37,7 @@ class WorkingBytes:
     text_end: float = 0.0
     # allocated once beside the whole state and a step's inputs, at the second step's start: DDP's reducer re-buckets
     # the gradients in the order the first backward produced them, building the new buckets while the old still
-    # hold every gradient
+    # hold every gradient (when accumulating: engine/ddp.py)
     rebucket: float = 0.0
     # allocated beside the whole state and a step's inputs after the optimizer step: the moving average's update
     # (--ema-decay) converting weights that are not float32, a window at a time (engine/ema.py)
