@@ -226,4 +226,4 @@ def test_the_plan_counts_the_updates_float32_window_beside_the_state():
     )
     assert peak_parts("ddp", facts, 8, StateRecipe("amp", ema=True), 4, True)["ema_update"] == 0
     assert peak_parts("zero2", facts, 8, StateRecipe("pure_bf16", ema=True), 4, True)["ema_update"] == 0
-    assert ddp["peak"] >= ddp["ema_update"]
+    assert ddp["peak"] == ddp["ema_update"]  # DDP's leanest state, checkpointed: the average's window is the peak

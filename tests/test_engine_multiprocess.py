@@ -100,7 +100,8 @@ def assert_ddp_rebuckets_once_at_the_second_step(r: dict) -> None:
     """What the plan's `rebucket` moment counts (engine/ddp.py _working): DistributedDataParallel holds every
     gradient in the buckets it starts with through the first step, then in buckets built anew at the second step's
     start (the order the first backward produced them in), and keeps those for the rest of the run. Measured on
-    ViT-B-32 (docs/benchmarks.md): the new buckets are allocated while the old still hold every gradient."""
+    ViT-B-32 (docs/benchmarks.md): accumulating, the new buckets are allocated while the old one still holds every
+    gradient."""
     steps = [step[-1]["storages"] for step in r["ddp_accum"]["micro_grads"]]
     assert steps[0] != steps[1] and not set(steps[0]) & set(steps[1]), steps[:2]
     assert all(later == steps[1] for later in steps[2:]), steps

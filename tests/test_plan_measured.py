@@ -18,7 +18,7 @@ from bigclip.optim import ADAMW8BIT_BYTES
 from bigclip.optim.packed_window import PACKED_WINDOW_VALUES
 
 
-def test_the_peak_is_the_backward_or_the_step_whichever_is_larger():
+def test_the_peak_is_the_largest_of_its_moments():
     facts = model_facts("ViT-L-14")
     psi, batch = facts.params, 32
     fp32, amp = StateRecipe("fp32"), StateRecipe("amp")
