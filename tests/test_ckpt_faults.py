@@ -47,6 +47,7 @@ def log_says(log: str, text: str):
 # The first save after step_50's, whatever it is named: step_100 on time, or step_N when step_100 fell due while
 # step_50 was still uploading (a slow or busy machine) and was deferred to the first step after it committed.
 AFTER_STEP_50 = re.compile(rb"/checkpoints/((?!step_50/)(?:step|epoch)_\d+)/")
+AFTER_STEP_5 = re.compile(rb"/checkpoints/((?!step_5/)(?:step|epoch)_\d+)/")
 
 
 def frozen_tag(proxy) -> str:
@@ -82,14 +83,18 @@ def test_training_goes_on_while_the_store_hangs(s3, s3_bucket, proxy, tmp_path):
     steps keep being logged through the freeze, the saves that fall due meanwhile are deferred and counted
     (ckpt/skipped), and after the store answers again the run ends with committed checkpoints."""
     run_dir = str(tmp_path / "logs" / "frozen")
-    flags = [*TINY_SYNTHETIC, "--train-num-samples", "1600", "--epochs", "1", "--lr-scheduler", "const",
+    # 200 steps: step_5's upload must end before the run does (busy machines have taken 100 steps' time for it)
+    flags = [*TINY_SYNTHETIC, "--train-num-samples", "3200", "--epochs", "1", "--lr-scheduler", "const",
              "--logs", str(tmp_path / "logs"), "--name", "frozen", "--remote-sync", f"s3://{s3_bucket}/runs",
              "--save-every-n-steps", "5", "--log-every-n-steps", "1"]  # fmt: skip
     env = subprocess_env(**s3.env(AWS_ENDPOINT_URL=proxy.endpoint))
+    # The store hangs from the first request of the save after step_5's: step_5 has committed then (a save starts
+    # only after the one before it is done), however slow the machine (a freeze at a given step caught step_5's
+    # own upload on a busy machine, and the run ended before it was committed)
+    proxy.freeze_on(AFTER_STEP_5)
     proc = start_job(TRAIN_SCRIPT, flags, nproc=2, **env)
     try:
-        wait_for(lambda: last_step(run_dir) >= 12, proc, 180, "step 12")
-        proxy.freeze()
+        wait_for(lambda: proxy.frozen, proc, 180, "the save after step_5 reaching the store")
         frozen_at = time.time()
         frozen_step = last_step(run_dir)
         wait_for(lambda: last_step(run_dir) >= frozen_step + 40, proc, 120, "40 steps during the freeze")
@@ -112,7 +117,7 @@ def test_training_goes_on_while_the_store_hangs(s3, s3_bucket, proxy, tmp_path):
     names = committed(s3.fs(), f"{s3_bucket}/runs/frozen")
     assert "epoch_1" in names and len(names) >= 3, names  # before, after the freeze, and the final one
     manifest = json.loads(s3.fs().cat(f"{s3_bucket}/runs/frozen/checkpoints/epoch_1/{MANIFEST}"))
-    assert manifest["step"] == 100 and manifest["world_size"] == 2
+    assert manifest["step"] == 200 and manifest["world_size"] == 2
 
 
 def test_the_final_save_waits_a_bounded_time_then_the_last_committed_checkpoint_resumes(s3, s3_bucket, proxy, tmp_path):
