@@ -133,10 +133,30 @@ def fork_ranks(fn, args: tuple, nprocs: int) -> None:
     each rank forked from this test process instead of a fresh interpreter that imports torch again (~2.5 s of CPU
     per rank). A rank starts with this process's imported modules and their state: not for code that must import a
     library afresh (TRITON_INTERPRET set before triton is imported: test_loss_distributed's interpreted ranks).
-    Safe to fork here: the test processes run torch on one thread (conftest), as DataLoader forks its workers."""
+    Safe to fork here: the test processes run torch on one thread (conftest), as DataLoader forks its workers. But
+    once this process has run a backward, autograd refuses to run one in a forked child ("Unable to handle
+    autograd's threading in combination with fork-based multiprocessing"): which tests a test process ran before is
+    up to the scheduler, so the ranks are spawned then."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="fork")
+    start_method = "fork" if _forked_children_can_backward() else "spawn"
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=start_method)
+
+
+def _forked_children_can_backward() -> bool:
+    """Whether a child forked now can run autograd's backward (not once this process has run one)."""
+    pid = os.fork()
+    if pid == 0:  # the child: one tiny backward, then out without any of the parent's exit handlers
+        code = 1
+        try:
+            import torch
+
+            torch.ones(1, requires_grad=True).sum().backward()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
