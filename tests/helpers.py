@@ -134,17 +134,23 @@ def fork_ranks(fn, args: tuple, nprocs: int) -> None:
     per rank). A rank starts with this process's imported modules and their state: not for code that must import a
     library afresh (TRITON_INTERPRET set before triton is imported: test_loss_distributed's interpreted ranks).
     Safe to fork here: the test processes run torch on one thread (conftest), as DataLoader forks its workers. But
-    once this process has run a backward, autograd refuses to run one in a forked child ("Unable to handle
-    autograd's threading in combination with fork-based multiprocessing"): which tests a test process ran before is
-    up to the scheduler, so the ranks are spawned then."""
+    once an earlier test in this process has started autograd's device threads, autograd refuses a backward in a
+    forked child ("Unable to handle autograd's threading in combination with fork-based multiprocessing"); which
+    tests ran before is up to the scheduler, so the ranks are spawned then."""
     import torch.multiprocessing as mp
 
     start_method = "fork" if _forked_children_can_backward() else "spawn"
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=start_method)
 
 
+_FORKED_BACKWARD_REFUSED = False  # once refused, always: the threads, once started, stay
+
+
 def _forked_children_can_backward() -> bool:
-    """Whether a child forked now can run autograd's backward (not once this process has run one)."""
+    """Whether a child forked now can run autograd's backward (probed with one tiny backward in a child)."""
+    global _FORKED_BACKWARD_REFUSED
+    if _FORKED_BACKWARD_REFUSED:
+        return False
     pid = os.fork()
     if pid == 0:  # the child: one tiny backward, then out without any of the parent's exit handlers
         code = 1
@@ -156,7 +162,8 @@ def _forked_children_can_backward() -> bool:
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0
+    _FORKED_BACKWARD_REFUSED = os.waitstatus_to_exitcode(status) != 0
+    return not _FORKED_BACKWARD_REFUSED
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
