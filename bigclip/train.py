@@ -206,6 +206,9 @@ def _train(
         if stop:
             break
         state.finish_epoch()
+        # A save the epoch's last step started may still be copying the state: --eval-ema writes the average into
+        # the weights (and the live weights into the average's tensors) while it evaluates
+        checkpointer.wait_for_staging()
         new = evaluate(engine, data, tokenizer, run.eval, state.epoch, world)
         _report_eval(new, state, sinks)
         metrics.update(new)

@@ -376,24 +376,29 @@ class _EMAReference:
 
     def swap_check(self) -> tuple[float, bool]:
         """(largest |weights the forward reads while the average is swapped in - the reference average|, whether
-        the live weights came back bit for bit)."""
-        live = _all_whole(self.engine)
+        the live weights and the average came back bit for bit: float32 weights exchange values with it)."""
+        live, average = _all_whole(self.engine), self.engine_average()
         with self.engine.ema.swapped_in():
             swapped = _all_whole(self.engine)
         error = max(float((swapped[n].double() - ref).abs().max()) for n, ref in self.average.items())
-        back = _all_whole(self.engine)
-        return error, all(torch.equal(live[n], back[n]) for n in live)
+        back, average_back = _all_whole(self.engine), self.engine_average()
+        return error, all(torch.equal(live[n], back[n]) for n in live) and all(
+            torch.equal(average[n], average_back[n]) for n in average
+        )
+
+    def engine_average(self) -> dict[str, torch.Tensor]:
+        """The engine's float32 average of each parameter, whole (collective under DeepSpeed: fragments)."""
+        ema = self.engine.ema
+        if hasattr(ema, "whole_average"):  # DeepSpeed: fragments of the fp32 master partitions
+            return {n: ema.whole_average(n).view(ref.shape) for n, ref in self.average.items()}
+        return {n: _whole(ema.params[n]) for n in self.average}
 
     def compare(self) -> tuple[float, float]:
         """(largest |engine's average - reference|, largest |reference - start|: that the average moved)."""
-        ema = self.engine.ema
+        mine = self.engine_average()
         error = change = 0.0
         for name, reference in self.average.items():
-            if hasattr(ema, "whole_average"):  # DeepSpeed: fragments of the fp32 master partitions
-                mine = ema.whole_average(name).view(reference.shape).double()
-            else:
-                mine = _whole(ema.params[name]).double()
-            error = max(error, float((mine - reference).abs().max()))
+            error = max(error, float((mine[name].double() - reference).abs().max()))
             change = max(change, float((reference - self.start[name]).abs().max()))
         return error, change
 

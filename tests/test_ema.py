@@ -7,13 +7,19 @@ across ranks). (That the average is the float64 average of the weights step by s
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+import weakref
 
 import pytest
 import torch
 from helpers import REPO, TINY_SYNTHETIC, python_train, read_metrics, torchrun
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bigclip import cli
+from bigclip.model import create_model
 
 pytestmark = pytest.mark.slow
 
@@ -142,7 +148,6 @@ def test_eval_ema_reports_the_averages_metrics_beside_the_live_ones(tmp_path):
 
 def test_swapped_in_puts_the_average_in_and_the_live_weights_back():
     from bigclip.engine.ema import WeightsEMA
-    from bigclip.model import create_model
 
     model = create_model("test-tiny")
     ema = WeightsEMA(model, 0.5)
@@ -154,6 +159,112 @@ def test_swapped_in_puts_the_average_in_and_the_live_weights_back():
     with ema.swapped_in():
         assert all(torch.allclose(p, live[n] - 0.5) for n, p in model.named_parameters())
     assert all(torch.equal(p, live[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swapped_in_exchanges_float32_weights_in_place_and_both_come_back_bit_for_bit(dtype):
+    """While evaluating: the weights hold the average (rounded to their dtype), the average is intact after.
+    float32 weights and the average exchange values tensor by tensor, so nothing the size of the model is
+    allocated (the largest tensor's scratch at a time); other dtypes are stashed (host memory on an accelerator;
+    here, on CPU, a copy)."""
+    from bigclip.engine.ema import WeightsEMA
+
+    torch.manual_seed(0)
+    model = create_model("test-tiny").to(dtype)
+    ema = WeightsEMA(model, 0.5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    ema.update()
+    live = {n: p.detach().clone() for n, p in model.named_parameters()}
+    average = {n: a.clone() for n, a in ema.params.items()}
+    storages = {n: p.data_ptr() for n, p in model.named_parameters()}
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    with AllocatedBytes() as allocated, ema.swapped_in():
+        pass
+    with ema.swapped_in():
+        assert all(torch.equal(p, average[n].to(dtype)) for n, p in model.named_parameters())
+        assert {n: p.data_ptr() for n, p in model.named_parameters()} == storages  # in place
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if dtype == torch.float32:
+        assert allocated.peak <= largest < weights / 10
+    else:
+        assert allocated.peak >= weights  # CPU: the stash is a copy
+    assert all(torch.equal(p, live[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(ema.params[n], a) for n, a in average.items())
+
+
+class AllocatedBytes(TorchDispatchMode):
+    """The high-water mark of the bytes held by tensors that operations made inside the block (on any device):
+    each output that owns new storage counts until it is freed."""
+
+    def __enter__(self):
+        self.live, self.peak = 0, 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)}
+        for t in pytree.tree_leaves(out):
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs:
+                size = t.untyped_storage().nbytes()
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._freed, size)
+        return out
+
+    def _freed(self, size: int) -> None:
+        self.live -= size
+
+
+def test_eval_ema_waits_for_a_save_in_flight_before_swapping_the_average_in(tmp_path, monkeypatch):
+    """A save at the epoch's last step copies the state in the background while the loop goes on to evaluate;
+    --eval-ema writes the average into the weights (and the weights into the average's tensors). The copy is held
+    until either the loop waits for it or the average is swapped in (then it runs to the end while swapped), so
+    a loop that did not wait saves the average as the weights. The checkpoint must be the run's without
+    --eval-ema."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bigclip.ckpt.dcp_layout import DCPLayout
+    from bigclip.ckpt.manager import CheckpointManager
+    from bigclip.engine.ema import WeightsEMA
+
+    flags = [*TINY_SYNTHETIC, *EMA, "--epochs", "1", "--save-every-n-steps", "8", "--save-frequency", "0",
+             "--val-num-samples", "16", "--logs", str(tmp_path)]  # fmt: skip
+    assert cli.main([*flags, "--name", "plain"]) == 0
+    released, copied, pool = threading.Event(), threading.Event(), ThreadPoolExecutor(1)
+    stage, wait_staged, swapped_in = DCPLayout.stage, CheckpointManager.wait_staged, WeightsEMA.swapped_in
+
+    def held_stage(self, directory):
+        def later():
+            released.wait()
+            staged = stage(self, directory).result()
+            copied.set()
+            return staged
+
+        return pool.submit(later)
+
+    def waiting(self):
+        if self._staging is not None:
+            released.set()
+        wait_staged(self)
+
+    @contextlib.contextmanager
+    def swapping(self):
+        with swapped_in(self):
+            released.set()
+            copied.wait()
+            yield
+
+    monkeypatch.setattr(DCPLayout, "stage", held_stage)
+    monkeypatch.setattr(CheckpointManager, "wait_staged", waiting)
+    monkeypatch.setattr(WeightsEMA, "swapped_in", swapping)
+    assert cli.main([*flags, "--name", "swapping", "--eval-ema"]) == 0
+    pool.shutdown()
+    assert copied.is_set()
+    for flag in ((), ("--ema",)):
+        want, got = export(tmp_path, "plain", "step_8", *flag), export(tmp_path, "swapping", "step_8", *flag)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), flag
 
 
 def test_the_plan_counts_the_average_where_the_engine_keeps_it():

@@ -274,7 +274,8 @@ def test_every_engine_matches_ddp_step_by_step(tmp_path):
     expected = layer_decay_scales("test-tiny", image_layer_decay=0.5, text_layer_decay=0.7)
     assert min(expected.values()) < 0.2 and max(expected.values()) == 1.0
     # --ema-decay: the average (DeepSpeed: of its fp32 masters) equals the float64 one; swapped in for --eval-ema it
-    # is what the forward reads (in the weights' dtype: bf16 under DeepSpeed's bf16), and the live weights come back
+    # is what the forward reads (in the weights' dtype: bf16 under DeepSpeed's bf16), and the live weights and the
+    # average come back bit for bit
     for name in [*(f"{e}_ema" for e in ema_engines), "fsdp_ema_warmup"]:
         assert r[name]["ema_max_error"] < 1e-6 and r[name]["ema_max_change"] > 1e-3, (name, r[name])
         swap_tolerance = 1e-2 if name == "zero2_bf16_ema" else 1e-6

@@ -106,7 +106,8 @@ class Checkpointer:
 
     # -- saving
     def wait_for_staging(self) -> None:
-        """Right before the optimizer step: a save in flight must hold its own copy of the state first."""
+        """Right before anything changes the state (the optimizer step, --eval-ema's swap): a save in flight must
+        hold its own copy of it first."""
         self.manager.wait_staged()
 
     def after_step(self, state: TrainState, end_of_epoch: bool) -> bool:

@@ -15,7 +15,8 @@ same world size and reshards to another one; `bigclip export --ema` assembles th
 
 `swapped_in()` (--eval-ema) writes the average into the weights the forward reads: ZeRO-3's partitions (and
 parameters it keeps gathered), or the whole replicated weights of ZeRO-0/1/2, assembled with an all-reduce of
-the fragments one parameter at a time; the live weights go back after.
+the fragments one parameter at a time; the live weights wait in host memory meanwhile (engine/ema.py's `stash`)
+and go back after.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch import nn
 
 from bigclip.ckpt.fragments import fill_range
 from bigclip.dist import World
-from bigclip.engine.ema import WeightsEMA, float32_windows
+from bigclip.engine.ema import WeightsEMA, float32_windows, stash
 
 
 def _zero3_fragment(p: nn.Parameter, rank: int) -> tuple[torch.Tensor, int]:
@@ -125,16 +126,16 @@ class PartitionEMA(WeightsEMA):
         for name, p in self.model.named_parameters():
             if hasattr(p, "ds_id"):  # ZeRO-3: this rank's partition, and the whole parameter if it stays gathered
                 part = p.ds_tensor.flatten()
-                restore.append((part, part.clone()))
+                restore.append((part, stash(part)))
                 if name in self.params:
                     part[: self.params[name].numel()].copy_(self.params[name])
                 if p.data.numel() == p.ds_numel:
-                    restore.append((p.data, p.data.clone()))
+                    restore.append((p.data, stash(p.data)))
                     p.data.copy_(self._whole(name, p).view_as(p.data))
             else:
-                restore.append((p.data, p.data.clone()))
+                restore.append((p.data, stash(p.data)))
                 p.data.copy_(self._whole(name, p).view_as(p.data))
-        live_buffers = {n: b.clone() for n, b in self.model.named_buffers()}
+        live_buffers = {n: stash(b) for n, b in self.model.named_buffers()}
         for name, b in self.model.named_buffers():
             b.copy_(self.buffers[name])
         try:

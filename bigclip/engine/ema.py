@@ -11,7 +11,12 @@ the weights). Buffers (BatchNorm statistics) are copied, not averaged, as timm's
     ema_t   = decay_t * ema_(t-1) + (1 - decay_t) * weights_t     (ema_0 = the weights at the start)
 
 The count of updates is saved with the average, so a resumed run continues the same sequence of decays.
-`swapped_in()` puts the average into the model's parameters for an evaluation and the live weights back after.
+`swapped_in()` puts the average into the model's parameters for an evaluation and the live weights back after,
+without a second copy of the weights where the weights' memory is scarce: float32 weights (amp, fp32) exchange
+their values with the average's tensor by tensor (one tensor's scratch; both back bit for bit after), and weights
+of another dtype (pure bf16, which hold the average rounded) wait in host memory when they live on an accelerator
+(`stash`). A copy of every weight beside the state was the evaluation's peak: 2 or 4 bytes per parameter more
+than the training step's (ViT-bigG-14 under DDP: 5 GB in bf16).
 """
 
 from __future__ import annotations
@@ -47,6 +52,22 @@ def float32_windows(pairs: list[tuple[torch.Tensor, torch.Tensor]], limit: int =
         converted += cost
     if averages:
         yield averages, weights
+
+
+def stash(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor`'s values to put back later, kept off the accelerator: in host memory (a device-to-host
+    copy per evaluation), or a clone where the tensor is in host memory already."""
+    if tensor.device.type == "cpu":
+        return tensor.clone()
+    return tensor.to("cpu")
+
+
+@torch.no_grad()
+def exchange(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Swap two same-shaped, same-dtype tensors' values in place, through one tensor-sized scratch."""
+    scratch = a.clone()
+    a.copy_(b)
+    b.copy_(scratch)
 
 
 def update_scratch_bytes(weight_bytes: int, params: float, largest_tensor: float) -> float:
@@ -105,19 +126,28 @@ class WeightsEMA:
     @contextlib.contextmanager
     @torch.no_grad()
     def swapped_in(self) -> Iterator[None]:
-        """The average in the model's parameters (and its buffers in the model's), the live ones back after."""
-        params = dict(self.model.named_parameters())
+        """The average in the model's parameters (and its buffers in the model's), the live ones back after: float32
+        weights exchanged with the average (which holds the live weights meanwhile), others stashed and overwritten
+        with the average rounded to their dtype."""
+        exchanged, stashed = [], []
+        for name, p in self.model.named_parameters():
+            weight, average = local_shard(p), local_shard(self.params[name])
+            if weight.dtype == average.dtype:
+                exchange(weight, average)
+                exchanged.append((weight, average))
+            else:
+                stashed.append((weight, stash(weight)))
+                weight.copy_(average)
         buffers = dict(self.model.named_buffers())
-        live = {n: local_shard(p).clone() for n, p in params.items()}
-        live_buffers = {n: b.clone() for n, b in buffers.items()}
-        for name, p in params.items():
-            local_shard(p).copy_(local_shard(self.params[name]))
+        live_buffers = {n: stash(b) for n, b in buffers.items()}  # small: BatchNorm's statistics, if any
         for name, b in buffers.items():
             b.copy_(self.buffers[name])
         try:
             yield
         finally:
-            for name, p in params.items():
-                local_shard(p).copy_(live[name])
+            for weight, average in exchanged:
+                exchange(weight, average)
+            for weight, live in stashed:
+                weight.copy_(live)
             for name, b in buffers.items():
                 b.copy_(live_buffers[name])
