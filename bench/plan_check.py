@@ -3,6 +3,7 @@
     python bench/plan_check.py --model ViT-B-32 --batch-size 16
     python bench/plan_check.py --model ViT-L-14 --batch-size 2 --engines ddp fsdp
     python bench/plan_check.py --model local-dir:DIR --batch-size 8 --engines fsdp --grad-checkpointing
+    python bench/plan_check.py --model ViT-B-32 --batch-size 16 --engines fsdp --replicas 2   # HSDP
 
 Setups: every memory setup bigclip's engines list whose state is on the GPU (bigclip.memory.memory_setups(): ddp,
 fsdp, zero1-3, each selected by the flags it names) x every distinct precision and optimizer footprint
@@ -51,11 +52,22 @@ def config(
     accum=1,
     locks: tuple[str, ...] = (),
     ema=False,
+    replicas=1,
 ):
     """The resolved config of one measured setup (bench/harness.py: synthetic data, no workers); `locks`: the
     towers locked whole ("image": --lock-image, "text": --lock-text); `ema`: a moving average of the weights
-    (--ema-decay)."""
+    (--ema-decay); `replicas`: the state kept in that many replica groups (HSDP: the flag the setup names)."""
+    from bigclip.errors import UserError
+    from bigclip.memory import memory_setup
+
+    replicated = {}
+    if replicas > 1:
+        flag = memory_setup(setup).replicas_flag
+        if flag is None:
+            raise UserError(f"--replicas {replicas}: {setup} cannot keep the state in replica groups")
+        replicated = {flag: replicas}
     return harness.config(
+        **replicated,
         **{f"lock_{tower}": True for tower in locks},
         **({"ema_decay": 0.999} if ema else {}),
         model=model,
@@ -88,7 +100,7 @@ def worker(args) -> None:
 
     world = init_distributed("cpu")
     cfg = config(args.model, args.batch_size, args.engine, args.precision, args.opt, args.in_backward,
-                 args.grad_checkpointing, args.accum_freq, args.lock, args.ema)  # fmt: skip
+                 args.grad_checkpointing, args.accum_freq, args.lock, args.ema, args.replicas)  # fmt: skip
     dist.barrier()
     baseline = _rss()
     _reset_peak()
@@ -112,6 +124,7 @@ def launch(engine: str, precision: str, opt: str, in_backward: bool, args, model
     worker_args += ["--lock", *args.lock] if args.lock else []
     worker_args += ["--grad-checkpointing"] if args.grad_checkpointing else []
     worker_args += ["--ema"] if args.ema else []
+    worker_args += ["--replicas", str(args.replicas)]
     return ranks.launch(__file__, WORLD, worker_args, args.timeout, mmap_threshold=MMAP_THRESHOLD)
 
 
@@ -120,7 +133,7 @@ def refusal(engine: str, precision: str, opt: str, in_backward: bool, args) -> s
 
     try:
         config(args.model, args.batch_size, engine, precision, opt, in_backward, args.grad_checkpointing,
-               args.accum_freq, args.lock, args.ema)  # fmt: skip
+               args.accum_freq, args.lock, args.ema, args.replicas)  # fmt: skip
     except UserError as e:
         return str(e)
     return None
@@ -134,6 +147,7 @@ def render(
     accum: int = 1,
     locks: tuple = (),
     ema: bool = False,
+    replicas: int = 1,
 ) -> list[str]:
     """The table: each measured row next to the plan's prediction for it (recomputed: the arithmetic may change)."""
     from bigclip.memory import Locks, StateRecipe, model_facts, peak_parts
@@ -146,7 +160,8 @@ def render(
         + (", --grad-checkpointing" if checkpointing else "")
         + (f", --accum-freq {accum}" if accum > 1 else "")
         + "".join(f", --lock-{tower}" for tower in locks)
-        + (", --ema-decay" if ema else ""),
+        + (", --ema-decay" if ema else "")
+        + (f", the state in {replicas} replica groups (HSDP)" if replicas > 1 else ""),
         "",
         "| engine | precision | optimizer | in backward | state MiB | activations MiB | working MiB | plan peak MiB "
         "| + runtime MiB | predicted MiB | measured MiB | measured/predicted | within 10% |",
@@ -158,7 +173,9 @@ def render(
             lines.append(f"{head} {r['result']} ||||||||")
             continue
         recipe = StateRecipe(r["precision"], r["opt"], r["in_backward"], ema=ema, accum_freq=accum)
-        parts = peak_parts(r["engine"], facts, WORLD, recipe, batch, checkpointing, device_type="cpu")
+        parts = peak_parts(
+            r["engine"], facts, WORLD, recipe, batch, checkpointing, device_type="cpu", state_ranks=WORLD // replicas
+        )
         predicted = parts["peak"] + r["runtime"]
         ratio = r["measured"] / predicted
         lines.append(
@@ -190,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accum-freq", type=int, default=1, help="micro-batches per step (the loop's feature cache)")
     p.add_argument("--lock", nargs="+", default=[], choices=("image", "text"), help="towers locked whole (LiT)")
     p.add_argument("--ema", action="store_true", help="a float32 moving average of the weights (--ema-decay)")
+    p.add_argument("--replicas", type=int, default=1, help="replica groups of the state (HSDP; setups that have it)")
     p.add_argument("--json", metavar="FILE", help="also write the measurements to FILE")
     p.add_argument("--from-json", metavar="FILE", help="only print the table of measurements written before")
     p.add_argument("--timeout", type=int, default=1800)
@@ -207,12 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.from_json) as f:
             saved = json.load(f)
         shape = (saved["model"], saved["batch"], saved.get("checkpointing", False), saved.get("accum_freq", 1),
-                 tuple(saved.get("locks", ())), saved.get("ema", False))  # fmt: skip
+                 tuple(saved.get("locks", ())), saved.get("ema", False), saved.get("replicas", 1))  # fmt: skip
         print("\n".join(render(saved["rows"], *shape)))
         return 0
 
     rows = []
-    shape = args.model, args.batch_size, args.grad_checkpointing, args.accum_freq, tuple(args.lock), args.ema
+    shape = (args.model, args.batch_size, args.grad_checkpointing, args.accum_freq, tuple(args.lock), args.ema,
+             args.replicas)  # fmt: skip
     for engine in args.engines:
         for precision in args.precisions:
             for opt in args.opts:
@@ -236,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                     if args.json:
                         saved = {"model": args.model, "batch": args.batch_size, "rows": rows,
                                  "checkpointing": args.grad_checkpointing, "accum_freq": args.accum_freq,
-                                 "locks": list(args.lock), "ema": args.ema}  # fmt: skip
+                                 "locks": list(args.lock), "ema": args.ema, "replicas": args.replicas}  # fmt: skip
                         with open(args.json, "w") as f:
                             json.dump(saved, f, indent=1)
     print("\n".join(render(rows, *shape)))

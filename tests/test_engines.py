@@ -243,6 +243,42 @@ def test_dry_run_counts_hsdp_state_per_replica_group():
     assert state(line(hsdp, 8)) == state(line(fsdp, 4)) != state(line(fsdp, 8))
 
 
+def test_plan_shows_hsdp_rows_whose_state_is_the_runs_on_one_node(capsys):
+    """FSDP2 can keep the state in replica groups (HSDP): its plan row beside the plain one holds, per GPU, what a
+    run on one node holds; --dry-run of a run with that many groups (--fsdp-replicate-degree) says the same. A GPU
+    count that is not whole nodes has none; the fit lines weigh it beside the other setups."""
+    from bigclip import dry_run
+    from bigclip.commands.plan import render
+    from bigclip.config import resolve
+    from bigclip.dist import World
+    from bigclip.memory import StateRecipe, fitting_setups, max_batch, model_facts, model_state_bytes, peak_parts
+
+    facts, amp = model_facts("ViT-bigG-14"), StateRecipe("amp")
+    table = render(["ViT-bigG-14"], [64, 8, 12], [80], 32, "amp", gpus_per_node=8)
+    rows = {line.split(" | ")[0][2:]: line.strip(" |").split(" | ")[1:] for line in table.splitlines() if "|" in line}
+    node = f"{model_state_bytes('fsdp', facts, 8, amp) / 2**30:.1f}"
+    assert rows["fsdp HSDP, 8 GPUs per node"][:3] == [node, node, "n/a"]  # 64 GPUs: 8 groups; 12: not whole nodes
+    assert rows["fsdp"][:2] == [f"{model_state_bytes('fsdp', facts, 64, amp) / 2**30:.1f}", node]
+    hsdp_batch = max_batch(facts, "fsdp", 64, 80e9, True, amp, state_ranks=8)
+    assert rows["fsdp HSDP, 8 GPUs per node"][3].endswith(f" / {hsdp_batch}")
+    assert hsdp_batch < max_batch(facts, "fsdp", 64, 80e9, True, amp)  # more state per GPU, fewer samples
+    assert [name for name in rows if "HSDP" in name] == ["fsdp HSDP, 8 GPUs per node"]  # the others cannot
+    assert "| fsdp HSDP" not in render(["ViT-bigG-14"], [8], [80], 32, "amp", gpus_per_node=8)  # one node: FSDP
+    # --dry-run of --fsdp-replicate-degree 8 on 64 ranks: the same state per GPU
+    cfg = resolve({"model": "ViT-bigG-14", "dataset_type": "synthetic", "batch_size": 32, "engine": "fsdp",
+                   "fsdp_replicate_degree": 8}).sections.engine  # fmt: skip
+    line = dry_run._memory_lines(cfg, World(world_size=64), "fsdp", facts)[0]
+    assert "the state over 8 of them" in line and f"state {node} GiB" in line
+    # the fit lines: HSDP is a candidate beside the plain setups, with the state of its group
+    fits = {(name, recipe): state for state, name, recipe in fitting_setups(facts, 64, 80e9, 32, group=8)}
+    assert fits[("fsdp HSDP", amp)] == peak_parts("fsdp", facts, 64, amp, 32, True, state_ranks=8)["state"]
+    assert not any("HSDP" in name for _, name, _ in fitting_setups(facts, 64, 80e9, 32)) and ("fsdp", amp) in fits
+    assert cli.main(["plan", "--model", "ViT-B-32", "--gpus", "16", "--gpu-mem", "40", "--gpus-per-node", "4"]) == 0
+    assert "| fsdp HSDP, 4 GPUs per node |" in capsys.readouterr().out
+    assert cli.main(["plan", "--gpus-per-node", "0"]) == 2
+    assert "argument --gpus-per-node: 0 is not a positive integer" in capsys.readouterr().err
+
+
 def test_plan_for_towers_without_an_activation_formula(capsys, tmp_path):
     """ResNet and timm image towers: the state rows hold (parameter count as OpenCLIP's model), the activations are
     traced on meta (memory/traced.py), so a batch size is suggested; a tower that cannot be traced says so."""

@@ -3,8 +3,9 @@
     bigclip plan --model ViT-bigG-14 --gpus 8 64 256 1024 --gpu-mem 40 80 --batch-size 32
 
 The arithmetic is bigclip/memory/ (memory/peak.py says what counts); this command renders its table for the given
-models, GPU counts and sizes: state per GPU under every registered memory setup, the largest micro-batch that
-fits, and which setups fit a given batch.
+models, GPU counts and sizes: state per GPU under every registered memory setup (and, for setups that can keep
+the state in replica groups, their HSDP row: sharded within each node of --gpus-per-node GPUs, replicated across
+nodes), the largest micro-batch that fits, and which setups fit a given batch.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from bigclip.memory import (
     contrastive_loss_bytes,
     feature_bytes,
     fitting_setups,
+    hsdp_group,
     max_batch,
     memory_setups,
     model_facts,
@@ -38,6 +40,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", nargs="+", default=["ViT-H-14", "ViT-bigG-14"])
     parser.add_argument("--gpus", nargs="+", type=int, default=[8, 64, 256, 1024])
     parser.add_argument("--gpu-mem", nargs="+", type=float, default=[40, 80], help="GB per GPU")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="the HSDP rows' group: GPUs per node")
     parser.add_argument("--batch-size", type=int, default=32, help="micro-batch per GPU")
     parser.add_argument("--precision", choices=PRECISIONS.names(), default="amp")
     optimizers = [name for name, _ in OPTIMIZERS.items() if not OPTIMIZERS.entry(name).prefix]
@@ -59,6 +62,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.accum_freq < 1:
         parser.error(f"argument --accum-freq: {args.accum_freq} is not a positive integer")
+    if args.gpus_per_node < 1:
+        parser.error(f"argument --gpus-per-node: {args.gpus_per_node} is not a positive integer")
     if args.accum_freq > 1 and args.optimizer_in_backward:
         parser.error("--optimizer-in-backward cannot accumulate micro-batches (--accum-freq); plan one or the other")
     recipe = StateRecipe(args.precision, args.opt, args.optimizer_in_backward, args.ema, args.accum_freq)
@@ -80,7 +85,12 @@ def main(argv: list[str]) -> int:
             flag = "--" + refinement.replace("_", "-")
             parser.error(f"{flag}: acts only with --{lock.replace('_', '-')}; add it or drop {flag}")
     locks = Locks.of(args)
-    print(render(args.model, args.gpus, args.gpu_mem, args.batch_size, recipe, args.force_image_size, loss, locks))
+    print(
+        render(
+            args.model, args.gpus, args.gpu_mem, args.batch_size, recipe, args.force_image_size, loss, locks,
+            args.gpus_per_node,
+        )
+    )  # fmt: skip
     return 0
 
 
@@ -89,11 +99,17 @@ def _gb(x: float) -> str:
 
 
 def _fit_lines(
-    facts: ModelFacts, n: int, gpu_mem: list[float], batch: int, loss: LossConfig, accum_freq: int = 1
+    facts: ModelFacts,
+    n: int,
+    gpu_mem: list[float],
+    batch: int,
+    loss: LossConfig,
+    accum_freq: int = 1,
+    group: int | None = None,
 ) -> list[str]:
     lines = []
     for mem in gpu_mem:
-        fits = fitting_setups(facts, n, mem * 1e9, batch, loss, accum_freq)
+        fits = fitting_setups(facts, n, mem * 1e9, batch, loss, accum_freq, group)
         where = f"{batch} samples per GPU with --grad-checkpointing on {n} GPUs of {mem:g} GB"
         if facts.uncounted:
             lines.append(f"{where}: not estimated (the {facts.uncounted}'s activations are not counted)")
@@ -117,7 +133,9 @@ def render(
     image_size: int | None = None,
     loss: LossConfig | None = None,
     locks: Locks | None = None,
+    gpus_per_node: int | None = None,
 ) -> str:
+    """The plan's text; `gpus_per_node`: HSDP rows in groups of that many GPUs (None: none)."""
     recipe = StateRecipe(recipe) if isinstance(recipe, str) else recipe
     loss = loss or LossConfig()
     lines = []
@@ -156,21 +174,45 @@ def render(
         )
         lines += [header, "|" + "---|" * (1 + len(gpus) + len(gpu_mem))]
         for engine in memory_setups():
-            states = [model_state_bytes(engine, facts, n, recipe) for n in gpus]
-            if states[0] is None:
-                lines.append(f"| {engine} | " + " | ".join("cannot" for _ in gpus + gpu_mem) + " |")
-                continue
-            fits = []
-            for mem in gpu_mem:
-                gpu_bytes = mem * 1e9
-                a = max_batch(facts, engine, gpus[0], gpu_bytes, False, recipe, loss)
-                b = max_batch(facts, engine, gpus[0], gpu_bytes, True, recipe, loss)
-                fits.append("n/a" if a is None else f"{a} / {b}")
-            lines.append(f"| {engine} | " + " | ".join(_gb(x) for x in states) + " | " + " | ".join(fits) + " |")
-        lines += ["", *_fit_lines(facts, gpus[0], gpu_mem, batch, loss, recipe.accum_freq), ""]
+            lines.append(_row(engine, facts, gpus, gpu_mem, recipe, loss))
+            if any(hsdp_group(engine, n, gpus_per_node) not in (None, n) for n in gpus):
+                lines.append(_row(engine, facts, gpus, gpu_mem, recipe, loss, gpus_per_node))
+        lines += ["", *_fit_lines(facts, gpus[0], gpu_mem, batch, loss, recipe.accum_freq, gpus_per_node), ""]
     for note in memory_notes():  # what each engine says about reading its rows
         lines += [note, ""]
     return "\n".join(lines).rstrip("\n")
+
+
+def _row(
+    engine: str,
+    facts: ModelFacts,
+    gpus: list[int],
+    gpu_mem: list[float],
+    recipe: StateRecipe,
+    loss: LossConfig,
+    group: int | None = None,
+) -> str:
+    """One setup's row: its state per GPU at each GPU count, and its largest micro-batch without / with
+    checkpointing on the first count at each memory size; `group`: its HSDP row (n/a where the GPUs are not
+    whole groups)."""
+    label, spread = engine, {n: n for n in gpus}
+    if group is not None:
+        label, spread = f"{engine} HSDP, {group} GPUs per node", {n: hsdp_group(engine, n, group) for n in gpus}
+    states = [None if spread[n] is None else model_state_bytes(engine, facts, spread[n], recipe) for n in gpus]
+    if spread[gpus[0]] is not None and states[0] is None:
+        return f"| {label} | " + " | ".join("cannot" for _ in gpus + gpu_mem) + " |"
+    fits = []
+    for mem in gpu_mem:
+        if spread[gpus[0]] is None:
+            fits.append("n/a")
+            continue
+        a, b = (
+            max_batch(facts, engine, gpus[0], mem * 1e9, ckpt, recipe, loss, state_ranks=spread[gpus[0]])
+            for ckpt in (False, True)
+        )
+        fits.append("n/a" if a is None else f"{a} / {b}")
+    shown = ["n/a" if x is None else _gb(x) for x in states]
+    return f"| {label} | " + " | ".join(shown) + " | " + " | ".join(fits) + " |"
 
 
 COMMANDS.register(

@@ -164,7 +164,24 @@ class FSDPEngine(TorchOptimizerEngine):
         def locked(frozen: int, n: int, recipe: StateRecipe) -> float:
             return recipe.weight_bytes * frozen / n  # locked towers are sharded like the rest of the model
 
-        return {cls.name: MemorySetup(fsdp, cls._working, flags={"engine": cls.name}, locked_weights=locked)}
+        return {
+            cls.name: MemorySetup(
+                fsdp,
+                cls._working,
+                flags={"engine": cls.name},
+                locked_weights=locked,
+                replicas_flag="fsdp_replicate_degree",
+            )
+        }
+
+    @classmethod
+    def memory_notes(cls) -> list[str]:
+        return [
+            f"{cls.name}'s HSDP row keeps the state sharded within each group of GPUs (a node) and replicated across "
+            "the groups: --fsdp-hybrid on nodes of that many GPUs, or --fsdp-replicate-degree with the number of "
+            "groups; each GPU holds the state of a run on one group, and the gradients' all-reduce across groups "
+            "moves 1/group of them per GPU."
+        ]
 
     @staticmethod
     def _working(psi: int, n: int, recipe: StateRecipe, size: ModelSize, device_type: str) -> WorkingBytes:

@@ -25,6 +25,7 @@ estimated, and no batch size is suggested for it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from bigclip.loss import LossConfig
 from bigclip.loss.memory import loss_peak_bytes
@@ -157,16 +158,20 @@ def max_batch(
     checkpointing: bool,
     recipe: StateRecipe | str = "amp",
     loss: LossConfig | None = None,
+    state_ranks: int | None = None,
 ) -> int | None:
     """The largest micro-batch per GPU whose predicted peak fits; None when a tower's activations are not counted
-    or the setup cannot keep the state as `recipe` says."""
+    or the setup cannot keep the state as `recipe` says. `state_ranks`: as peak_parts's (HSDP's group)."""
     recipe = StateRecipe(recipe) if isinstance(recipe, str) else recipe
     room = gpu_bytes - OVERHEAD_BYTES
 
-    def fits(batch: int) -> bool:
-        return peak_parts(engine, facts, n, recipe, batch, checkpointing, loss=loss)["peak"] <= room
+    def parts(batch: int) -> dict[str, float] | None:
+        return peak_parts(engine, facts, n, recipe, batch, checkpointing, loss=loss, state_ranks=state_ranks)
 
-    if facts.uncounted or peak_parts(engine, facts, n, recipe, 0, checkpointing, loss=loss) is None:
+    def fits(batch: int) -> bool:
+        return parts(batch)["peak"] <= room
+
+    if facts.uncounted or parts(0) is None:
         return None
     if not fits(0):
         return 0
@@ -179,24 +184,45 @@ def max_batch(
     return low
 
 
+def hsdp_group(setup: str, n: int, group: int | None) -> int | None:
+    """The ranks that hold the state in `setup`'s HSDP row on n GPUs in groups of `group` (a node's), or None where
+    there is no such row: the setup cannot replicate, no group was given, or n GPUs are not whole groups. One
+    group or fewer GPUs: the plain setup's n."""
+    if group is None or memory_setups()[setup].replicas_flag is None or n % min(n, group):
+        return None
+    return min(n, group)
+
+
 def fitting_setups(
-    facts: ModelFacts, n: int, gpu_bytes: float, batch: int, loss: LossConfig | None = None, accum_freq: int = 1
+    facts: ModelFacts,
+    n: int,
+    gpu_bytes: float,
+    batch: int,
+    loss: LossConfig | None = None,
+    accum_freq: int = 1,
+    group: int | None = None,
 ) -> list[tuple[float, str, StateRecipe]]:
     """(state bytes, setup, recipe) of every setup on the GPU that fits `batch` samples per GPU (each of
     `accum_freq` micro-batches) with --grad-checkpointing, most state first; offload setups (whose GPU holds
     buffers only) are left out, and with accumulation the optimizer stepped in the backward (which cannot
-    accumulate)."""
+    accumulate). `group`: also each setup's HSDP in groups of that many GPUs (named "<setup> HSDP"), where it
+    differs from the setup."""
     if facts.uncounted:
         return []
     fits = []
     for setup, memory in memory_setups().items():
         if memory.offloaded:
             continue
-        for recipe in (dataclasses.replace(r, accum_freq=accum_freq) for r in recipes()):
+        spreads = [(setup, None)]
+        hsdp = hsdp_group(setup, n, group)
+        if hsdp is not None and hsdp < n:
+            spreads.append((f"{setup} HSDP", hsdp))
+        for (name, state_ranks), recipe in itertools.product(
+            spreads, (dataclasses.replace(r, accum_freq=accum_freq) for r in recipes())
+        ):
             if recipe.in_backward and accum_freq > 1:
                 continue
-            parts = peak_parts(setup, facts, n, recipe, batch, True, loss=loss)
+            parts = peak_parts(setup, facts, n, recipe, batch, True, loss=loss, state_ranks=state_ranks)
             if parts is not None and parts["peak"] + OVERHEAD_BYTES <= gpu_bytes:
-                state = parts["state"]
-                fits.append((state, setup, recipe))
+                fits.append((parts["state"], name, recipe))
     return sorted(fits, key=lambda fit: -fit[0])

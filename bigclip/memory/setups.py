@@ -66,6 +66,10 @@ class MemorySetup:
     locked_weights: LockedWeightBytes = whole_locked_weights
     flags: Mapping[str, Any] = field(default_factory=dict)
     offloaded: bool = False  # the state lives in host memory or on NVMe: the GPU holds working buffers only
+    # The flag (TrainConfig field) that keeps the state in replica groups, each holding it sharded over its ranks
+    # and replicated across the groups; its value is the number of groups (HSDP: FSDP2's fsdp_replicate_degree).
+    # None: the setup spreads the state over every rank, no other way.
+    replicas_flag: str | None = None
 
 
 # Who lists the setups: engine/__init__.py adds the engines' (a function, so engines registered later count too).
