@@ -12,7 +12,16 @@ import threading
 
 import pytest
 import torch
-from helpers import TINY_SYNTHETIC, TRAIN_SCRIPT, step_losses, subprocess_env, wait_for_step
+from helpers import (
+    REPO,
+    TINY_SYNTHETIC,
+    TRAIN_SCRIPT,
+    launch,
+    python_train,
+    step_losses,
+    subprocess_env,
+    wait_for_step,
+)
 from s3_server import s3, s3_bucket  # noqa: F401  (pytest fixtures)
 
 from bigclip import cli
@@ -550,3 +559,47 @@ def test_a_checkpoint_of_format_2_resumes_exactly(reference, tmp_path):
     resumed = step_losses(run(tmp_path, "from_old", "--resume", old))
     assert sorted(resumed) == list(range(17, 25))
     assert_same_losses(resumed, full, range(17, 25))
+
+
+# ----------------------------------------------------------------------- state the next forward changes
+def batchnorm_model(directory) -> str:
+    """A CLIP whose image tower has BatchNorm (timm's test_resnet): its running statistics change in every
+    training forward, not only at the optimizer step."""
+    text_cfg = {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}
+    vision_cfg = {"timm_model_name": "test_resnet", "timm_pool": "avg", "timm_proj": "linear", "image_size": 32}
+    directory.mkdir()
+    (directory / "open_clip_config.json").write_text(
+        json.dumps({"model_cfg": {"embed_dim": 32, "vision_cfg": vision_cfg, "text_cfg": text_cfg}})
+    )
+    return f"local-dir:{directory}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "deepspeed"])
+def test_a_save_holds_the_buffers_of_its_step_while_the_next_forward_changes_them(tmp_path, engine):
+    """The background copy of a save runs beside the next step's forward and backward, which change no parameter
+    or optimizer state but do change BatchNorm's running statistics. With each copy held until the next step's
+    forward and backward are done (tests/held_staging_worker.py), every step checkpoint must still be its step's:
+    the same as a run whose saves copy the state before returning (--checkpoint-async off)."""
+    flags = [*FLAGS, "--model", batchnorm_model(tmp_path / "model"), "--epochs", "1", "--save-frequency", "0",
+             "--logs", str(tmp_path)]  # fmt: skip
+    if engine == "deepspeed":
+        flags += ["--ds-config", os.path.join(REPO, "ds_configs", "zero1.json")]
+    reference = python_train([*flags, "--name", "reference", "--checkpoint-async", "off"])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    held = launch(os.path.join(REPO, "tests", "held_staging_worker.py"), [*flags, "--name", "held"], 300)
+    assert held.returncode == 0, held.stderr[-3000:]
+    exported = {}
+    for name in ("reference", "held"):
+        for tag in ("step_4", "step_8"):
+            out = tmp_path / f"{name}-{tag}.pt"
+            ckpt = str(tmp_path / name / "checkpoints" / tag)
+            assert cli.main(["export", ckpt, str(out), "--names", "bigclip"]) == 0
+            exported[name, tag] = torch.load(out)
+    running = [k for k in exported["reference", "step_4"] if k.endswith("running_mean")]
+    assert running and all(
+        not torch.equal(exported["reference", "step_4"][k], exported["reference", "step_8"][k]) for k in running
+    )  # the statistics move every step
+    for tag in ("step_4", "step_8"):
+        want, got = exported["reference", tag], exported["held", tag]
+        assert want.keys() == got.keys() and [k for k in want if not torch.equal(want[k], got[k])] == [], tag

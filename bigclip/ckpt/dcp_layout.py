@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from bigclip.ckpt.dcp_safe_read import SafeFileSystemReader, SafeLoadPlanner, first_failure
-from bigclip.ckpt.layout import CheckpointLayout, FileSubmitter
+from bigclip.ckpt.layout import CheckpointLayout, FileSubmitter, buffers_copied_now
 from bigclip.ckpt.participants import absent
 from bigclip.ckpt.upload import BACKGROUND_NICE
 from bigclip.errors import UserError, first_line
@@ -239,6 +239,7 @@ class DCPLayout(CheckpointLayout):
         """This rank's share of the state (collected here, in the loop's thread), copied into the reused host
         buffers in the background: a future of the staged dict."""
         state = training_state(self.model, self.optimizer, self.scaler, self.extra)
+        state["model"] = buffers_copied_now(state["model"], self.model)
         if self.replicated:
             state = split_replicated(state, self.world.rank, self.world.world_size)
         staged = self._usable_stager().stage(state)

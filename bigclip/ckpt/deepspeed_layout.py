@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from bigclip.ckpt.fragments import assemble, participant_file, read_saved
-from bigclip.ckpt.layout import CheckpointLayout, FileSubmitter
+from bigclip.ckpt.layout import CheckpointLayout, FileSubmitter, buffers_copied_now
 from bigclip.ckpt.participants import absent
 from bigclip.dist import raise_together
 from bigclip.errors import UserError, first_line
@@ -94,6 +94,7 @@ class DeepSpeedLayout(CheckpointLayout):
         staging thread. The returned future holds the copies; wait for it before the next optimizer step."""
         self.ds.save_checkpoint(directory, tag=ENGINE_DIR, save_latest=False)
         files, participants = self.stager.take(), self.participants
+        files = [(path, buffers_copied_now(state, self.ds.module)) for path, state in files]
 
         def copy() -> list:
             copies = self.stager.copy(files)

@@ -7,7 +7,8 @@ resharded like it. An engine names its layout (`engine.checkpoint_layout(group, 
 manager never asks which engine it has. Two exist: DCP (ckpt/dcp_layout.py, for DDP and FSDP2) and DeepSpeed's
 ZeRO files (ckpt/deepspeed_layout.py).
 
-One save:   handle = layout.stage(directory)            main thread, collective; returns quickly
+One save:   handle = layout.stage(directory)            main thread, collective; returns quickly (the model's
+                                                        buffers copied already: buffers_copied_now)
             ...the loop's next forward/backward runs...
             handle.result()                             before the next optimizer step (the copy is taken)
             layout.write(handle, directory, sink)       save thread, collective on the checkpoint group:
@@ -19,10 +20,35 @@ One load:   layout.load(directory, saved_world_size, saved_extra)   collective; 
 from __future__ import annotations
 
 import abc
+import copy
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+
+
+def buffers_copied_now(tree: Any, module: torch.nn.Module) -> Any:
+    """`tree` (a state dict, or nested dicts and lists of them) with each tensor that is one of `module`'s buffers
+    replaced by a copy made now, in the loop's thread. The background copy of a save runs beside the next
+    forward, which changes no parameter or optimizer state but does change buffers (BatchNorm's running
+    statistics): copied later, a checkpoint held the next step's statistics, some layers' or all. Buffers are
+    small (statistics, not weights), so copying them here costs the loop next to nothing."""
+    owned = {b.untyped_storage().data_ptr() for b in module.buffers() if b.numel()}
+    if not owned:
+        return tree
+
+    def copied(obj: Any) -> Any:
+        if type(obj) is torch.Tensor:  # a buffer is a plain tensor (never a DTensor shard)
+            return obj.clone() if obj.numel() and obj.untyped_storage().data_ptr() in owned else obj
+        if isinstance(obj, dict):
+            out = copy.copy(obj)  # the mapping's own type (OrderedDict keeps its metadata)
+            out.update((k, copied(v)) for k, v in obj.items())
+            return out
+        if isinstance(obj, list):
+            return [copied(v) for v in obj]
+        return obj
+
+    return copied(tree)
 
 
 class FileSubmitter(Protocol):
@@ -40,7 +66,8 @@ class CheckpointLayout(abc.ABC):
     @abc.abstractmethod
     def stage(self, directory: str) -> Future:
         """Collective. Start copying this rank's state into host buffers; the future resolves when the copy
-        is complete (nothing may change parameters or optimizer state before that)."""
+        is complete (nothing may change parameters or optimizer state before that; what the forward changes,
+        the model's buffers, is copied before stage() returns: buffers_copied_now)."""
 
     @abc.abstractmethod
     def write(self, staged: Future, directory: str, sink: FileSubmitter) -> None:

@@ -1,0 +1,69 @@
+"""A training run whose saves' background copies start only when the loop waits for them (tests/test_ckpt.py).
+
+    python tests/held_staging_worker.py BIGCLIP_TRAIN_FLAGS...
+
+A save copies the state in the background while the loop runs the next step's forward and backward, and the
+loop waits for the copy before the next optimizer step (CheckpointManager.wait_staged). Here each copy is held
+until that wait begins, so it always runs after the forward and backward: what they change must already be
+copied when the save starts, or the checkpoint holds the next step's values.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from bigclip import cli
+from bigclip.ckpt.manager import CheckpointManager
+
+RELEASED = threading.Event()
+COPIER = ThreadPoolExecutor(1, thread_name_prefix="held-copy")
+
+
+def held(copy):
+    """A future of copy(), run once the loop waits for it."""
+    return COPIER.submit(lambda: (RELEASED.wait(), copy())[1])
+
+
+def hold_dcp_copies() -> None:
+    from bigclip.ckpt.dcp_layout import DCPLayout
+
+    usable = DCPLayout._usable_stager
+
+    class HeldStager:
+        def __init__(self, stager):
+            self.stager = stager
+
+        def stage(self, state):
+            return held(lambda: self.stager.stage(state).result())
+
+    DCPLayout._usable_stager = lambda self: HeldStager(usable(self))
+
+
+def hold_deepspeed_copies() -> None:
+    from bigclip.ckpt.deepspeed_staging import StagingCheckpointEngine
+
+    copy_files = StagingCheckpointEngine.copy
+    StagingCheckpointEngine.copy = lambda self, files: held(lambda: copy_files(self, files)).result()
+
+
+def release_when_waited_for() -> None:
+    wait_staged = CheckpointManager.wait_staged
+
+    def waiting(self):
+        if self._staging is not None:
+            RELEASED.set()
+        wait_staged(self)
+        RELEASED.clear()
+
+    CheckpointManager.wait_staged = waiting
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    hold_deepspeed_copies() if "--ds-config" in argv else hold_dcp_copies()
+    release_when_waited_for()
+    code = cli.main(argv)
+    COPIER.shutdown()
+    sys.exit(code)
