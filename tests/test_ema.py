@@ -14,7 +14,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import REPO, TINY_SYNTHETIC, python_train, read_metrics, torchrun
+from helpers import REPO, TINY_SYNTHETIC, python_train, read_metrics, step_losses, torchrun
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -106,6 +106,28 @@ def test_deepspeed_keeps_the_average_of_its_partitions_resumes_reshards_and_eval
     assert max(float((saved[k] - continued[k]).abs().max()) for k in saved) < 1e-6
     final = [r for r in read_metrics(str(tmp_path / "one")) if "eval/val_loss" in r][-1]
     assert final["eval/ema_val_loss"] != final["eval/val_loss"]
+
+
+def test_eval_ema_under_fsdp2_evaluates_the_average_and_trains_on_as_without_it(tmp_path):
+    """FSDP2 keeps the root module gathered after a forward no backward follows (an evaluation's): the swap met
+    the gathered parameters instead of the shards (two ranks: it failed on their shapes, after an epoch of
+    training), and the next forward reuses what the last evaluation gathered. Two ranks, two epochs with
+    validation after each: the average's metrics are DDP's (the same weights, other reductions), and every step's
+    loss is the one of the same run without --eval-ema, bit for bit."""
+    # no checkpoints: a save's state dict reshards FSDP2's units, which would hide a gathered root
+    base = [*TINY_SYNTHETIC, *EMA, "--batch-size", "4", "--val-num-samples", "16", "--save-frequency", "0",
+            "--logs", str(tmp_path)]  # fmt: skip
+    runs = {"fsdp": ["--engine", "fsdp", "--eval-ema"], "fsdp_live": ["--engine", "fsdp"], "ddp": ["--eval-ema"]}
+    for name, flags in runs.items():
+        out = torchrun(2, [*base, *flags, "--name", name])
+        assert out.returncode == 0, (name, out.stderr[-3000:])
+    losses = {name: step_losses(str(tmp_path / name)) for name in runs}
+    assert len(losses["fsdp"]) == 16 and losses["fsdp"] == losses["fsdp_live"]
+    evals = {name: [r for r in read_metrics(str(tmp_path / name)) if "eval/val_loss" in r] for name in runs}
+    assert len(evals["fsdp"]) == 2
+    for fsdp, ddp in zip(evals["fsdp"], evals["ddp"]):
+        assert fsdp["eval/ema_val_loss"] != fsdp["eval/val_loss"]
+        assert fsdp["eval/ema_val_loss"] == pytest.approx(ddp["eval/ema_val_loss"], rel=1e-4)
 
 
 ZERO2 = ["--ds_config", os.path.join(REPO, "ds_configs", "zero2.json")]

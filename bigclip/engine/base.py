@@ -242,7 +242,10 @@ class TorchOptimizerEngine(Engine):
             self.optimizer = optim.create_optimizer(self.cfg.optimizer, groups)
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if self.cfg.ema_decay is not None:  # of the parameters as the engine holds them: FSDP2's shards
-            self.ema = WeightsEMA(model, self.cfg.ema_decay, self.cfg.ema_warmup)
+            self.ema = WeightsEMA(model, self.cfg.ema_decay, self.cfg.ema_warmup, self._release_gathered)
+
+    def _release_gathered(self) -> None:
+        """Drop gathered copies of the weights (none here; FSDP2 gathers its shards for a forward)."""
 
     @property
     def steps_in_backward(self) -> bool:

@@ -22,7 +22,7 @@ than the training step's (ViT-bigG-14 under DDP: 5 GB in bf16).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -81,8 +81,14 @@ def update_scratch_bytes(weight_bytes: int, params: float, largest_tensor: float
 class WeightsEMA:
     checkpoint_kind = "sharded"  # saved and resharded by the engine's checkpoint layout (ckpt/participants.py)
 
-    def __init__(self, model: nn.Module, decay: float, warmup: bool = False):
+    def __init__(
+        self, model: nn.Module, decay: float, warmup: bool = False, release_gathered: Callable[[], None] = lambda: None
+    ):
+        """`release_gathered`: the engine's way to drop gathered copies of the weights, so that the model's
+        parameters are the ones it stores (FSDP2: its shards; the root module stays gathered after an evaluation's
+        forward, whose values the next forward would reuse) and the next forward gathers them again."""
         self.model, self.decay, self.warmup = model, decay, warmup
+        self.release_gathered = release_gathered
         self.updates = 0
         with torch.no_grad():
             # float32 copies with the parameters' placements (a DTensor's clone is a DTensor)
@@ -93,6 +99,7 @@ class WeightsEMA:
     def reset(self) -> None:
         """Start the average again from the weights as they are (a resumed checkpoint that holds none)."""
         self.updates = 0
+        self.release_gathered()
         for name, p in self.model.named_parameters():
             local_shard(self.params[name]).copy_(local_shard(p))
         for name, b in self.model.named_buffers():
@@ -129,6 +136,7 @@ class WeightsEMA:
         """The average in the model's parameters (and its buffers in the model's), the live ones back after: float32
         weights exchanged with the average (which holds the live weights meanwhile), others stashed and overwritten
         with the average rounded to their dtype."""
+        self.release_gathered()  # the live weights' evaluation left them gathered: the forward would not read these
         exchanged, stashed = [], []
         for name, p in self.model.named_parameters():
             weight, average = local_shard(p), local_shard(self.params[name])
@@ -145,6 +153,7 @@ class WeightsEMA:
         try:
             yield
         finally:
+            self.release_gathered()  # the average's evaluation left it gathered: the next step would train on it
             for weight, average in exchanged:
                 exchange(weight, average)
             for weight, live in stashed:

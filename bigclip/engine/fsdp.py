@@ -284,7 +284,12 @@ class FSDPEngine(TorchOptimizerEngine):
             self.model.set_requires_all_reduce(True)
 
     def state_bytes(self) -> dict[str, int]:
-        for m in self.model.modules():  # the root stays gathered after forward; count the shards only
+        self._release_gathered()  # the root stays gathered after forward; count the shards only
+        return tensor_bytes(self.model, self.optimizer)
+
+    def _release_gathered(self) -> None:
+        """Reshard every unit: the root stays gathered after a forward without a backward (an evaluation's), and
+        meanwhile the registered parameters are the gathered ones and the next forward reuses their values."""
+        for m in self.model.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
-        return tensor_bytes(self.model, self.optimizer)
