@@ -136,10 +136,15 @@ def fork_ranks(fn, args: tuple, nprocs: int) -> None:
     Safe to fork here: the test processes run torch on one thread (conftest), as DataLoader forks its workers. But
     once an earlier test in this process has started autograd's device threads, autograd refuses a backward in a
     forked child ("Unable to handle autograd's threading in combination with fork-based multiprocessing"); which
-    tests ran before is up to the scheduler, so the ranks are spawned then."""
+    tests ran before is up to the scheduler, so the ranks are spawned then. Spawned too where torch runs on more
+    than one thread (pytest without -n, where conftest leaves torch's default): a child forked after an OpenMP
+    parallel region waits in its next one for the parent's pool threads, which it does not have (seen: both ranks
+    of test_distill's two-rank test stuck in cross_entropy)."""
+    import torch
     import torch.multiprocessing as mp
 
-    start_method = "fork" if _forked_children_can_backward() else "spawn"
+    forkable = torch.get_num_threads() == 1 and _forked_children_can_backward()
+    start_method = "fork" if forkable else "spawn"
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=start_method)
 
 

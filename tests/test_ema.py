@@ -216,6 +216,35 @@ def test_swapped_in_exchanges_float32_weights_in_place_and_both_come_back_bit_fo
     assert all(torch.equal(ema.params[n], a) for n, a in average.items())
 
 
+def test_a_swap_that_fails_halfway_puts_back_what_it_swapped(monkeypatch):
+    """Swapping the fourth tensor fails (out of memory, say): the three already exchanged come back, so neither
+    the weights the run goes on with nor the average it saves hold the other's values."""
+    import bigclip.engine.ema as ema_module
+
+    torch.manual_seed(0)
+    model = create_model("test-tiny")
+    ema = ema_module.WeightsEMA(model, 0.5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    live = {n: p.detach().clone() for n, p in model.named_parameters()}
+    average = {n: a.clone() for n, a in ema.params.items()}
+    calls, exchange = [], ema_module.exchange
+
+    def failing_once(a, b):
+        calls.append(len(calls))
+        if len(calls) == 4:
+            raise RuntimeError("out of memory")
+        exchange(a, b)
+
+    monkeypatch.setattr(ema_module, "exchange", failing_once)
+    with pytest.raises(RuntimeError, match="out of memory"), ema.swapped_in():
+        pass
+    assert len(calls) == 4 + 3  # three swapped in, the fourth failed, the three swapped back
+    assert all(torch.equal(p, live[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(ema.params[n], a) for n, a in average.items())
+
+
 class AllocatedBytes(TorchDispatchMode):
     """The high-water mark of the bytes held by tensors that operations made inside the block (on any device):
     each output that owns new storage counts until it is freed."""

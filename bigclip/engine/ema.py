@@ -137,20 +137,20 @@ class WeightsEMA:
         weights exchanged with the average (which holds the live weights meanwhile), others stashed and overwritten
         with the average rounded to their dtype."""
         self.release_gathered()  # the live weights' evaluation left them gathered: the forward would not read these
-        exchanged, stashed = [], []
-        for name, p in self.model.named_parameters():
-            weight, average = local_shard(p), local_shard(self.params[name])
-            if weight.dtype == average.dtype:
-                exchange(weight, average)
-                exchanged.append((weight, average))
-            else:
-                stashed.append((weight, stash(weight)))
-                weight.copy_(average)
+        exchanged, stashed, live_buffers = [], [], {}
         buffers = dict(self.model.named_buffers())
-        live_buffers = {n: stash(b) for n, b in buffers.items()}  # small: BatchNorm's statistics, if any
-        for name, b in buffers.items():
-            b.copy_(self.buffers[name])
-        try:
+        try:  # what was swapped in so far goes back if swapping the rest fails
+            for name, p in self.model.named_parameters():
+                weight, average = local_shard(p), local_shard(self.params[name])
+                if weight.dtype == average.dtype:
+                    exchange(weight, average)
+                    exchanged.append((weight, average))
+                else:
+                    stashed.append((weight, stash(weight)))
+                    weight.copy_(average)
+            for name, b in buffers.items():
+                live_buffers[name] = stash(b)  # small: BatchNorm's statistics, if any
+                b.copy_(self.buffers[name])
             yield
         finally:
             self.release_gathered()  # the average's evaluation left it gathered: the next step would train on it
@@ -158,5 +158,5 @@ class WeightsEMA:
                 exchange(weight, average)
             for weight, live in stashed:
                 weight.copy_(live)
-            for name, b in buffers.items():
-                b.copy_(live_buffers[name])
+            for name, live in live_buffers.items():
+                buffers[name].copy_(live)
