@@ -29,7 +29,7 @@ import sys
 
 import harness
 import ranks
-from ranks import write_from_rank0
+from ranks import reset_resident_peak, resident_bytes, write_from_rank0
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 2
@@ -81,16 +81,6 @@ def config(
     )
 
 
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-
-
 # ------------------------------------------------------------------------------------------- worker side
 def worker(args) -> None:
     import torch.distributed as dist
@@ -102,8 +92,8 @@ def worker(args) -> None:
     cfg = config(args.model, args.batch_size, args.engine, args.precision, args.opt, args.in_backward,
                  args.grad_checkpointing, args.accum_freq, args.lock, args.ema, args.replicas)  # fmt: skip
     dist.barrier()
-    baseline = _rss()
-    _reset_peak()
+    baseline = resident_bytes()
+    reset_resident_peak()
     bench = harness.build(cfg, world)  # the model, engine and (tiny) loss as `bigclip train` builds them
     # Each step's micro-batches made for it, after the baseline: on a GPU the loop copies them to the device for
     # the step (the loader's are in host memory), and the plan counts them (input_bytes)

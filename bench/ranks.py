@@ -11,6 +11,18 @@ import sys
 import tempfile
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux's VmRSS)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def reset_resident_peak() -> None:
+    """Start Linux's high-water mark of resident memory (VmHWM) again from the resident memory now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

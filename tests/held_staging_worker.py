@@ -49,15 +49,24 @@ def hold_deepspeed_copies() -> None:
 
 
 def release_when_waited_for() -> None:
-    wait_staged = CheckpointManager.wait_staged
+    """The loop waits for the copy before the next optimizer step (wait_staged), for the whole save at the run's
+    end (wait), or writes a save itself (_write_and_commit, blocking saves): the copy goes ahead then."""
 
-    def waiting(self):
-        if self._staging is not None:
-            RELEASED.set()
-        wait_staged(self)
-        RELEASED.clear()
+    def releasing(method):
+        def wrapper(self, *args, **kwargs):
+            in_the_loop = threading.current_thread() is threading.main_thread()
+            if in_the_loop:
+                RELEASED.set()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                if in_the_loop:
+                    RELEASED.clear()
 
-    CheckpointManager.wait_staged = waiting
+        return wrapper
+
+    for name in ("wait_staged", "wait", "_write_and_commit"):
+        setattr(CheckpointManager, name, releasing(getattr(CheckpointManager, name)))
 
 
 if __name__ == "__main__":

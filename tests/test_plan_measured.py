@@ -268,6 +268,23 @@ def test_the_predicted_peak_of_ddp_with_checkpointing_is_within_10_percent_of_th
     assert row["measured"] == pytest.approx(parts["peak"] + row["runtime"], rel=0.10), (row, parts)
 
 
+@pytest.mark.extended  # ~2 min of measured steps; in CI the HSDP rows' arithmetic (test_engines.py) and HSDP's
+@pytest.mark.slow  # training against DDP on a 2x2 mesh (test_engine_multiprocess.py)
+def test_the_predicted_peak_of_hsdp_is_within_10_percent_of_the_measured(tmp_path):
+    """bench/plan_check.py --replicas 2: FSDP2 in 2 replica groups of 1 rank (each rank holds the whole state, through
+    the 2-D mesh), bf16 weights and 8-bit AdamW, ViT-B-32; the plan's state over one rank."""
+    (row,) = plan_check_rows(
+        tmp_path,
+        ["--model", "ViT-B-32", "--batch-size", "4", "--steps", "2", "--replicas", "2", "--engines", "fsdp",
+         "--precisions", "pure_bf16", "--opts", "adamw8bit", "--stepping", "kept"],
+    )  # fmt: skip
+    facts = model_facts("ViT-B-32")
+    recipe = StateRecipe("pure_bf16", "adamw8bit")
+    parts = peak_parts("fsdp", facts, 2, recipe, 4, False, "cpu", state_ranks=1)
+    assert row["measured"] == pytest.approx(parts["peak"] + row["runtime"], rel=0.10), (row, parts)
+    assert parts["state"] > 1.5 * peak_parts("fsdp", facts, 2, recipe, 4, False, "cpu")["state"]  # not sharded
+
+
 @pytest.mark.extended  # ~4 min of measured steps; in CI the update's windows and the plan's arithmetic (test_ema.py)
 @pytest.mark.slow
 def test_the_predicted_peak_with_a_moving_average_of_bf16_weights_is_within_10_percent_of_the_measured(tmp_path):
