@@ -4,6 +4,7 @@
     python bench/plan_check.py --model ViT-L-14 --batch-size 2 --engines ddp fsdp
     python bench/plan_check.py --model local-dir:DIR --batch-size 8 --engines fsdp --grad-checkpointing
     python bench/plan_check.py --model ViT-B-32 --batch-size 16 --engines fsdp --replicas 2   # HSDP
+    python bench/plan_check.py --model ViT-B-32 --batch-size 16 --ema --eval   # evaluation after the steps too
 
 Setups: every memory setup bigclip's engines list whose state is on the GPU (bigclip.memory.memory_setups(): ddp,
 fsdp, zero1-3, each selected by the flags it names) x every distinct precision and optimizer footprint
@@ -39,6 +40,7 @@ WORLD = 2
 # resident memory at rest was then the live tensors (gc-counted, 303 MiB) plus test-tiny's runtime; measured at
 # 64 KiB, nothing was left to trim and the peak fell from 1.13x to 1.03-1.06x of the plan's.
 MMAP_THRESHOLD = 64 << 10
+EVAL_BATCHES = 4  # --eval: validation batches per rank (retrieval over all ranks' samples)
 
 
 def config(
@@ -82,6 +84,20 @@ def config(
 
 
 # ------------------------------------------------------------------------------------------- worker side
+def evaluate(engine, batches: list, world) -> None:
+    """What the loop's evaluation does with the model after an epoch (bigclip.evaluation's validation: forwards
+    without gradients, the features gathered, retrieval), with the live weights and, with a moving average,
+    again with the average swapped in (--eval-ema)."""
+    from bigclip.evaluation.validate import validate
+
+    engine.eval()
+    validate(engine, batches, world, 4096, "fp32")
+    if engine.ema is not None:
+        with engine.ema.swapped_in():
+            validate(engine, batches, world, 4096, "fp32")
+    engine.train()
+
+
 def worker(args) -> None:
     import torch.distributed as dist
 
@@ -97,9 +113,12 @@ def worker(args) -> None:
     bench = harness.build(cfg, world)  # the model, engine and (tiny) loss as `bigclip train` builds them
     # Each step's micro-batches made for it, after the baseline: on a GPU the loop copies them to the device for
     # the step (the loader's are in host memory), and the plan counts them (input_bytes)
-    batches = harness.synthetic_batches(cfg, world, args.steps * args.accum_freq)
+    evaluation = EVAL_BATCHES if args.eval else 0
+    batches = harness.synthetic_batches(cfg, world, args.steps * args.accum_freq + evaluation)
     for _ in range(args.steps):
         bench.accumulated_step([next(batches) for _ in range(args.accum_freq)])
+    if args.eval:  # the run's peak must stay the training step's: validation, then --eval-ema's
+        evaluate(bench.engine, [next(batches) for _ in range(evaluation)], world)
     out = {"rank": world.rank, "above_baseline": peak_rss_bytes() - baseline, "baseline": baseline}
     write_from_rank0(out, args.out, world.world_size, world.rank)
     shutdown()
@@ -114,6 +133,7 @@ def launch(engine: str, precision: str, opt: str, in_backward: bool, args, model
     worker_args += ["--lock", *args.lock] if args.lock else []
     worker_args += ["--grad-checkpointing"] if args.grad_checkpointing else []
     worker_args += ["--ema"] if args.ema else []
+    worker_args += ["--eval"] if args.eval else []
     worker_args += ["--replicas", str(args.replicas)]
     return ranks.launch(__file__, WORLD, worker_args, args.timeout, mmap_threshold=MMAP_THRESHOLD)
 
@@ -138,6 +158,7 @@ def render(
     locks: tuple = (),
     ema: bool = False,
     replicas: int = 1,
+    evaluated: bool = False,
 ) -> list[str]:
     """The table: each measured row next to the plan's prediction for it (recomputed: the arithmetic may change)."""
     from bigclip.memory import Locks, StateRecipe, model_facts, peak_parts
@@ -151,7 +172,8 @@ def render(
         + (f", --accum-freq {accum}" if accum > 1 else "")
         + "".join(f", --lock-{tower}" for tower in locks)
         + (", --ema-decay" if ema else "")
-        + (f", the state in {replicas} replica groups (HSDP)" if replicas > 1 else ""),
+        + (f", the state in {replicas} replica groups (HSDP)" if replicas > 1 else "")
+        + (", then validation" + (" live and averaged (--eval-ema)" if ema else "") if evaluated else ""),
         "",
         "| engine | precision | optimizer | in backward | state MiB | activations MiB | working MiB | plan peak MiB "
         "| + runtime MiB | predicted MiB | measured MiB | measured/predicted | within 10% |",
@@ -198,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lock", nargs="+", default=[], choices=("image", "text"), help="towers locked whole (LiT)")
     p.add_argument("--ema", action="store_true", help="a float32 moving average of the weights (--ema-decay)")
     p.add_argument("--replicas", type=int, default=1, help="replica groups of the state (HSDP; setups that have it)")
+    p.add_argument("--eval", action="store_true", help="then validate (with --ema: also the average), measured too")
     p.add_argument("--json", metavar="FILE", help="also write the measurements to FILE")
     p.add_argument("--from-json", metavar="FILE", help="only print the table of measurements written before")
     p.add_argument("--timeout", type=int, default=1800)
@@ -215,13 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.from_json) as f:
             saved = json.load(f)
         shape = (saved["model"], saved["batch"], saved.get("checkpointing", False), saved.get("accum_freq", 1),
-                 tuple(saved.get("locks", ())), saved.get("ema", False), saved.get("replicas", 1))  # fmt: skip
+                 tuple(saved.get("locks", ())), saved.get("ema", False), saved.get("replicas", 1),
+                 saved.get("eval", False))  # fmt: skip
         print("\n".join(render(saved["rows"], *shape)))
         return 0
 
     rows = []
     shape = (args.model, args.batch_size, args.grad_checkpointing, args.accum_freq, tuple(args.lock), args.ema,
-             args.replicas)  # fmt: skip
+             args.replicas, args.eval)  # fmt: skip
     for engine in args.engines:
         for precision in args.precisions:
             for opt in args.opts:
@@ -245,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                     if args.json:
                         saved = {"model": args.model, "batch": args.batch_size, "rows": rows,
                                  "checkpointing": args.grad_checkpointing, "accum_freq": args.accum_freq,
-                                 "locks": list(args.lock), "ema": args.ema, "replicas": args.replicas}  # fmt: skip
+                                 "locks": list(args.lock), "ema": args.ema, "replicas": args.replicas,
+                                 "eval": args.eval}  # fmt: skip
                         with open(args.json, "w") as f:
                             json.dump(saved, f, indent=1)
     print("\n".join(render(rows, *shape)))

@@ -268,6 +268,21 @@ def test_the_predicted_peak_of_ddp_with_checkpointing_is_within_10_percent_of_th
     assert row["measured"] == pytest.approx(parts["peak"] + row["runtime"], rel=0.10), (row, parts)
 
 
+@pytest.mark.extended  # ~3 min of measured steps; in CI the swap's allocations (test_ema.py)
+@pytest.mark.slow
+def test_an_evaluation_with_the_average_swapped_in_stays_under_the_planned_peak(tmp_path):
+    """bench/plan_check.py --eval --ema: after the steps, validation with the live weights and again with the
+    average swapped in (--eval-ema), measured with them; the plan counts the training step only, so evaluation
+    must not raise the peak (its swap copied every weight until 2026-11-29). DDP, amp, checkpointed, ViT-B-32."""
+    (row,) = plan_check_rows(
+        tmp_path,
+        ["--model", "ViT-B-32", "--batch-size", "8", "--steps", "2", "--grad-checkpointing", "--ema", "--eval",
+         "--engines", "ddp", "--precisions", "amp", "--opts", "adamw", "--stepping", "kept"],
+    )  # fmt: skip
+    parts = peak_parts("ddp", model_facts("ViT-B-32"), 2, StateRecipe("amp", ema=True), 8, True, "cpu")
+    assert row["measured"] == pytest.approx(parts["peak"] + row["runtime"], rel=0.10), (row, parts)
+
+
 @pytest.mark.extended  # ~2 min of measured steps; in CI the HSDP rows' arithmetic (test_engines.py) and HSDP's
 @pytest.mark.slow  # training against DDP on a 2x2 mesh (test_engine_multiprocess.py)
 def test_the_predicted_peak_of_hsdp_is_within_10_percent_of_the_measured(tmp_path):
