@@ -133,13 +133,13 @@ def fork_ranks(fn, args: tuple, nprocs: int) -> None:
     each rank forked from this test process instead of a fresh interpreter that imports torch again (~2.5 s of CPU
     per rank). A rank starts with this process's imported modules and their state: not for code that must import a
     library afresh (TRITON_INTERPRET set before triton is imported: test_loss_distributed's interpreted ranks).
-    Safe to fork here: the test processes run torch on one thread (conftest), as DataLoader forks its workers. But
-    once an earlier test in this process has started autograd's device threads, autograd refuses a backward in a
-    forked child ("Unable to handle autograd's threading in combination with fork-based multiprocessing"); which
-    tests ran before is up to the scheduler, so the ranks are spawned then. Spawned too where torch runs on more
-    than one thread (pytest without -n, where conftest leaves torch's default): a child forked after an OpenMP
-    parallel region waits in its next one for the parent's pool threads, which it does not have (seen: both ranks
-    of test_distill's two-rank test stuck in cross_entropy)."""
+    Safe to fork where torch runs on one thread (conftest sets one per test process under -n), as DataLoader forks
+    its workers. Spawned instead in two cases. Once an earlier test in this process has started autograd's device
+    threads, autograd refuses a backward in a forked child ("Unable to handle autograd's threading in combination
+    with fork-based multiprocessing"); which tests ran before is up to the scheduler. And where torch runs on more
+    than one thread (pytest without -n: torch's default), a child forked after an OpenMP parallel region waits in
+    its next one for the parent's pool threads, which it does not have (seen: both ranks of test_distill's two-rank
+    test stuck in cross_entropy)."""
     import torch
     import torch.multiprocessing as mp
 

@@ -30,7 +30,7 @@ import itertools
 from bigclip.loss import LossConfig
 from bigclip.loss.memory import loss_peak_bytes
 from bigclip.memory.recipe import StateRecipe, recipes
-from bigclip.memory.setups import locked_weight_bytes, memory_setups, state_bytes, working_bytes
+from bigclip.memory.setups import locked_weight_bytes, memory_setup, memory_setups, state_bytes, working_bytes
 from bigclip.memory.size import ModelFacts
 
 GiB = 1024**3
@@ -188,7 +188,7 @@ def hsdp_group(setup: str, n: int, group: int | None) -> int | None:
     """The ranks that hold the state in `setup`'s HSDP row on n GPUs in groups of `group` (a node's), or None where
     there is no such row: the setup cannot replicate, no group was given, or n GPUs are not whole groups. One
     group or fewer GPUs: the plain setup's n."""
-    if group is None or memory_setups()[setup].replicas_flag is None or n % min(n, group):
+    if group is None or memory_setup(setup).replicas_flag is None or n % min(n, group):
         return None
     return min(n, group)
 
