@@ -68,10 +68,12 @@ def start_s3() -> tuple[subprocess.Popen, str]:
     return proc, endpoint
 
 
-def build(model_name: str, batch_size: int, zero_stage: int | None = None, device=None, precision: str = "fp32"):
+def build(
+    model_name: str, batch_size: int, zero_stage: int | None = None, device=None, precision: str = "fp32", **flags
+):
     """(engine, world, step): a 1-rank engine for the model (bench/harness.py; DeepSpeed ZeRO-`zero_stage` if
-    given), and step(before_update) -> seconds: one training step on a fixed batch, before_update waited for
-    between the backward and the update."""
+    given; `flags`: more TrainConfig fields, e.g. opt, engine, grad_checkpointing), and step(before_update) ->
+    seconds: one training step on a fixed batch, before_update waited for between the backward and the update."""
     import harness  # here, not at the top: main() sets the training threads before torch is imported
     import torch
 
@@ -81,7 +83,7 @@ def build(model_name: str, batch_size: int, zero_stage: int | None = None, devic
     world = World(device=device or torch.device("cpu"))
     ensure_process_group(world)  # a 1-rank group: what the process writer needs, as in any torchrun job
     cfg = harness.config(model=model_name, precision=precision, batch_size=batch_size,
-                         **(harness.zero(zero_stage) if zero_stage else {}))  # fmt: skip
+                         **(harness.zero(zero_stage) if zero_stage else {}), **flags)  # fmt: skip
     bench = harness.build(cfg, world)
     images, texts = next(harness.synthetic_batches(cfg, world, 1, seed=0))
 

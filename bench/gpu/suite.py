@@ -31,7 +31,12 @@ PARTS = {
     "int8": (240, 90, "SwitchBack int8, fp8 and torchao int8 linears vs bf16 nn.Linear; ViT-H-14 tower with each"),
     "train": (130, 150, "training throughput, bigclip vs open_clip_train, ViT-B-32, batch 256, amp"),
     "engines": (90, 180, "DDP, FSDP2, ZeRO-2, ZeRO-3 on one GPU (NCCL), ViT-L-14: losses and peak memory vs plan"),
-    "ckpt": (110, 120, "checkpoint stall: blocked time, step time during an async save, commit time"),
+    "ckpt": (
+        150,
+        150,
+        "checkpoint stall per writer x 3 repetitions, ViT-L-14 + AdamW and bigG's leanest state: blocked time, "
+        "step time during an async save, commit time",
+    ),
     "giant": (
         210,
         150,

@@ -14,6 +14,8 @@ from bigclip.storage_options import parse_storage_options
 
 # Where a save's files are written and uploaded from: auto (a thread), thread, process (DCP's daemon), off.
 ASYNC_MODES = ("auto", "thread", "process", "off")
+# What auto means: the writer the GPU kit's `ckpt` part marks as the default (bench/gpu/part_ckpt.py measures both).
+DEFAULT_WRITER = "thread"
 REMOTE_SYNC_PROTOCOLS = ("s3", "fsspec")
 # OpenCLIP main's --fsdp-checkpoint: bigclip's checkpoints are sharded under every engine; full adds the
 # consolidated weights to each of them.
@@ -112,7 +114,7 @@ class CheckpointConfig:
     )
     checkpoint_async: str = flag(
         "auto",
-        "Where checkpoint files are written and uploaded: auto (thread), thread, "
+        f"Where checkpoint files are written and uploaded: auto ({DEFAULT_WRITER}), thread, "
         "process (DCP's daemon process; DDP/FSDP only) or off (the loop waits; "
         "new in bigclip).",
         CKPT,

@@ -13,13 +13,15 @@ The save is split in two so the loop is blocked only by the first part:
            later one (DCP's DefaultStager caches them by storage; pinned on CUDA, shared memory when a writer
            process needs them).
   write(): in the background, DCP plans (collectives on the checkpoint's own gloo group, never the training
-           group: async saves on the default group crash gloo) and writes files into a local directory. With
+           group: async saves on the default group crash gloo; the plans are cached from one save to the next,
+           _CachedPlanner) and writes files into a local directory. With
            the thread writer each file is handed to the FileSink the moment it is closed, so uploads overlap
            with writing; the process writer (a daemon process, DCP's executor) hands files over when done.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import warnings
@@ -32,8 +34,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -163,6 +167,49 @@ class _NotifyingWriter(_ChunkedWriter):
         self.fs = _NotifyingFileSystem(on_file)
 
 
+_plan_keys = itertools.count()
+
+
+class _CachedPlanner(DefaultSavePlanner):
+    """DCP's save planner with its plan caching on: from the second save of a layout, a rank whose plan is
+    unchanged sends an empty one and the coordinator reuses the last global plan and metadata, so the planning
+    collectives carry almost nothing (what they gather grows with ranks x tensors: the cost at scale).
+
+    Two guards around DCP's cache. It is keyed here per layout (DCP keys it by the planner's class name, which
+    every layout of a process would share). And a rank whose tensors changed dtype sends its plan again: DCP's
+    plan comparison looks at names, offsets and sizes only, so it would reuse metadata naming the old dtypes;
+    a plan sent makes the coordinator merge it and build the metadata afresh. (Only the rank's own plan is
+    forgotten: the coordinator's global plan must stay for the ranks that send empty ones.)"""
+
+    def __init__(self, key: str):
+        super().__init__(enable_plan_caching=True)
+        self._cached_plans_key = key
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
+        dtypes = {k: v.dtype for k, v in self.state_dict.items() if isinstance(v, torch.Tensor)}
+        if _PLAN_DTYPES.get(self._cached_plans_key) != dtypes:
+            SavePlanner._cached_save_plan.pop(self._cached_plans_key, None)
+            _PLAN_DTYPES[self._cached_plans_key] = dtypes
+
+
+_PLAN_DTYPES: dict[str, dict] = {}  # per layout key: the dtypes of the tensors its cached plan was made for
+_PLAN_CACHES = (
+    "_cached_save_plan",
+    "_cached_final_save_plan",
+    "_cached_all_plans",
+    "_cached_global_plan",
+    "_cached_metadata",
+)
+
+
+def forget_plans(key: str) -> None:
+    """Drop what DCP cached for one layout's saves (its cache is class-level: it outlives the layout)."""
+    for name in _PLAN_CACHES:
+        getattr(SavePlanner, name, {}).pop(key, None)
+    _PLAN_DTYPES.pop(key, None)
+
+
 class _AlreadyStaged:
     """An AsyncStager for dcp.async_save that passes through a dict stage() already copied."""
 
@@ -211,6 +258,7 @@ class DCPLayout(CheckpointLayout):
         # only before the next optimizer step (CheckpointManager.wait_staged).
         self._stager = self._new_stager()
         self._reniced = False
+        self._plan_key = f"bigclip-dcp-{next(_plan_keys)}"  # DCP's plan cache, this layout's entry
 
     def _new_stager(self) -> DefaultStager:
         cuda = torch.cuda.is_available()
@@ -259,6 +307,7 @@ class DCPLayout(CheckpointLayout):
                 staged,
                 storage_writer=_ChunkedWriter(directory, thread_count=1),
                 process_group=pg,
+                planner=_CachedPlanner(self._plan_key),
                 async_stager=_AlreadyStaged(),
                 async_checkpointer_type=dcp.state_dict_saver.AsyncCheckpointerType.PROCESS,
             )
@@ -272,7 +321,11 @@ class DCPLayout(CheckpointLayout):
             return
         with _quiet_single_process():
             dcp.save(
-                staged, storage_writer=_NotifyingWriter(directory, sink.submit), process_group=pg, no_dist=pg is None
+                staged,
+                storage_writer=_NotifyingWriter(directory, sink.submit),
+                planner=_CachedPlanner(self._plan_key),
+                process_group=pg,
+                no_dist=pg is None,
             )
 
     def _renice_writer_process(self) -> None:
@@ -325,6 +378,7 @@ class DCPLayout(CheckpointLayout):
 
     def close(self) -> None:
         self._stager.close()
+        forget_plans(self._plan_key)  # this process's; the process writer's daemon ends with its plans
 
     @staticmethod
     def read_model_state(directory: str, ema: bool = False) -> dict[str, torch.Tensor]:

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from bigclip.ckpt.catalog import TAG, CheckpointCatalog
-from bigclip.ckpt.config import ASYNC_MODES
+from bigclip.ckpt.config import ASYNC_MODES, DEFAULT_WRITER
 from bigclip.ckpt.manifest import CONSOLIDATED, MANIFEST, TRAIN_STATE, Manifest, rank_file
 from bigclip.ckpt.participants import PER_RANK, RECORD, SHARDED, check, of_kind, rank_file_bytes, record_bytes
 from bigclip.ckpt.publish import Publisher, partial_dir
@@ -130,12 +130,14 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         # busy() is asked from the main thread while the save thread may be in a collective on self.group.
         self._control_group = dist.new_group(backend="gloo") if self.group is not None else None
-        # The engine names its checkpoint layout; the writer defaults to a thread for every layout (chosen by
-        # bench/checkpoint_stall.py: DCP's file writes, hashing and uploads release the GIL; a process costs a
-        # shared-memory copy of the state and a second interpreter). The layout also writes the sharded participants.
-        self.layout = engine.checkpoint_layout(
-            self.group, "thread" if async_mode in ("auto", "off") else async_mode, of_kind(self.participants, SHARDED)
+        # The engine names its checkpoint layout; the writer defaults to a thread for every layout (DEFAULT_WRITER,
+        # chosen by bench/checkpoint_stall.py: DCP's file writes, hashing and uploads release the GIL; a process
+        # costs a shared-memory copy of the state and a second interpreter). The layout also writes the sharded
+        # participants. "off" stages through the thread writer's path and waits for it.
+        writer = (
+            async_mode if async_mode in ("thread", "process") else DEFAULT_WRITER if async_mode == "auto" else "thread"
         )
+        self.layout = engine.checkpoint_layout(self.group, writer, of_kind(self.participants, SHARDED))
         self.mode = "off" if async_mode == "off" else self.layout.mode
         self._save_thread = ThreadPoolExecutor(1, thread_name_prefix="bigclip-ckpt", initializer=lower_priority)
         self._io = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="bigclip-upload", initializer=lower_priority)
