@@ -23,6 +23,7 @@ import tempfile
 
 from checkpoint_stall import build, state_bytes, steps_while
 from common import Recorder, device, free_memory, part_args
+from suite import RAM_PREFIX
 
 from bigclip.ckpt import CheckpointManager
 from bigclip.ckpt.config import DEFAULT_WRITER
@@ -57,8 +58,8 @@ def checkpoint_root(work: str | None, needed_bytes: int) -> tuple[str, str]:
     copy, slack), else the scratch folder: (path, what it is)."""
     shm = "/dev/shm"
     if os.path.isdir(shm) and shutil.disk_usage(shm).free >= 3 * needed_bytes:
-        return tempfile.mkdtemp(prefix="bigclip-kit-ckpt-", dir=shm), "RAM (/dev/shm)"
-    return tempfile.mkdtemp(prefix="bigclip-kit-ckpt-", dir=work), "scratch folder (disk)"
+        return tempfile.mkdtemp(prefix=f"{RAM_PREFIX}{os.getpid()}-", dir=shm), "RAM (/dev/shm)"
+    return tempfile.mkdtemp(prefix=f"{RAM_PREFIX}{os.getpid()}-", dir=work), "scratch folder (disk)"
 
 
 def timed_saves(engine, world, step, writer: str, root: str, steady_steps: int, repetitions: int) -> list[dict]:

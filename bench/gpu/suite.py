@@ -13,8 +13,10 @@ what it measured until then, and the next part runs. OUTDIR gets report.md, resu
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +50,8 @@ PARTS = {
         "input pipeline on 512- and 1024-px photos at 2, 4, 8 workers: --image-decode device / reduced, auto's pick",
     ),
 }
+# Folders a part makes in /dev/shm are named RAM_PREFIX + its pid + "-" (part_ckpt.py): removed after the part
+RAM_PREFIX = "bigclip-kit-"
 TOTAL_GPU_S = 480  # the bound for the whole kit on one H100: 8 minutes
 
 
@@ -65,6 +69,8 @@ def run_part(name: str, budget: float, smoke: bool, work: str, log_path: str) ->
         except subprocess.TimeoutExpired:
             status = f"out of time ({budget:.0f} s)"
             _kill_group(proc)
+    for leftover in glob.glob(os.path.join("/dev/shm", f"{RAM_PREFIX}{proc.pid}-*")):  # a killed part's, in RAM
+        shutil.rmtree(leftover, ignore_errors=True)
     result = {"status": status, "wall_s": round(time.monotonic() - t, 1), "budget_s": round(budget)}
     try:
         with open(out) as f:
