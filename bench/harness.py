@@ -99,8 +99,8 @@ class Bench:
     ) -> tuple[float, float]:
         """One optimizer step as the training loop takes it; returns (loss, seconds). `inspect()` runs after the
         backward, before the update, and is not timed (a benchmark's own measurement: engine.state_bytes());
-        `wait()` runs there too and is timed (what the loop itself waits for there: a save's staging copy; before
-        the forward where the backward updates the parameters, --optimizer-in-backward, as the loop waits).
+        `wait()` runs there too and is timed (what the loop itself waits for there: a save's staging copy; where
+        the backward updates the parameters, --optimizer-in-backward, right before its first update, as the loop).
         On CUDA the seconds include the step's kernels. A loss that is not finite skips the update, as the loop
         does (the loss returned is nan)."""
         return self.accumulated_step([(images, texts)], wait, inspect)
@@ -111,16 +111,15 @@ class Bench:
         """step() over several micro-batches (--accum-freq: the loop's feature cache, gradients synchronised in
         the last micro-batch's backward)."""
         start = time.perf_counter()
-        in_backward = self.engine.steps_in_backward  # the backward updates the parameters: wait before it, as the loop
-        if wait is not None and in_backward:
-            wait()
+        if wait is not None and self.engine.steps_in_backward:  # the backward updates the parameters: as the loop,
+            self.engine.before_updates_in_backward(wait)  # wait right before its first update
         loss, out = forward_backward(self.engine, self.loss_fn, micro_batches, self.world)
         if inspect is not None:
             paused = time.perf_counter()
             inspect()
             start += time.perf_counter() - paused
-        if wait is not None and not in_backward:
-            wait()
+        if wait is not None:
+            wait()  # where the backward waited already: returns at once
         if out is None:
             self.engine.zero_grad()
         else:

@@ -183,8 +183,9 @@ def train_one_epoch(
     for micro in groups:
         progress.data_ready()
         engine.set_lr(schedule(state.step))
-        if engine.steps_in_backward:
-            checkpointer.wait_for_staging()  # the backward updates the parameters (--optimizer-in-backward)
+        if engine.steps_in_backward:  # the backward updates the parameters (--optimizer-in-backward): a save in
+            # flight must hold its copy before the first update; the forward and the backward until then run beside it
+            engine.before_updates_in_backward(checkpointer.wait_for_staging)
         loss, out = forward_backward(engine, loss_fn, micro, world, teacher=teacher)
         if out is None:
             engine.zero_grad()

@@ -50,11 +50,21 @@ def hold_deepspeed_copies() -> None:
 
 def release_when_waited_for() -> None:
     """The loop waits for the copy before the next optimizer step (wait_staged), for the whole save at the run's
-    end (wait), or writes a save itself (_write_and_commit, blocking saves): the copy goes ahead then."""
+    end (wait), or writes a save itself (_write_and_commit, blocking saves): the copy goes ahead then. Where
+    HELD_WAITS_LOG names a file, each wait_staged for a copy in flight appends whether it came from inside a
+    backward (--optimizer-in-backward: right before the first update)."""
+    import os
+
+    import torch
+
+    log = os.environ.get("HELD_WAITS_LOG")
 
     def releasing(method):
         def wrapper(self, *args, **kwargs):
             in_the_loop = threading.current_thread() is threading.main_thread()
+            if log and method.__name__ == "wait_staged" and self._staging is not None:
+                with open(log, "a") as f:
+                    f.write(f"{'backward' if torch._C._current_graph_task_id() != -1 else 'loop'}\n")
             if in_the_loop:
                 RELEASED.set()
             try:

@@ -575,20 +575,31 @@ def batchnorm_model(directory) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["ddp", "deepspeed"])
+@pytest.mark.parametrize("engine", ["ddp", "deepspeed", "in-backward"])
 def test_a_save_holds_the_buffers_of_its_step_while_the_next_forward_changes_them(tmp_path, engine):
     """The background copy of a save runs beside the next step's forward and backward, which change no parameter
-    or optimizer state but do change BatchNorm's running statistics. With each copy held until the next step's
-    forward and backward are done (tests/held_staging_worker.py), every step checkpoint must still be its step's:
-    the same as a run whose saves copy the state before returning (--checkpoint-async off)."""
+    or optimizer state but do change BatchNorm's running statistics. With each copy held until the loop waits for
+    it (tests/held_staging_worker.py), every step checkpoint must still be its step's: the same as a run whose
+    saves copy the state before returning (--checkpoint-async off). With --optimizer-in-backward the backward
+    updates the parameters, and the loop waits inside it, right before the first update (the forward and the
+    backward until then run beside the copy): the checkpoints are still their steps'."""
     flags = [*FLAGS, "--model", batchnorm_model(tmp_path / "model"), "--epochs", "1", "--save-frequency", "0",
              "--logs", str(tmp_path)]  # fmt: skip
     if engine == "deepspeed":
         flags += ["--ds-config", os.path.join(REPO, "ds_configs", "zero1.json")]
+    if engine == "in-backward":
+        flags += ["--optimizer-in-backward"]
     reference = python_train([*flags, "--name", "reference", "--checkpoint-async", "off"])
     assert reference.returncode == 0, reference.stderr[-3000:]
-    held = launch(os.path.join(REPO, "tests", "held_staging_worker.py"), [*flags, "--name", "held"], 300)
+    waits = tmp_path / "waits.log"
+    held = launch(os.path.join(REPO, "tests", "held_staging_worker.py"), [*flags, "--name", "held"], 300,
+                  HELD_WAITS_LOG=str(waits))  # fmt: skip
     assert held.returncode == 0, held.stderr[-3000:]
+    where = waits.read_text().split()  # per wait for a copy in flight: from inside a backward or from the loop
+    if engine == "in-backward":  # each step's from its backward; the last save's at the epoch's end, before evaluating
+        assert len(where) >= 2 and where[:-1] == ["backward"] * (len(where) - 1), where
+    else:
+        assert where and set(where) == {"loop"}, where
     # a save that falls due while the one before is still being written is deferred to a later step (busy): the
     # first, step 4's, never is; the reference (--checkpoint-async off) has every step's
     tags = sorted(set(os.listdir(tmp_path / "held" / "checkpoints")) & {"step_4", "step_8", "step_12"})

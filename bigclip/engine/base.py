@@ -37,6 +37,8 @@ gradient synchronisation and the on-disk format of its state. Callers use only:
     engine.steps_in_backward               True when backward() already updated the parameters
                                            (--optimizer-in-backward): a checkpoint's staging must be done
                                            before it, not just before step()
+    engine.before_updates_in_backward(fn)  such an engine calls fn() once, right before the first update of the
+                                           next backward (the forward and the backward up to there run before)
     engine.update_parameter_(p, fix)       after step(): apply an in-place elementwise fix to every copy of p the
                                            engine keeps (the one its optimizer updates and the one the forward
                                            sees); how the model's constraints (CLIP's temperature) are enforced
@@ -150,6 +152,10 @@ class Engine(abc.ABC):
     def steps_in_backward(self) -> bool:
         return False
 
+    def before_updates_in_backward(self, fn: Callable[[], None]) -> None:
+        """fn() once, right before the next backward's first update (engines that step in the backward)."""
+        raise NotImplementedError(f"{type(self).__name__} does not update parameters in the backward")
+
     ema: WeightsEMA | None = None  # --ema-decay: set by engines that keep one
 
     # -- model access: set by each engine's __init__
@@ -250,6 +256,11 @@ class TorchOptimizerEngine(Engine):
     @property
     def steps_in_backward(self) -> bool:
         return self._in_backward is not None
+
+    def before_updates_in_backward(self, fn: Callable[[], None]) -> None:
+        if self._in_backward is None:
+            super().before_updates_in_backward(fn)
+        self._in_backward.before_first_step = fn
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
