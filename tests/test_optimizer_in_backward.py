@@ -143,3 +143,37 @@ def test_the_giant_on_small_benchmark_reports_its_rows(tmp_path):
     # gradients are not kept after the backward: 2 bytes per parameter less (bf16; measured 2.01)
     lean, leaner = (r["state_bytes_per_param"] for r in rows)
     assert lean - leaner == pytest.approx(2.0, rel=0.02), (lean, leaner)
+
+
+def test_a_saves_optimizer_state_takes_one_pass_over_the_model_and_is_what_the_optimizers_give(monkeypatch):
+    """DCP's get_state_dict walks every parameter of the model once per optimizer it is handed; the per-parameter
+    optimizers are one optimizer to it (one walk, not one per parameter: O(P), where it was O(P^2) in the loop's
+    thread at every save), and the state it returns is what the optimizers handed one by one give."""
+    import torch
+    import torch.distributed.checkpoint.state_dict as dcp_state_dict
+
+    from bigclip.ckpt.dcp_layout import training_state
+    from bigclip.config import resolve
+    from bigclip.dist import World
+    from bigclip.engine import build_engine
+
+    torch.manual_seed(0)
+    cfg = resolve({"model": "test-tiny", "dataset_type": "synthetic", "precision": "fp32", "batch_size": 8,
+                   "optimizer_in_backward": True})  # fmt: skip
+    engine = build_engine(cfg.sections.engine, create_model("test-tiny"), World())
+    for p in engine.model.parameters():  # one update of every parameter, so each optimizer has its state
+        p.grad = torch.randn_like(p)
+        engine.optimizer.by_param[p].step()
+        p.grad = None
+    count = len(list(engine.model.parameters()))
+    calls = []
+    walk = dcp_state_dict._get_fqns
+    monkeypatch.setattr(dcp_state_dict, "_get_fqns", lambda *a, **k: (calls.append(1), walk(*a, **k))[1])
+    state = training_state(engine.model, engine.optimizer, None)["optimizer"]
+    assert 0 < len(calls) <= 4 * count, (len(calls), count)  # a few walks (model, optimizer); one by one: count^2
+    _, one_by_one = dcp_state_dict.get_state_dict(engine.model, tuple(engine.optimizer))
+    grouped = engine.optimizer.saved_state_dict(one_by_one)
+    assert state["param_groups"] == grouped["param_groups"] and state["state"].keys() == grouped["state"].keys()
+    for name, values in grouped["state"].items():
+        assert values.keys() == state["state"][name].keys()
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(state["state"][name][k])) for k, v in values.items())
