@@ -243,7 +243,7 @@ def test_no_import_cycles_counting_imports_inside_functions():
 
 # docs/architecture.md's layers: what each top-level module or package of bigclip may import.
 FOUNDATION = {
-    "errors", "registry", "flag_fields", "dist", "precision", "optim", "schedule", "train_state",
+    "errors", "registry", "flag_fields", "dist", "precision", "optim", "schedule", "train_state", "staged_values",
     "storage_options", "preemption",
 }  # fmt: skip
 COMPONENTS = {"model", "loss", "data", "ckpt"}

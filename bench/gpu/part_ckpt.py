@@ -7,7 +7,9 @@ Per writer: the first save (it allocates the host buffers: repetition 0) and 3 r
 the loop sees it: a few steps with no save right before it (its steady state), the save, the steps that run while
 it is written, then the commit. Rows (`saves`): state, writer, default, repetition, blocked_s (time in save() plus
 the wait before the next update: the loop's stall), slowdown_pct (median step while the save runs vs the steady
-state before it), commit_s (save() to manifest), within_target (issue goal: blocked <= 1 s and slowdown <= 5%).
+state before it), commit_s (save() to manifest), within_target (issue goal: blocked <= 1 s and slowdown <= 5%),
+peak_gib_steady / peak_gib_with_save (the device's allocated peak over the steps before the save / over the save
+and the steps beside it: what a save adds to a run's memory).
 Checkpoints are written to RAM (/dev/shm where it has room for them, else the scratch folder; column `storage`):
 the loop's cost of a save is the copy and the writer's CPU work, which RAM compresses into less time rather than
 hides, and the part's budget does not depend on the machine's disk.
@@ -21,6 +23,7 @@ import shutil
 import statistics
 import tempfile
 
+import torch
 from checkpoint_stall import build, state_bytes, steps_while
 from common import Recorder, device, free_memory, part_args
 from suite import RAM_PREFIX
@@ -62,17 +65,31 @@ def checkpoint_root(work: str | None, needed_bytes: int) -> tuple[str, str]:
     return tempfile.mkdtemp(prefix=f"{RAM_PREFIX}{os.getpid()}-", dir=work), "scratch folder (disk)"
 
 
+def peak_reset() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float | None:
+    """The device's allocated peak since peak_reset() (None off CUDA)."""
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
+
+
 def timed_saves(engine, world, step, writer: str, root: str, steady_steps: int, repetitions: int) -> list[dict]:
     """The first save and `repetitions` more, each after `steady_steps` steps with no save."""
     manager = CheckpointManager(root, engine, world, async_mode=writer)
     out = []
     try:
         for repetition in range(repetitions + 1):
+            peak_reset()
             steady = statistics.median(step() for _ in range(steady_steps))
+            steady_peak = peak_gib()
+            peak_reset()
             tag = f"save{repetition}"
             manager.save(tag, repetition, 0)
             during = steps_while(lambda: not manager._pending.done(), lambda: step(manager.wait_staged), steady_steps)
             manager.wait()
+            save_peak = peak_gib()
             result = manager.results[-1]
             if result.error is not None:
                 raise RuntimeError(result.error)
@@ -87,6 +104,8 @@ def timed_saves(engine, world, step, writer: str, root: str, steady_steps: int, 
                     step_s_during=round(statistics.median(during), 4),
                     step_s_steady=round(steady, 4),
                     within_target=result.blocked_s <= BLOCKED_TARGET_S and slowdown <= SLOWDOWN_TARGET_PCT,
+                    peak_gib_steady=steady_peak,
+                    peak_gib_with_save=save_peak,
                 )
             )
             shutil.rmtree(os.path.join(root, tag), ignore_errors=True)  # RAM for the next one

@@ -46,6 +46,7 @@ from bigclip.ckpt.layout import CheckpointLayout, FileSubmitter, buffers_copied_
 from bigclip.ckpt.participants import absent
 from bigclip.ckpt.upload import BACKGROUND_NICE
 from bigclip.errors import UserError, first_line
+from bigclip.staged_values import HostPool, staging_into
 
 FILE_TARGET_BYTES = 128 * 2**20  # files per rank ~ bytes / this: small enough to pipeline uploads
 MAX_FILES_PER_RANK = 16
@@ -104,7 +105,7 @@ def split_replicated(state: dict, rank: int, world_size: int) -> dict:
     if world_size == 1:
         return state
     leaves = _leaves(state)
-    sizes = [v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0 for _, v in leaves]
+    sizes = [v.numel() * v.element_size() if hasattr(v, "element_size") else 0 for _, v in leaves]  # placeholders too
     load = [0] * world_size
     owner = {}
     for i in sorted(range(len(leaves)), key=lambda i: (-sizes[i], str(leaves[i][0]))):
@@ -257,6 +258,8 @@ class DCPLayout(CheckpointLayout):
         # forward and backward, which do not change parameters or optimizer state, and waits for the copy
         # only before the next optimizer step (CheckpointManager.wait_staged).
         self._stager = self._new_stager()
+        # Values made while they are staged (8-bit AdamW's float32 moments): their host buffers, kept between saves
+        self._made_when_staged = HostPool(pinned=torch.cuda.is_available(), shared=self.mode == "process")
         self._reniced = False
         self._plan_key = f"bigclip-dcp-{next(_plan_keys)}"  # DCP's plan cache, this layout's entry
 
@@ -286,7 +289,8 @@ class DCPLayout(CheckpointLayout):
     def stage(self, directory: str) -> Future:
         """This rank's share of the state (collected here, in the loop's thread), copied into the reused host
         buffers in the background: a future of the staged dict."""
-        state = training_state(self.model, self.optimizer, self.scaler, self.extra)
+        with staging_into(self._made_when_staged):
+            state = training_state(self.model, self.optimizer, self.scaler, self.extra)
         state["model"] = buffers_copied_now(state["model"], self.model)
         if self.replicated:
             state = split_replicated(state, self.world.rank, self.world.world_size)
@@ -378,6 +382,7 @@ class DCPLayout(CheckpointLayout):
 
     def close(self) -> None:
         self._stager.close()
+        self._made_when_staged.close()
         forget_plans(self._plan_key)  # this process's; the process writer's daemon ends with its plans
 
     @staticmethod

@@ -24,7 +24,8 @@ What this module adds to torchao's optimizer:
   therefore recovers each block's scale (the candidates its extreme value allows) and keeps the one whose codes
   reproduce every saved value bit for bit: a run resumed at the same world size continues exactly. Blocks that
   no scale reproduces (a resharded run's blocks straddle the old ones; an AdamW checkpoint) are quantized as a
-  step would. The cost is the float32 copy while a checkpoint is staged (8 bytes per parameter, transient).
+  step would. A save makes the float32 moments one tensor at a time as its stager copies them to host memory
+  (staged_values.py), not all at once on the device (8 bytes per parameter).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from bigclip.dist import local_shard
 from bigclip.optim import packed_update
+from bigclip.staged_values import made_when_staged
 
 # torchao's import registers an Enum with torch's pytree, which logs a deprecation line on every run; and AOT
 # autograd's cache warns on every compile that torchao's state class has no stable hash. Neither is the user's.
@@ -61,14 +63,21 @@ def is_quantized(t: torch.Tensor) -> bool:
     return isinstance(local_shard(t), OptimState8bit)
 
 
-def _dequantized(t: torch.Tensor) -> torch.Tensor:
+def _dequantized(t: torch.Tensor):
+    """The moment in float32 (whatever the weights are: the codes come back exactly); while a checkpoint stages
+    the state dict (staged_values.staging_into), made one tensor at a time as it is copied to host memory."""
     local = local_shard(t)
     if not isinstance(local, OptimState8bit):
         return t
-    plain = local.dequantize(torch.float32)  # float32 whatever the weights are: the codes come back exactly
-    if isinstance(t, DTensor):
-        return DTensor.from_local(plain, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    return plain
+
+    def wrap(plain: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            return DTensor.from_local(
+                plain, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+            )
+        return plain
+
+    return made_when_staged(local, lambda: local.dequantize(torch.float32), local.shape, torch.float32, wrap)
 
 
 @torch.no_grad()
