@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     # subcommands' parsers do not know it.
     debug = "--debug" in argv or os.environ.get("BIGCLIP_DEBUG", "") not in ("", "0")
     command = COMMANDS.get(argv.pop(0) if argv and argv[0] in COMMANDS.names() else DEFAULT_COMMAND)
+    if argv[:1] == ["--"]:  # `torchrun ... -m bigclip train -- --logs DIR`: the `--` torchrun's parser needs
+        argv.pop(0)
     if not command.keeps_debug:
         argv = [a for a in argv if a != "--debug"]
     here = where()  # "rank R on HOST" in a multi-process run: which of hundreds of ranks failed, and where

@@ -113,3 +113,12 @@ def test_a_second_preemption_notice_does_not_cut_the_final_save_short():
     finally:
         flag.restore()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_double_dash_after_the_subcommand_is_what_torchrun_needs_and_is_taken(capsys):
+    """`torchrun ... -m bigclip train -- --logs DIR ...`: torchrun's own parser takes --logs unless `--` comes first,
+    and hands the `--` on after the subcommand's name; bigclip takes the flags after it."""
+    from bigclip import cli
+
+    assert cli.main(["train", "--", "--model", "test-tiny", "--dataset-type", "synthetic", "--dry-run"]) == 0
+    assert "test-tiny" in capsys.readouterr().out
