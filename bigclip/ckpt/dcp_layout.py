@@ -211,6 +211,17 @@ def forget_plans(key: str) -> None:
     _PLAN_DTYPES.pop(key, None)
 
 
+def _after_queued_work(staging_stream) -> None:
+    """Make the stager's stream wait for the work queued on this thread's stream so far (the last optimizer
+    step's kernels may still be running): DCP's DefaultStager copies on a stream of its own, created without
+    implicit synchronisation with the training stream, and waits for nothing before it copies."""
+    if staging_stream is None:
+        return
+    queued = torch.Event()
+    queued.record()
+    staging_stream.wait_event(queued)
+
+
 class _AlreadyStaged:
     """An AsyncStager for dcp.async_save that passes through a dict stage() already copied."""
 
@@ -294,7 +305,9 @@ class DCPLayout(CheckpointLayout):
         state["model"] = buffers_copied_now(state["model"], self.model)
         if self.replicated:
             state = split_replicated(state, self.world.rank, self.world.world_size)
-        staged = self._usable_stager().stage(state)
+        stager = self._usable_stager()
+        _after_queued_work(getattr(stager, "_staging_stream", None))
+        staged = stager.stage(state)
         if not isinstance(staged, Future):
             done: Future = Future()
             done.set_result(staged)
