@@ -199,9 +199,11 @@ def test_a_save_makes_the_float32_moments_one_tensor_at_a_time_as_it_copies_them
             for staged in staged_each_save:
                 assert torch.equal(staged[name][key], value), (name, key)
     first, second = staged_each_save
-    for name, values in first.items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert values[key].data_ptr() == second[name][key].data_ptr(), (name, key)  # the same host buffers
+    made = {(name, key) for name, p in engine.model.named_parameters() for key in ("exp_avg", "exp_avg_sq")
+            if is_quantized(engine.optimizer.state[p][key])}  # fmt: skip
+    assert len(made) == len(quantized)
+    for name, key in made:  # the pool's host buffers, the same at every save (DCP's own: per torch release)
+        assert first[name][key].data_ptr() == second[name][key].data_ptr(), (name, key)
     layout.close()
 
     from bigclip.staged_values import HostPool
