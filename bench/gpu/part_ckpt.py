@@ -22,6 +22,7 @@ import os
 import shutil
 import statistics
 import tempfile
+from collections.abc import Iterator
 
 import torch
 from checkpoint_stall import build, state_bytes, steps_while
@@ -76,10 +77,10 @@ def peak_gib() -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
 
 
-def timed_saves(engine, world, step, writer: str, root: str, steady_steps: int, repetitions: int) -> list[dict]:
-    """The first save and `repetitions` more, each after `steady_steps` steps with no save."""
+def timed_saves(engine, world, step, writer: str, root: str, steady_steps: int, repetitions: int) -> Iterator[dict]:
+    """The first save and `repetitions` more, each after `steady_steps` steps with no save: a row per save, as it
+    is measured (a part out of time keeps what it measured)."""
     manager = CheckpointManager(root, engine, world, async_mode=writer)
-    out = []
     try:
         for repetition in range(repetitions + 1):
             peak_reset()
@@ -95,24 +96,21 @@ def timed_saves(engine, world, step, writer: str, root: str, steady_steps: int, 
             if result.error is not None:
                 raise RuntimeError(result.error)
             slowdown = 100 * (statistics.median(during) / steady - 1)
-            out.append(
-                dict(
-                    repetition=repetition,
-                    blocked_s=round(result.blocked_s, 3),
-                    slowdown_pct=round(slowdown, 1),
-                    commit_s=round(result.commit_s, 2),
-                    steps_during_save=len(during),
-                    step_s_during=round(statistics.median(during), 4),
-                    step_s_steady=round(steady, 4),
-                    within_target=result.blocked_s <= BLOCKED_TARGET_S and slowdown <= SLOWDOWN_TARGET_PCT,
-                    peak_gib_steady=steady_peak,
-                    peak_gib_with_save=save_peak,
-                )
+            yield dict(
+                repetition=repetition,
+                blocked_s=round(result.blocked_s, 3),
+                slowdown_pct=round(slowdown, 1),
+                commit_s=round(result.commit_s, 2),
+                steps_during_save=len(during),
+                step_s_during=round(statistics.median(during), 4),
+                step_s_steady=round(steady, 4),
+                within_target=result.blocked_s <= BLOCKED_TARGET_S and slowdown <= SLOWDOWN_TARGET_PCT,
+                peak_gib_steady=steady_peak,
+                peak_gib_with_save=save_peak,
             )
             shutil.rmtree(os.path.join(root, tag), ignore_errors=True)  # RAM for the next one
     finally:
         manager.close()
-    return out
 
 
 def main() -> None:
@@ -132,15 +130,13 @@ def main() -> None:
         try:
             for writer in WRITERS:
                 try:
-                    rows = timed_saves(
+                    for row in timed_saves(
                         engine, world, step, writer, root, steady_steps, 1 if args.smoke else REPETITIONS
-                    )
+                    ):
+                        rec.row("saves", state=label, model=model, batch=batch, state_gib=round(gib, 2),
+                                storage=storage, writer=writer, default=writer == DEFAULT_WRITER, **row)  # fmt: skip
                 except Exception as e:  # noqa: BLE001 - a writer that fails is a finding; the other still runs
                     rec.row("saves", state=label, writer=writer, result=f"error: {type(e).__name__}: {str(e)[:160]}")
-                    continue
-                for row in rows:
-                    rec.row("saves", state=label, model=model, batch=batch, state_gib=round(gib, 2), storage=storage,
-                            writer=writer, default=writer == DEFAULT_WRITER, **row)  # fmt: skip
         finally:
             shutil.rmtree(root, ignore_errors=True)
             engine = step = None
