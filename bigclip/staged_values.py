@@ -70,7 +70,7 @@ class MadeWhenStaged:
         return self.shape.numel()
 
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def __deepcopy__(self, memo) -> torch.Tensor:
         made = self.make()  # on the device: this one tensor

@@ -134,9 +134,7 @@ class CheckpointManager:
         # chosen by bench/checkpoint_stall.py: DCP's file writes, hashing and uploads release the GIL; a process
         # costs a shared-memory copy of the state and a second interpreter). The layout also writes the sharded
         # participants. "off" stages through the thread writer's path and waits for it.
-        writer = (
-            async_mode if async_mode in ("thread", "process") else DEFAULT_WRITER if async_mode == "auto" else "thread"
-        )
+        writer = {"auto": DEFAULT_WRITER, "off": "thread"}.get(async_mode, async_mode)
         self.layout = engine.checkpoint_layout(self.group, writer, of_kind(self.participants, SHARDED))
         self.mode = "off" if async_mode == "off" else self.layout.mode
         self._save_thread = ThreadPoolExecutor(1, thread_name_prefix="bigclip-ckpt", initializer=lower_priority)
